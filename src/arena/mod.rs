@@ -1,0 +1,900 @@
+//! The arena: public API, locking, and the operations built on the policy.
+//!
+//! Every public method takes the one state lock, plans, performs its driver
+//! calls through a [`txn::Txn`], and only then changes the bookkeeping: a
+//! failed driver call rolls the transaction back and leaves the state as it
+//! was. Operations that move several allocations (compaction) work on a copy
+//! of the state that replaces the original only when every call succeeded.
+//!
+//! The move callback runs under the lock, after the moves are mapped and the
+//! state is committed, so callbacks see moves in the order they happened. A
+//! callback that calls back into the same arena gets
+//! `Error::InvalidArgument` instead of a deadlock.
+
+use std::cell::RefCell;
+
+use crate::compact;
+use crate::driver::{Driver, Granularity};
+use crate::error::{Error, Result};
+use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::va::FreeRanges;
+use crate::Id;
+
+pub(crate) mod state;
+pub(crate) mod txn;
+
+pub use state::MoveEvent;
+use state::{Alloc, Plan, State};
+use txn::{Counters, Txn};
+
+/// Default chunk size: 2 MiB, CUDA's usual recommended granularity.
+pub const DEFAULT_CHUNK_BYTES: u64 = 2 << 20;
+
+/// Which backend an arena created by [`Arena::new`] uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Linux host memory (mmap + memfd), committed at chunk creation.
+    Host,
+    /// Linux host memory without committing chunks (for sparse simulations).
+    HostSparse,
+    /// CUDA driver virtual memory management on `ArenaConfig::device`.
+    Cuda,
+}
+
+/// How an arena is set up. `Default` gives the C ABI's defaults with the
+/// host backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArenaConfig {
+    /// Backend used by [`Arena::new`] (ignored by [`Arena::with_driver`]).
+    pub backend: Backend,
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// Most physical memory the arena may hold, rounded down to the chunk
+    /// size. 0: the backend's total memory (host: physical RAM; CUDA: the
+    /// device's memory).
+    pub capacity_bytes: u64,
+    /// Size of the virtual range, rounded up to the chunk size. 0: four times
+    /// the capacity, room for growable reservations and for moves.
+    pub reserve_bytes: u64,
+    /// Chunk size. 0: 2 MiB or the driver's recommended granularity if
+    /// larger; otherwise a multiple of the backend's minimum granularity.
+    pub chunk_bytes: u64,
+    /// Pooled memory kept when allocations are freed; beyond it chunks go
+    /// back to the driver. `u64::MAX`: keep everything until [`Arena::trim`].
+    pub retain_bytes: u64,
+    /// Never move other allocations implicitly (alloc/resize fail with
+    /// out-of-address-space instead); only `compact` and a resized
+    /// allocation itself move.
+    pub no_implicit_moves: bool,
+}
+
+impl Default for ArenaConfig {
+    fn default() -> Self {
+        ArenaConfig {
+            backend: Backend::Host,
+            device: 0,
+            capacity_bytes: 0,
+            reserve_bytes: 0,
+            chunk_bytes: 0,
+            retain_bytes: u64::MAX,
+            no_implicit_moves: false,
+        }
+    }
+}
+
+/// Counters and sizes of an arena (every field of `vmm_arena_stats`, and more).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub live_allocations: u64,
+    /// Sum of the sizes callers asked for.
+    pub live_bytes: u64,
+    /// Physical bytes backing live allocations.
+    pub mapped_bytes: u64,
+    /// Physical bytes held but backing no live allocation.
+    pub pooled_bytes: u64,
+    /// High-water mark of `mapped_bytes + pooled_bytes`.
+    pub peak_physical_bytes: u64,
+    pub capacity_bytes: u64,
+    pub reserved_va_bytes: u64,
+    /// Address space covered by no live reservation and no retired range.
+    pub free_va_bytes: u64,
+    pub largest_free_va_bytes: u64,
+    pub retired_va_bytes: u64,
+    /// Moves by remapping, ever.
+    pub moves: u64,
+    pub driver_creates: u64,
+    pub driver_releases: u64,
+    pub driver_maps: u64,
+    pub driver_unmaps: u64,
+    pub driver_access_calls: u64,
+    /// Device synchronizations (one before each batch of unmaps).
+    pub driver_syncs: u64,
+    /// The chunk size.
+    pub chunk_bytes: u64,
+    /// Pooled chunks mapped at a free address, ready to serve without a driver call.
+    pub cached_mapped_bytes: u64,
+    /// Chunk give-backs (watermark or drop) that failed and were kept pooled.
+    pub release_failures: u64,
+    /// Times the virtual reservation had to be retried smaller at creation.
+    pub reserve_fallbacks: u64,
+}
+
+/// What [`Arena::compact`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompactReport {
+    pub moved_allocations: u64,
+    pub moved_bytes: u64,
+    pub largest_free_va_before: u64,
+    pub largest_free_va_after: u64,
+}
+
+/// What [`Arena::query`] tells about one allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocInfo {
+    pub ptr: u64,
+    /// Size in bytes the caller asked for.
+    pub size: u64,
+    /// Address space reserved for it (its growth limit in place).
+    pub reserved_bytes: u64,
+    /// Physical bytes backing it.
+    pub mapped_bytes: u64,
+    pub pinned: bool,
+    pub growable: bool,
+}
+
+type Callback = Box<dyn FnMut(&MoveEvent) + Send>;
+
+struct Inner {
+    st: State,
+    callback: Option<Callback>,
+    release_failures: u64,
+}
+
+/// A GPU (or host) memory arena over one reserved virtual range.
+///
+/// `Arena` is `Send + Sync`; every method takes `&self` and may be called
+/// from any thread.
+pub struct Arena {
+    driver: Box<dyn Driver>,
+    counts: Counters,
+    inner: Mutex<Inner>,
+    key: u64,
+    base: u64,
+    reserved_bytes: u64,
+    chunk: u64,
+    reserve_fallbacks: u64,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("backend", &self.driver.name())
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("reserved_bytes", &self.reserved_bytes)
+            .field("chunk_bytes", &self.chunk)
+            .finish_non_exhaustive()
+    }
+}
+
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+
+#[cfg(not(loom))]
+thread_local! {
+    /// Arenas whose move callback is running on this thread.
+    static IN_CALLBACK: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+#[cfg(loom)]
+loom::thread_local! {
+    static IN_CALLBACK: RefCell<Vec<u64>> = RefCell::new(Vec::new());
+}
+
+fn pages_for(bytes: u64, chunk: u64, what: &str) -> Result<u64> {
+    if bytes == 0 {
+        return Err(Error::invalid(format!("{what} is 0")));
+    }
+    bytes
+        .checked_add(chunk - 1)
+        .map(|b| b / chunk)
+        .ok_or_else(|| Error::invalid(format!("{what} {bytes} overflows when rounded up to the chunk size")))
+}
+
+struct Ctx<'a> {
+    drv: &'a dyn Driver,
+    counts: &'a Counters,
+}
+
+impl Ctx<'_> {
+    fn txn(&self, st: &State) -> Txn<'_> {
+        Txn::new(self.drv, self.counts, st.base, st.chunk)
+    }
+}
+
+impl Arena {
+    /// Creates an arena on the backend named in `config`.
+    pub fn new(config: ArenaConfig) -> Result<Arena> {
+        match config.backend {
+            Backend::Host => Arena::with_driver(crate::driver::host::HostDriver::new()?, config),
+            Backend::HostSparse => Arena::with_driver(
+                crate::driver::host::HostDriver::with_options(crate::driver::host::HostOptions { sparse: true })?,
+                config,
+            ),
+            Backend::Cuda => Arena::with_driver(crate::driver::cuda::CudaDriver::new(config.device)?, config),
+        }
+    }
+
+    /// Creates an arena over any driver (a backend, a mock, a fault injector).
+    pub fn with_driver<D: Driver + 'static>(driver: D, config: ArenaConfig) -> Result<Arena> {
+        let Granularity { minimum, recommended } = driver.granularity()?;
+        let chunk = match config.chunk_bytes {
+            0 => DEFAULT_CHUNK_BYTES.max(recommended).div_ceil(minimum) * minimum,
+            c if c % minimum != 0 => {
+                return Err(Error::invalid(format!("chunk_bytes {c} is not a multiple of the granularity {minimum}")))
+            }
+            c => c,
+        };
+        let capacity = match config.capacity_bytes {
+            0 => driver.total_memory()?,
+            c => c,
+        } / chunk
+            * chunk;
+        if capacity == 0 {
+            return Err(Error::invalid(format!("capacity is below one chunk of {chunk} bytes")));
+        }
+        let mut reserve = match config.reserve_bytes {
+            0 => capacity.saturating_mul(4),
+            r => r,
+        };
+        reserve = reserve
+            .checked_add(chunk - 1)
+            .map(|r| r / chunk * chunk)
+            .ok_or_else(|| Error::invalid("reserve_bytes overflows when rounded up"))?;
+        // Some platforms refuse large reservations: retry smaller, down to
+        // what the capacity needs, and record how far we fell back.
+        let mut fallbacks = 0;
+        let base = loop {
+            match driver.reserve(reserve, chunk) {
+                Ok(b) => break b,
+                Err(e @ (Error::Unsupported(_) | Error::InvalidArgument(_))) => return Err(e),
+                Err(e) => {
+                    let smaller = (reserve / 2 / chunk * chunk).max(capacity);
+                    if smaller >= reserve {
+                        return Err(e);
+                    }
+                    reserve = smaller;
+                    fallbacks += 1;
+                }
+            }
+        };
+        let pages = reserve / chunk;
+        let st = State {
+            chunk,
+            base,
+            pages,
+            cap_pages: capacity / chunk,
+            retain_bytes: config.retain_bytes,
+            no_implicit_moves: config.no_implicit_moves,
+            mapped: vec![None; pages as usize],
+            free: FreeRanges::with_range(0, pages),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            by_start: Default::default(),
+            retired: Default::default(),
+            retired_pages: 0,
+            cached: Default::default(),
+            pool: Vec::new(),
+            backed_pages: 0,
+            live_bytes: 0,
+            live_count: 0,
+            peak_held_pages: 0,
+            moves: 0,
+        };
+        Ok(Arena {
+            driver: Box::new(driver),
+            counts: Counters::default(),
+            inner: Mutex::new(Inner { st, callback: None, release_failures: 0 }),
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            base,
+            reserved_bytes: reserve,
+            chunk,
+            reserve_fallbacks: fallbacks,
+        })
+    }
+
+    /// The chunk size.
+    pub fn chunk_bytes(&self) -> u64 {
+        self.chunk
+    }
+
+    /// Base address and size of the reserved virtual range.
+    pub fn va_range(&self) -> (u64, u64) {
+        (self.base, self.reserved_bytes)
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> &'static str {
+        self.driver.name()
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, Inner>> {
+        let reentrant = IN_CALLBACK.with(|v| v.borrow().contains(&self.key));
+        if reentrant {
+            return Err(Error::invalid("the arena was called from inside its own move callback"));
+        }
+        self.inner.lock().map_err(|_| Error::Internal("the arena is poisoned by an earlier panic".into()))
+    }
+
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx { drv: &*self.driver, counts: &self.counts }
+    }
+
+    /// Runs `op` under the lock, then reports its moves to the callback.
+    fn run<T>(&self, op: impl FnOnce(&mut Inner, &Ctx<'_>, &mut Vec<MoveEvent>) -> Result<T>) -> Result<T> {
+        let mut inner = self.lock()?;
+        let mut events = Vec::new();
+        let out = op(&mut inner, &self.ctx(), &mut events)?;
+        inner.st.note_peak();
+        if !events.is_empty() {
+            if let Some(cb) = inner.callback.as_mut() {
+                IN_CALLBACK.with(|v| v.borrow_mut().push(self.key));
+                for e in &events {
+                    cb(e);
+                }
+                IN_CALLBACK.with(|v| v.borrow_mut().retain(|&k| k != self.key));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Allocates `size` bytes (rounded up to whole chunks). Returns the id and
+    /// the address, chunk-aligned.
+    pub fn alloc(&self, size: u64) -> Result<(Id, u64)> {
+        self.alloc_inner(size, size, false)
+    }
+
+    /// Allocates `size` bytes inside a reservation of `max_size`, so the
+    /// allocation can grow up to `max_size` without moving.
+    pub fn alloc_growable(&self, size: u64, max_size: u64) -> Result<(Id, u64)> {
+        if max_size < size {
+            return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
+        }
+        self.alloc_inner(size, max_size, true)
+    }
+
+    fn alloc_inner(&self, size: u64, max_size: u64, growable: bool) -> Result<(Id, u64)> {
+        let chunk = self.chunk;
+        let pages = pages_for(size, chunk, "size")?;
+        let reserved = pages_for(max_size, chunk, "max_size")?;
+        self.run(|inner, ctx, events| {
+            let st = &mut inner.st;
+            if pages > st.obtainable_pages() {
+                return Err(Error::OutOfMemory(format!(
+                    "{size} bytes need {pages} chunks; {} are obtainable under the capacity of {} bytes",
+                    st.obtainable_pages(),
+                    st.cap_pages * chunk
+                )));
+            }
+            if reserved > st.pages {
+                return Err(Error::OutOfAddressSpace(format!(
+                    "a reservation of {} bytes exceeds the whole virtual range",
+                    reserved * chunk
+                )));
+            }
+            let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false };
+            let slot = match st.free.best_fit(reserved) {
+                Some(t) => {
+                    let mut tx = ctx.txn(st);
+                    let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
+                    if let Err(e) = plan.execute(st, &mut tx) {
+                        tx.rollback();
+                        return Err(e);
+                    }
+                    tx.commit();
+                    plan.apply(st);
+                    st.insert_alloc(Alloc { start: t, ..a })
+                }
+                None => {
+                    let mut sim = st.clone();
+                    let mut tx = ctx.txn(st);
+                    let mut evs = Vec::new();
+                    let placed = (|| {
+                        let t = make_room(&mut sim, &mut tx, reserved, None, &mut evs)?;
+                        let mut plan = Plan::new(&sim, &[], t..t + pages, t..t + reserved)?;
+                        plan.execute(&sim, &mut tx)?;
+                        plan.apply(&mut sim);
+                        Ok::<_, Error>(sim.insert_alloc(Alloc { start: t, ..a }))
+                    })();
+                    match placed {
+                        Ok(slot) => {
+                            tx.commit();
+                            *st = sim;
+                            events.extend(evs);
+                            slot
+                        }
+                        Err(e) => {
+                            tx.rollback();
+                            return Err(e);
+                        }
+                    }
+                }
+            };
+            let start = st.alloc(slot).start;
+            Ok((st.id_of(slot), st.addr(start)))
+        })
+    }
+
+    /// Frees an allocation. Its chunks stay mapped in the pool (up to the
+    /// retain watermark), ready for the next allocation without a driver call.
+    pub fn free(&self, id: Id) -> Result<()> {
+        self.run(|inner, ctx, _| {
+            let slot = inner.st.lookup(id)?;
+            inner.st.remove_alloc(slot);
+            enforce_watermark(inner, ctx);
+            Ok(())
+        })
+    }
+
+    /// Grows or shrinks an allocation, keeping its first `min(old, new)`
+    /// bytes. Grows in place when its reservation (or the free space after
+    /// it) allows, else moves it by remapping. Returns the (maybe new) address.
+    pub fn resize(&self, id: Id, new_size: u64) -> Result<u64> {
+        let chunk = self.chunk;
+        let np = pages_for(new_size, chunk, "new_size")?;
+        self.run(|inner, ctx, events| {
+            let st = &mut inner.st;
+            let slot = st.lookup(id)?;
+            let a = st.alloc(slot).clone();
+            if np <= a.backed {
+                if np < a.backed {
+                    st.shrink_backing(slot, np);
+                    if !a.growable {
+                        st.free.insert(a.start + np, a.reserved - np);
+                        st.alloc_mut(slot).reserved = np;
+                    }
+                }
+                st.live_bytes = st.live_bytes - a.size + new_size;
+                st.alloc_mut(slot).size = new_size;
+                enforce_watermark(inner, ctx);
+                return Ok(inner.st.addr(a.start));
+            }
+            let extend_in_place = np > a.reserved && st.free.contains(a.start + a.reserved, np - a.reserved);
+            if np > a.reserved && !extend_in_place && a.pinned {
+                return Err(Error::Pinned(id.get()));
+            }
+            if np - a.backed > st.obtainable_pages() {
+                return Err(Error::OutOfMemory(format!(
+                    "growing to {new_size} bytes needs {} more chunks; {} are obtainable",
+                    np - a.backed,
+                    st.obtainable_pages()
+                )));
+            }
+            if np <= a.reserved || extend_in_place {
+                let reserved = a.reserved.max(np);
+                let mut tx = ctx.txn(st);
+                let mut plan = Plan::new(st, &[], a.start + a.backed..a.start + np, a.start..a.start + reserved)?;
+                if let Err(e) = plan.execute(st, &mut tx) {
+                    tx.rollback();
+                    return Err(e);
+                }
+                tx.commit();
+                plan.apply(st);
+                if reserved > a.reserved {
+                    st.free.remove(a.start + a.reserved, reserved - a.reserved);
+                }
+                st.backed_pages += np - a.backed;
+                st.live_bytes = st.live_bytes - a.size + new_size;
+                let m = st.alloc_mut(slot);
+                m.reserved = reserved;
+                m.backed = np;
+                m.size = new_size;
+                return Ok(st.addr(a.start));
+            }
+            // Move by remapping. A growable allocation that outgrew its
+            // reservation gets twice the room, so repeated growth stays cheap.
+            let wanted = if a.growable { np.max(a.reserved.saturating_mul(2)).min(st.pages) } else { np };
+            let mut sim = st.clone();
+            let mut tx = ctx.txn(st);
+            let mut evs = Vec::new();
+            let moved = (|| {
+                let (t, reserved) = match sim.free.best_fit(wanted) {
+                    Some(t) => (t, wanted),
+                    None => (make_room(&mut sim, &mut tx, np, Some(slot), &mut evs)?, np),
+                };
+                move_alloc(&mut sim, &mut tx, slot, t, np, reserved, new_size, &mut evs)
+            })();
+            match moved {
+                Ok(()) => {
+                    tx.commit();
+                    *st = sim;
+                    events.extend(evs);
+                    Ok(st.addr(st.alloc(slot).start))
+                }
+                Err(e) => {
+                    tx.rollback();
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Address and facts of a live allocation.
+    pub fn query(&self, id: Id) -> Result<AllocInfo> {
+        let inner = self.lock()?;
+        let st = &inner.st;
+        let a = st.alloc(st.lookup(id)?);
+        Ok(AllocInfo {
+            ptr: st.addr(a.start),
+            size: a.size,
+            reserved_bytes: a.reserved * st.chunk,
+            mapped_bytes: a.backed * st.chunk,
+            pinned: a.pinned,
+            growable: a.growable,
+        })
+    }
+
+    /// Pins an allocation: it never moves until unpinned (for buffers
+    /// registered with NCCL, RDMA or captured in CUDA graphs).
+    pub fn pin(&self, id: Id) -> Result<()> {
+        self.set_pinned(id, true)
+    }
+
+    /// Lets a pinned allocation move again.
+    pub fn unpin(&self, id: Id) -> Result<()> {
+        self.set_pinned(id, false)
+    }
+
+    fn set_pinned(&self, id: Id, pinned: bool) -> Result<()> {
+        let mut inner = self.lock()?;
+        let slot = inner.st.lookup(id)?;
+        inner.st.alloc_mut(slot).pinned = pinned;
+        Ok(())
+    }
+
+    /// Moves unpinned allocations by remapping to close address-space
+    /// holes, then releases the old ranges (after a synchronize). Moves
+    /// happen whatever `no_implicit_moves` says: this is the explicit call.
+    pub fn compact(&self) -> Result<CompactReport> {
+        self.run(|inner, ctx, events| {
+            let st = &mut inner.st;
+            let mut report =
+                CompactReport { largest_free_va_before: st.free.largest() * st.chunk, ..Default::default() };
+            let mut sim = st.clone();
+            let mut tx = ctx.txn(st);
+            let mut evs = Vec::new();
+            let done = (|| {
+                release_retired_into(&mut sim, &mut tx)?;
+                // Top-down passes: each unpinned allocation moves into the
+                // best-fitting hole below it; the space it leaves joins the
+                // free space above once the old ranges are released.
+                for _pass in 0..8 {
+                    let mut moved = false;
+                    let order: Vec<u32> = sim.by_start.values().rev().copied().collect();
+                    for slot in order {
+                        let a = sim.alloc(slot).clone();
+                        if a.pinned {
+                            continue;
+                        }
+                        let hole = sim.free.best_fit_where(a.reserved, 64, |s, _| s < a.start);
+                        if let Some(t) = hole {
+                            move_alloc(&mut sim, &mut tx, slot, t, a.backed, a.reserved, a.size, &mut evs)?;
+                            report.moved_allocations += 1;
+                            report.moved_bytes += a.backed * sim.chunk;
+                            moved = true;
+                        }
+                    }
+                    release_retired_into(&mut sim, &mut tx)?;
+                    if !moved {
+                        break;
+                    }
+                }
+                Ok::<_, Error>(())
+            })();
+            match done {
+                Ok(()) => {
+                    tx.commit();
+                    *st = sim;
+                    events.extend(evs);
+                    report.largest_free_va_after = st.free.largest() * st.chunk;
+                    Ok(report)
+                }
+                Err(e) => {
+                    tx.rollback();
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Unmaps the old ranges of moved allocations, synchronizing the device
+    /// first. Their address space becomes free.
+    pub fn release_retired(&self) -> Result<()> {
+        self.run(|inner, ctx, _| {
+            let st = &mut inner.st;
+            if st.retired.is_empty() {
+                return Ok(());
+            }
+            let mut sim = st.clone();
+            let mut tx = ctx.txn(st);
+            match release_retired_into(&mut sim, &mut tx) {
+                Ok(()) => {
+                    tx.commit();
+                    *st = sim;
+                    Ok(())
+                }
+                Err(e) => {
+                    tx.rollback();
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Gives pooled chunks back to the driver until at most `keep_bytes`
+    /// stay pooled; returns the bytes given back.
+    ///
+    /// Unlike every other operation, a driver failure here cannot undo what
+    /// was already given back: chunks released before the failure stay
+    /// released (and are counted), the rest stay pooled, and the error is
+    /// returned. Nothing is leaked either way.
+    pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
+        self.run(|inner, ctx, _| trim_pool(&mut inner.st, ctx, keep_bytes))
+    }
+
+    /// Installs (or, with `None`, removes) the callback told of every move.
+    /// It runs during the call that moved, under the arena's lock: it must
+    /// be quick and must not call into this arena (such calls fail).
+    pub fn set_move_callback(&self, callback: Option<Box<dyn FnMut(&MoveEvent) + Send>>) -> Result<()> {
+        self.lock()?.callback = callback;
+        Ok(())
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> Result<Stats> {
+        let inner = self.lock()?;
+        Ok(self.stats_of(&inner))
+    }
+
+    fn stats_of(&self, inner: &Inner) -> Stats {
+        let st = &inner.st;
+        let c = st.chunk;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Stats {
+            live_allocations: st.live_count,
+            live_bytes: st.live_bytes,
+            mapped_bytes: st.backed_pages * c,
+            pooled_bytes: st.pooled_pages() * c,
+            peak_physical_bytes: st.peak_held_pages.max(st.held_pages()) * c,
+            capacity_bytes: st.cap_pages * c,
+            reserved_va_bytes: st.pages * c,
+            free_va_bytes: st.free.total() * c,
+            largest_free_va_bytes: st.free.largest() * c,
+            retired_va_bytes: st.retired_pages * c,
+            moves: st.moves,
+            driver_creates: load(&self.counts.creates),
+            driver_releases: load(&self.counts.releases),
+            driver_maps: load(&self.counts.maps),
+            driver_unmaps: load(&self.counts.unmaps),
+            driver_access_calls: load(&self.counts.access_calls),
+            driver_syncs: load(&self.counts.syncs),
+            chunk_bytes: c,
+            cached_mapped_bytes: st.cached.len() as u64 * c,
+            release_failures: inner.release_failures,
+            reserve_fallbacks: self.reserve_fallbacks,
+        }
+    }
+
+    /// A JSON object describing every range (live, free, retired), the
+    /// pooled chunks and the stats.
+    pub fn snapshot_json(&self) -> Result<String> {
+        let inner = self.lock()?;
+        Ok(crate::snapshot::to_json(&inner.st, &self.stats_of(&inner), self.driver.name()))
+    }
+
+    fn span(&self, st: &State, id: Id, offset: u64, len: usize) -> Result<u64> {
+        let a = st.alloc(st.lookup(id)?);
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= a.size => Ok(st.addr(a.start) + offset),
+            _ => Err(Error::invalid(format!("span {offset}+{len} exceeds the allocation's {} bytes", a.size))),
+        }
+    }
+
+    /// Copies `data` into the allocation at `offset` (through the driver:
+    /// a memcpy on the host, a host-to-device copy on CUDA).
+    pub fn write(&self, id: Id, offset: u64, data: &[u8]) -> Result<()> {
+        let inner = self.lock()?;
+        let addr = self.span(&inner.st, id, offset, data.len())?;
+        self.driver.write(addr, data)
+    }
+
+    /// Copies bytes of the allocation at `offset` into `out`.
+    pub fn read(&self, id: Id, offset: u64, out: &mut [u8]) -> Result<()> {
+        let inner = self.lock()?;
+        let addr = self.span(&inner.st, id, offset, out.len())?;
+        self.driver.read(addr, out)
+    }
+}
+
+/// Finds `n` free pages, releasing retired ranges and then (unless implicit
+/// moves are off) evacuating the cheapest window. Works on a state copy.
+fn make_room(
+    sim: &mut State,
+    tx: &mut Txn<'_>,
+    n: u64,
+    resizing: Option<u32>,
+    evs: &mut Vec<MoveEvent>,
+) -> Result<u64> {
+    if let Some(t) = sim.free.best_fit(n) {
+        return Ok(t);
+    }
+    release_retired_into(sim, tx)?;
+    if let Some(t) = sim.free.best_fit(n) {
+        return Ok(t);
+    }
+    let bytes = n * sim.chunk;
+    if sim.no_implicit_moves {
+        return Err(Error::OutOfAddressSpace(format!(
+            "no free range of {bytes} bytes and implicit moves are disabled (largest free: {} bytes)",
+            sim.free.largest() * sim.chunk
+        )));
+    }
+    let plan = compact::plan_window(sim, n, |slot| Some(slot) == resizing || sim.alloc(slot).pinned).ok_or_else(|| {
+        Error::OutOfAddressSpace(format!(
+            "no window of {bytes} bytes can be evacuated: pinned allocations are in the way or there is nowhere to move them"
+        ))
+    })?;
+    for (slot, dest) in plan.moves {
+        let a = sim.alloc(slot).clone();
+        move_alloc(sim, tx, slot, dest, a.backed, a.reserved, a.size, evs)?;
+    }
+    release_retired_into(sim, tx)?;
+    sim.free.best_fit(n).ok_or_else(|| Error::Internal("compaction plan did not free its window".into()))
+}
+
+/// Maps `slot`'s chunks at `dest` (plus new ones up to `backed` pages),
+/// retires its old range, and records the move.
+#[allow(clippy::too_many_arguments)]
+fn move_alloc(
+    st: &mut State,
+    tx: &mut Txn<'_>,
+    slot: u32,
+    dest: u64,
+    backed: u64,
+    reserved: u64,
+    size: u64,
+    evs: &mut Vec<MoveEvent>,
+) -> Result<()> {
+    let a = st.alloc(slot).clone();
+    let known: Vec<_> =
+        (a.start..a.start + a.backed).map(|p| st.mapped[p as usize].expect("backing page is mapped")).collect();
+    let mut plan = Plan::new(st, &known, dest..dest + backed, dest..dest + reserved)?;
+    plan.execute(st, tx)?;
+    plan.apply(st);
+    st.by_start.remove(&a.start);
+    st.retired.insert(a.start, a.backed);
+    st.retired_pages += a.backed;
+    st.free.insert(a.start + a.backed, a.reserved - a.backed);
+    st.free.remove(dest, reserved);
+    st.by_start.insert(dest, slot);
+    st.backed_pages += backed - a.backed;
+    st.live_bytes = st.live_bytes - a.size + size;
+    st.moves += 1;
+    let m = st.alloc_mut(slot);
+    m.start = dest;
+    m.reserved = reserved;
+    m.backed = backed;
+    m.size = size;
+    let id = st.id_of(slot);
+    evs.push(MoveEvent { id, old_ptr: st.addr(a.start), new_ptr: st.addr(dest), size });
+    Ok(())
+}
+
+/// Unmaps every retired range (synchronizing first) and frees its pages.
+fn release_retired_into(st: &mut State, tx: &mut Txn<'_>) -> Result<()> {
+    let ranges: Vec<(u64, u64)> = st.retired.iter().map(|(&s, &l)| (s, l)).collect();
+    for &(s, l) in &ranges {
+        let chunks = (s..s + l).map(|p| st.mapped[p as usize].expect("retired page is mapped")).collect();
+        tx.unmap(s, chunks)?;
+    }
+    for (s, l) in ranges {
+        for p in s..s + l {
+            st.mapped[p as usize] = None;
+        }
+        st.free.insert(s, l);
+    }
+    st.retired.clear();
+    st.retired_pages = 0;
+    Ok(())
+}
+
+/// Gives pooled chunks back until at most `keep_bytes` stay pooled.
+fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
+    let keep = keep_bytes / st.chunk;
+    let pooled = st.pooled_pages();
+    if pooled <= keep {
+        return Ok(0);
+    }
+    let mut k = (pooled - keep) as usize;
+    let mut released = 0u64;
+    // Unmapped pooled chunks first: giving them back needs no unmap.
+    while k > 0 {
+        let Some(&h) = st.pool.last() else { break };
+        txn::release(ctx.drv, ctx.counts, h)?;
+        st.pool.pop();
+        released += st.chunk;
+        k -= 1;
+    }
+    if k == 0 {
+        return Ok(released);
+    }
+    // Then cached chunks, highest addresses first: unmap (undoable), then release.
+    let mut pages: Vec<u64> = st.cached.iter().rev().take(k).copied().collect();
+    pages.sort_unstable();
+    let mut tx = ctx.txn(st);
+    let mut chunks = Vec::with_capacity(pages.len());
+    for run in state::runs(&pages) {
+        let hs: Vec<_> = run.clone().map(|p| st.mapped[p as usize].expect("cached page is mapped")).collect();
+        if let Err(e) = tx.unmap(run.start, hs.clone()) {
+            tx.rollback();
+            return Err(e);
+        }
+        chunks.extend(hs);
+    }
+    tx.commit();
+    for &p in &pages {
+        st.cached.remove(&p);
+        st.mapped[p as usize] = None;
+    }
+    for (i, &h) in chunks.iter().enumerate() {
+        if let Err(e) = txn::release(ctx.drv, ctx.counts, h) {
+            st.pool.extend_from_slice(&chunks[i..]);
+            return Err(e);
+        }
+        released += st.chunk;
+    }
+    Ok(released)
+}
+
+/// After a free or shrink: give back pooled memory beyond the retain
+/// watermark. Best effort: the free itself has succeeded, so a driver
+/// failure only keeps the memory pooled (counted in `release_failures`).
+fn enforce_watermark(inner: &mut Inner, ctx: &Ctx<'_>) {
+    let st = &mut inner.st;
+    if st.retain_bytes == u64::MAX || st.pooled_pages() * st.chunk <= st.retain_bytes {
+        return;
+    }
+    if trim_pool(st, ctx, st.retain_bytes).is_err() {
+        inner.release_failures += 1;
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // Never panics: a poisoned lock still yields the state, and every
+        // driver failure here is ignored (the process keeps the memory at worst).
+        let inner = match self.inner.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let st = &inner.st;
+        let _ = self.driver.synchronize();
+        let mapped: Vec<u64> = (0..st.pages).filter(|&p| st.mapped[p as usize].is_some()).collect();
+        for run in state::runs(&mapped) {
+            let _ = self.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);
+        }
+        let mut owned: Vec<_> = st.pool.clone();
+        owned.extend(st.cached.iter().filter_map(|&p| st.mapped[p as usize]));
+        for a in st.slots.iter().filter_map(|s| s.alloc.as_ref()) {
+            owned.extend((a.start..a.start + a.backed).filter_map(|p| st.mapped[p as usize]));
+        }
+        for h in owned {
+            let _ = self.driver.release(h);
+        }
+        let _ = self.driver.free_reservation(self.base, self.reserved_bytes);
+    }
+}
+
+// The arena is shared across threads by design; these fail to compile if a
+// field ever makes it otherwise.
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Arena>();
+};

@@ -1,0 +1,350 @@
+//! The arena's bookkeeping: pure data and the plans that change it.
+//!
+//! Address space is counted in pages of one chunk each. A page is, at any
+//! time, in exactly one of these places:
+//! - inside a live allocation's reservation: *backing* it (mapped, below
+//!   `start + backed`) or beyond its backed prefix (unmapped, or holding a
+//!   *cached* pooled chunk that growth will adopt for free);
+//! - inside a *retired* range (the old, still-mapped address of a moved
+//!   allocation, unmapped later after a synchronize);
+//! - *free*: unmapped, or holding a cached pooled chunk.
+//!
+//! Physical chunks are *backing* a live allocation, *cached* (pooled but
+//! still mapped at a page where the next allocation can use it without a
+//! driver call) or *pooled unmapped*. `held = backing + cached + pool` never
+//! exceeds the capacity.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::txn::Txn;
+use crate::driver::ChunkHandle;
+use crate::error::{Error, Result};
+use crate::va::FreeRanges;
+
+/// One live allocation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Alloc {
+    pub start: u64,
+    pub reserved: u64,
+    pub backed: u64,
+    pub size: u64,
+    pub growable: bool,
+    pub pinned: bool,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Slot {
+    pub generation: u32,
+    pub alloc: Option<Alloc>,
+}
+
+/// Everything the policy knows. Cloned only on slow paths (compaction).
+#[derive(Clone, Debug)]
+pub(crate) struct State {
+    pub chunk: u64,
+    pub base: u64,
+    pub pages: u64,
+    pub cap_pages: u64,
+    pub retain_bytes: u64,
+    pub no_implicit_moves: bool,
+    /// The chunk mapped at each page (backing, cached or retired), if any.
+    pub mapped: Vec<Option<ChunkHandle>>,
+    pub free: FreeRanges,
+    pub slots: Vec<Slot>,
+    pub free_slots: Vec<u32>,
+    /// Live allocations by start page.
+    pub by_start: BTreeMap<u64, u32>,
+    /// Retired ranges: start page -> pages (all mapped).
+    pub retired: BTreeMap<u64, u64>,
+    pub retired_pages: u64,
+    /// Pages holding a cached pooled chunk.
+    pub cached: BTreeSet<u64>,
+    /// Pooled chunks mapped nowhere.
+    pub pool: Vec<ChunkHandle>,
+    pub backed_pages: u64,
+    pub live_bytes: u64,
+    pub live_count: u64,
+    pub peak_held_pages: u64,
+    pub moves: u64,
+}
+
+/// A relocation that happened, reported to the move callback.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoveEvent {
+    /// The moved allocation.
+    pub id: crate::Id,
+    /// Its address before the move (still valid until retired ranges are released).
+    pub old_ptr: u64,
+    /// Its new address.
+    pub new_ptr: u64,
+    /// Its size in bytes at the moment of the move.
+    pub size: u64,
+}
+
+impl State {
+    pub fn held_pages(&self) -> u64 {
+        self.backed_pages + self.cached.len() as u64 + self.pool.len() as u64
+    }
+
+    pub fn pooled_pages(&self) -> u64 {
+        self.cached.len() as u64 + self.pool.len() as u64
+    }
+
+    /// Chunks an operation may still obtain: pooled ones and new ones up to the cap.
+    pub fn obtainable_pages(&self) -> u64 {
+        self.pooled_pages() + self.cap_pages.saturating_sub(self.held_pages())
+    }
+
+    pub fn note_peak(&mut self) {
+        self.peak_held_pages = self.peak_held_pages.max(self.held_pages());
+    }
+
+    pub fn addr(&self, page: u64) -> u64 {
+        self.base + page * self.chunk
+    }
+
+    pub fn id_of(&self, slot: u32) -> crate::Id {
+        crate::Id::compose(slot, self.slots[slot as usize].generation)
+    }
+
+    pub fn lookup(&self, id: crate::Id) -> Result<u32> {
+        let (slot, generation) = id.parts();
+        match self.slots.get(slot as usize) {
+            Some(s) if s.generation == generation && s.alloc.is_some() => Ok(slot),
+            _ => Err(Error::UnknownAllocation(id.get())),
+        }
+    }
+
+    pub fn alloc(&self, slot: u32) -> &Alloc {
+        self.slots[slot as usize].alloc.as_ref().expect("live slot")
+    }
+
+    pub fn alloc_mut(&mut self, slot: u32) -> &mut Alloc {
+        self.slots[slot as usize].alloc.as_mut().expect("live slot")
+    }
+
+    /// Records a new allocation at `a.start` (whose pages must be free and backed).
+    pub fn insert_alloc(&mut self, a: Alloc) -> u32 {
+        self.free.remove(a.start, a.reserved);
+        self.backed_pages += a.backed;
+        self.live_bytes += a.size;
+        self.live_count += 1;
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot { generation: 1, alloc: None });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.by_start.insert(a.start, slot);
+        self.slots[slot as usize].alloc = Some(a);
+        slot
+    }
+
+    /// Forgets an allocation: its backing chunks stay mapped as cached pool
+    /// chunks and its reservation becomes free.
+    pub fn remove_alloc(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        let a = s.alloc.take().expect("live slot");
+        // A generation that would wrap retires the slot forever: ids are never reused.
+        if s.generation < u32::MAX {
+            s.generation += 1;
+            self.free_slots.push(slot);
+        }
+        self.by_start.remove(&a.start);
+        for p in a.start..a.start + a.backed {
+            self.cached.insert(p);
+        }
+        self.backed_pages -= a.backed;
+        self.live_bytes -= a.size;
+        self.live_count -= 1;
+        self.free.insert(a.start, a.reserved);
+    }
+
+    /// Pages `from..to` of `slot`'s reservation stop backing it and become cached.
+    pub fn shrink_backing(&mut self, slot: u32, new_backed: u64) {
+        let a = self.alloc(slot).clone();
+        for p in a.start + new_backed..a.start + a.backed {
+            self.cached.insert(p);
+        }
+        self.backed_pages -= a.backed - new_backed;
+        self.alloc_mut(slot).backed = new_backed;
+    }
+
+    /// Segments in address order: (start, pages, what).
+    pub fn segments(&self) -> Vec<(u64, u64, Segment)> {
+        let mut v: Vec<(u64, u64, Segment)> = Vec::with_capacity(self.by_start.len() * 2 + self.free.len());
+        v.extend(self.by_start.iter().map(|(&s, &slot)| (s, self.alloc(slot).reserved, Segment::Alloc(slot))));
+        v.extend(self.free.iter().map(|(s, l)| (s, l, Segment::Free)));
+        v.extend(self.retired.iter().map(|(&s, &l)| (s, l, Segment::Retired)));
+        v.sort_unstable_by_key(|&(s, _, _)| s);
+        v
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Segment {
+    Alloc(u32),
+    Free,
+    Retired,
+}
+
+/// Where a page's chunk comes from in a [`Plan`].
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    /// A chunk that is already the caller's (a moved allocation's own).
+    Known(ChunkHandle),
+    /// The next chunk from the plan's fresh sources.
+    Fresh,
+}
+
+/// The driver work that places chunks at a run of pages, computed from the
+/// state without changing it, then executed, then applied.
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    /// Cached pages whose chunks must be unmapped (stolen, or evicted from
+    /// where a moved allocation lands); their chunks become fresh sources.
+    unmap: Vec<u64>,
+    take_pool: usize,
+    create: usize,
+    maps: Vec<(u64, Source)>,
+    /// Cached pages adopted where they are.
+    adopt: Vec<u64>,
+    // Filled in by `execute`.
+    unmapped_chunks: Vec<ChunkHandle>,
+    fresh: Vec<ChunkHandle>,
+    mapped: Vec<(u64, ChunkHandle)>,
+}
+
+impl Plan {
+    /// Plans `pages` (in order) to receive `known` chunks first, then fresh
+    /// ones; cached pages that need a fresh chunk are adopted in place, cached
+    /// pages that receive a known chunk are evicted. `keep` is a page range
+    /// whose cached chunks must not be stolen.
+    pub fn new(
+        st: &State,
+        known: &[ChunkHandle],
+        pages: std::ops::Range<u64>,
+        keep: std::ops::Range<u64>,
+    ) -> Result<Plan> {
+        let mut plan = Plan::default();
+        let mut fresh_needed = 0u64;
+        for (i, p) in pages.clone().enumerate() {
+            let cached_here = st.cached.contains(&p);
+            match known.get(i) {
+                Some(&h) => {
+                    if cached_here {
+                        plan.unmap.push(p);
+                    }
+                    plan.maps.push((p, Source::Known(h)));
+                }
+                None if cached_here => plan.adopt.push(p),
+                None => {
+                    plan.maps.push((p, Source::Fresh));
+                    fresh_needed += 1;
+                }
+            }
+        }
+        // Sources in order of cost: evicted chunks (already being unmapped),
+        // unmapped pool, stolen cached chunks (an unmap), new chunks (a create).
+        let mut have = plan.unmap.len() as u64;
+        plan.take_pool = (fresh_needed.saturating_sub(have)).min(st.pool.len() as u64) as usize;
+        have += plan.take_pool as u64;
+        if have < fresh_needed {
+            let want = (fresh_needed - have) as usize;
+            let above = st.cached.range(keep.end.max(pages.end)..).rev();
+            let below = st.cached.range(..keep.start.min(pages.start)).rev();
+            let stolen: Vec<u64> = above.chain(below).copied().take(want).collect();
+            have += stolen.len() as u64;
+            plan.unmap.extend(stolen);
+        }
+        if have < fresh_needed {
+            let room = st.cap_pages.saturating_sub(st.held_pages());
+            plan.create = (fresh_needed - have) as usize;
+            if plan.create as u64 > room {
+                return Err(Error::OutOfMemory(format!(
+                    "{} more chunks of {} bytes needed, capacity allows {}",
+                    plan.create, st.chunk, room
+                )));
+            }
+        }
+        plan.unmap.sort_unstable();
+        Ok(plan)
+    }
+
+    /// Performs the plan's driver calls. On error the caller rolls `tx` back;
+    /// the state is untouched either way.
+    pub fn execute(&mut self, st: &State, tx: &mut Txn<'_>) -> Result<()> {
+        for run in runs(&self.unmap) {
+            let chunks: Vec<ChunkHandle> =
+                run.clone().map(|p| st.mapped[p as usize].expect("cached page is mapped")).collect();
+            tx.unmap(run.start, chunks.clone())?;
+            self.unmapped_chunks.extend(chunks);
+        }
+        self.fresh = self.unmapped_chunks.clone();
+        self.fresh.extend(st.pool[st.pool.len() - self.take_pool..].iter().rev());
+        for _ in 0..self.create {
+            let h = tx.create()?;
+            self.fresh.push(h);
+        }
+        let mut next_fresh = 0;
+        for &(p, src) in &self.maps {
+            let h = match src {
+                Source::Known(h) => h,
+                Source::Fresh => {
+                    next_fresh += 1;
+                    self.fresh[next_fresh - 1]
+                }
+            };
+            tx.map(p, h)?;
+            self.mapped.push((p, h));
+        }
+        self.fresh.drain(..next_fresh);
+        let pages: Vec<u64> = self.mapped.iter().map(|&(p, _)| p).collect();
+        for run in runs(&pages) {
+            tx.set_access(run.start, run.end - run.start)?;
+        }
+        Ok(())
+    }
+
+    /// Applies an executed plan to the state (infallible).
+    pub fn apply(self, st: &mut State) {
+        for &p in &self.unmap {
+            st.cached.remove(&p);
+            st.mapped[p as usize] = None;
+        }
+        let keep = st.pool.len() - self.take_pool;
+        st.pool.truncate(keep);
+        // Unused fresh chunks (evicted beyond need) go to the pool.
+        st.pool.extend(self.fresh.iter().copied());
+        for &p in &self.adopt {
+            st.cached.remove(&p);
+        }
+        for &(p, h) in &self.mapped {
+            st.mapped[p as usize] = Some(h);
+        }
+    }
+}
+
+/// Maximal runs of consecutive values in a sorted list.
+pub(crate) fn runs(sorted: &[u64]) -> Vec<std::ops::Range<u64>> {
+    let mut out: Vec<std::ops::Range<u64>> = Vec::new();
+    for &p in sorted {
+        match out.last_mut() {
+            Some(r) if r.end == p => r.end += 1,
+            _ => out.push(p..p + 1),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_groups_consecutive_pages() {
+        assert_eq!(runs(&[1, 2, 3, 7, 9, 10]), vec![1..4, 7..8, 9..11]);
+        assert!(runs(&[]).is_empty());
+    }
+}

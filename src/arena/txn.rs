@@ -1,0 +1,143 @@
+//! Driver calls with an undo log.
+//!
+//! An operation performs all of its driver calls through one [`Txn`]; each
+//! reversible call records how to reverse it. If a later call fails, the
+//! operation rolls the transaction back (in reverse order) and leaves its
+//! bookkeeping untouched, so the arena is exactly as it was. Chunk releases
+//! cannot be reversed and are therefore done only at the very end of an
+//! operation, outside any transaction that may still fail.
+
+use crate::driver::{ChunkHandle, Driver};
+use crate::error::Result;
+use crate::sync::{AtomicU64, Ordering};
+
+/// Successful driver calls, ever (the `driver_*` fields of the stats).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub creates: AtomicU64,
+    pub releases: AtomicU64,
+    pub maps: AtomicU64,
+    pub unmaps: AtomicU64,
+    pub access_calls: AtomicU64,
+    pub syncs: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+enum Undo {
+    Release(ChunkHandle),
+    Unmap { page: u64, pages: u64 },
+    Remap { page: u64, chunks: Vec<ChunkHandle> },
+}
+
+/// A batch of driver calls that can be undone until it is committed.
+pub(crate) struct Txn<'a> {
+    drv: &'a dyn Driver,
+    counts: &'a Counters,
+    base: u64,
+    chunk: u64,
+    undo: Vec<Undo>,
+    synced: bool,
+}
+
+impl<'a> Txn<'a> {
+    pub fn new(drv: &'a dyn Driver, counts: &'a Counters, base: u64, chunk: u64) -> Txn<'a> {
+        Txn { drv, counts, base, chunk, undo: Vec::new(), synced: false }
+    }
+
+    pub fn addr(&self, page: u64) -> u64 {
+        self.base + page * self.chunk
+    }
+
+    /// Synchronizes the device once per transaction, before the first unmap.
+    pub fn sync(&mut self) -> Result<()> {
+        if !self.synced {
+            self.drv.synchronize()?;
+            bump(&self.counts.syncs);
+            self.synced = true;
+        }
+        Ok(())
+    }
+
+    pub fn create(&mut self) -> Result<ChunkHandle> {
+        let h = self.drv.create(self.chunk)?;
+        bump(&self.counts.creates);
+        self.undo.push(Undo::Release(h));
+        Ok(h)
+    }
+
+    pub fn map(&mut self, page: u64, h: ChunkHandle) -> Result<()> {
+        self.drv.map(self.addr(page), self.chunk, h, 0)?;
+        bump(&self.counts.maps);
+        self.undo.push(Undo::Unmap { page, pages: 1 });
+        Ok(())
+    }
+
+    /// One access call for a contiguous run of freshly mapped pages.
+    pub fn set_access(&mut self, page: u64, pages: u64) -> Result<()> {
+        self.drv.set_access(self.addr(page), pages * self.chunk)?;
+        bump(&self.counts.access_calls);
+        Ok(())
+    }
+
+    /// Unmaps a run of pages (each one whole mapping) holding `chunks`,
+    /// synchronizing first.
+    pub fn unmap(&mut self, page: u64, chunks: Vec<ChunkHandle>) -> Result<()> {
+        self.sync()?;
+        self.drv.unmap(self.addr(page), chunks.len() as u64 * self.chunk)?;
+        bump(&self.counts.unmaps);
+        self.undo.push(Undo::Remap { page, chunks });
+        Ok(())
+    }
+
+    /// Makes the calls permanent.
+    pub fn commit(mut self) {
+        self.undo.clear();
+    }
+
+    /// Reverses every call made so far, newest first. Best effort: a failure
+    /// here cannot be reported better than the error that caused the rollback.
+    pub fn rollback(mut self) {
+        while let Some(u) = self.undo.pop() {
+            let _ = match u {
+                Undo::Release(h) => self.drv.release(h).map(|_| bump(&self.counts.releases)),
+                Undo::Unmap { page, pages } => {
+                    self.drv.unmap(self.addr(page), pages * self.chunk).map(|_| bump(&self.counts.unmaps))
+                }
+                Undo::Remap { page, chunks } => {
+                    let n = chunks.len() as u64;
+                    let mut ok = true;
+                    for (i, h) in chunks.into_iter().enumerate() {
+                        let mapped = self.drv.map(self.addr(page + i as u64), self.chunk, h, 0).is_ok();
+                        if mapped {
+                            bump(&self.counts.maps);
+                        }
+                        ok &= mapped;
+                    }
+                    if ok {
+                        let _ = self.set_access(page, n);
+                    }
+                    Ok(())
+                }
+            };
+        }
+    }
+}
+
+impl Drop for Txn<'_> {
+    fn drop(&mut self) {
+        debug_assert!(
+            self.undo.is_empty() || std::thread::panicking(),
+            "transaction neither committed nor rolled back"
+        );
+    }
+}
+
+/// Releases a chunk outside any transaction (irreversible).
+pub(crate) fn release(drv: &dyn Driver, counts: &Counters, h: ChunkHandle) -> Result<()> {
+    drv.release(h)?;
+    bump(&counts.releases);
+    Ok(())
+}

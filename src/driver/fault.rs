@@ -1,0 +1,229 @@
+//! A driver wrapper that fails chosen calls, counts every call, and tracks
+//! what is alive on the driver's side, so tests can prove that every error
+//! path rolls back and leaks nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{CallKind, ChunkHandle, Driver, Granularity};
+use crate::error::{Error, Result};
+use crate::sync::Mutex;
+
+/// The error an injected failure produces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FaultKind {
+    /// `Error::OutOfMemory`, as a driver out of memory returns.
+    OutOfMemory,
+    /// `Error::Driver`, any other driver failure.
+    Driver,
+}
+
+impl FaultKind {
+    /// Both kinds.
+    pub const ALL: [FaultKind; 2] = [FaultKind::OutOfMemory, FaultKind::Driver];
+
+    fn error(self, call: CallKind) -> Error {
+        match self {
+            FaultKind::OutOfMemory => Error::OutOfMemory(format!("injected failure of {call:?}")),
+            FaultKind::Driver => Error::Driver {
+                call: "injected",
+                code: 999,
+                name: "INJECTED".into(),
+                message: format!("injected failure of {call:?}"),
+            },
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct FaultState {
+    calls: BTreeMap<CallKind, u64>,
+    /// (kind filter, the call number that fails, error kind).
+    plan: Option<(Option<CallKind>, u64, FaultKind)>,
+    any_calls: u64,
+    injected: u64,
+    chunks: BTreeSet<ChunkHandle>,
+    mappings: BTreeMap<u64, u64>,
+}
+
+/// Wraps a driver and fails the Nth call of a kind on request.
+#[derive(Debug)]
+pub struct FaultDriver<D> {
+    inner: D,
+    state: Mutex<FaultState>,
+}
+
+impl<D: Driver> FaultDriver<D> {
+    /// Wraps `inner`; no failure is planned.
+    pub fn new(inner: D) -> FaultDriver<D> {
+        FaultDriver { inner, state: Mutex::new(FaultState::default()) }
+    }
+
+    /// The wrapped driver.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    fn st(&self) -> crate::sync::MutexGuard<'_, FaultState> {
+        // A panic while holding this lock can only come from a test; keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fails the `n`th call (1-based, counted from now) of `kind`, or of any
+    /// kind when `kind` is `None`, with `fault`. Replaces any earlier plan.
+    pub fn fail_nth(&self, kind: Option<CallKind>, n: u64, fault: FaultKind) {
+        let mut s = self.st();
+        let base = match kind {
+            Some(k) => s.calls.get(&k).copied().unwrap_or(0),
+            None => s.any_calls,
+        };
+        s.plan = Some((kind, base + n.max(1), fault));
+    }
+
+    /// Cancels a planned failure that has not fired.
+    pub fn clear(&self) {
+        self.st().plan = None;
+    }
+
+    /// Whether the planned failure is still pending.
+    pub fn pending(&self) -> bool {
+        self.st().plan.is_some()
+    }
+
+    /// Calls of `kind` so far.
+    pub fn calls(&self, kind: CallKind) -> u64 {
+        self.st().calls.get(&kind).copied().unwrap_or(0)
+    }
+
+    /// Calls of every kind so far.
+    pub fn total_calls(&self) -> u64 {
+        self.st().any_calls
+    }
+
+    /// Failures injected so far.
+    pub fn injected(&self) -> u64 {
+        self.st().injected
+    }
+
+    /// Chunks created through this wrapper and not released.
+    pub fn live_chunks(&self) -> usize {
+        self.st().chunks.len()
+    }
+
+    /// Mappings made through this wrapper and not unmapped.
+    pub fn live_mappings(&self) -> usize {
+        self.st().mappings.len()
+    }
+
+    /// Counts the call and returns the injected error if this one must fail.
+    fn enter(&self, kind: CallKind) -> Result<()> {
+        let mut s = self.st();
+        let n = {
+            let c = s.calls.entry(kind).or_insert(0);
+            *c += 1;
+            *c
+        };
+        s.any_calls += 1;
+        let any = s.any_calls;
+        if let Some((filter, at, fault)) = s.plan {
+            let hit = match filter {
+                Some(k) => k == kind && n == at,
+                None => any == at,
+            };
+            if hit {
+                s.plan = None;
+                s.injected += 1;
+                return Err(fault.error(kind));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<D: Driver> Driver for FaultDriver<D> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn granularity(&self) -> Result<Granularity> {
+        self.inner.granularity()
+    }
+    fn total_memory(&self) -> Result<u64> {
+        self.inner.total_memory()
+    }
+    fn reserve(&self, size: u64, align: u64) -> Result<u64> {
+        self.enter(CallKind::Reserve)?;
+        self.inner.reserve(size, align)
+    }
+    fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
+        self.enter(CallKind::FreeReservation)?;
+        self.inner.free_reservation(base, size)
+    }
+    fn create(&self, size: u64) -> Result<ChunkHandle> {
+        self.enter(CallKind::Create)?;
+        let h = self.inner.create(size)?;
+        self.st().chunks.insert(h);
+        Ok(h)
+    }
+    fn release(&self, chunk: ChunkHandle) -> Result<()> {
+        self.enter(CallKind::Release)?;
+        self.inner.release(chunk)?;
+        self.st().chunks.remove(&chunk);
+        Ok(())
+    }
+    fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
+        self.enter(CallKind::Map)?;
+        self.inner.map(addr, size, chunk, offset)?;
+        self.st().mappings.insert(addr, size);
+        Ok(())
+    }
+    fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+        self.enter(CallKind::SetAccess)?;
+        self.inner.set_access(addr, size)
+    }
+    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        self.enter(CallKind::Unmap)?;
+        self.inner.unmap(addr, size)?;
+        let mut s = self.st();
+        let gone: Vec<u64> = s.mappings.range(addr..addr + size).map(|(&a, _)| a).collect();
+        for a in gone {
+            s.mappings.remove(&a);
+        }
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.enter(CallKind::Synchronize)?;
+        self.inner.synchronize()
+    }
+    fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+        self.enter(CallKind::Data)?;
+        self.inner.read(addr, dst)
+    }
+    fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
+        self.enter(CallKind::Data)?;
+        self.inner.write(addr, src)
+    }
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        self.enter(CallKind::Data)?;
+        self.inner.copy(dst, src, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::mock::MockDriver;
+
+    #[test]
+    fn fails_exactly_the_nth_call_once() {
+        let d = FaultDriver::new(MockDriver::new(4096, 1 << 30));
+        d.fail_nth(Some(CallKind::Create), 2, FaultKind::OutOfMemory);
+        let a = d.create(4096).unwrap();
+        assert!(matches!(d.create(4096), Err(Error::OutOfMemory(_))));
+        let b = d.create(4096).unwrap();
+        assert_eq!((d.calls(CallKind::Create), d.injected(), d.live_chunks()), (3, 1, 2));
+        d.fail_nth(None, 1, FaultKind::Driver);
+        assert!(matches!(d.release(a), Err(Error::Driver { .. })));
+        d.release(a).unwrap();
+        d.release(b).unwrap();
+        assert_eq!(d.live_chunks(), 0);
+    }
+}

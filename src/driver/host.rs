@@ -1,0 +1,487 @@
+//! The Linux host backend: a faithful model of CUDA VMM on process memory.
+//!
+//! - the virtual range is an `mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)`;
+//! - physical memory is one memfd for the whole arena, chunks at offsets in it
+//!   (one file descriptor however many chunks);
+//! - `create` commits the chunk's pages with `fallocate`, so exhaustion is an
+//!   out-of-memory error now rather than a SIGBUS at first touch (sparse mode
+//!   skips this for simulations that touch little of what they allocate);
+//! - `map` is `mmap(MAP_FIXED|MAP_SHARED)` of the memfd range with no access,
+//!   `set_access` is `mprotect(READ|WRITE)`;
+//! - `unmap` maps `PROT_NONE` anonymous memory back over the span, so the
+//!   reservation never has a hole another `mmap` could land in;
+//! - `release` punches the chunk's hole (`fallocate(PUNCH_HOLE)`), giving the
+//!   pages back to the kernel, once the chunk's last mapping is gone.
+//!
+//! Every call is first checked against [`Rules`], so an arena bug that a GPU
+//! driver would reject fails here too instead of silently working.
+#![allow(unsafe_code)]
+
+use super::{ChunkHandle, Driver, Granularity};
+use crate::error::{Error, Result};
+
+/// Options of the host backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostOptions {
+    /// Skip committing chunk memory at create time. Pages are then allocated
+    /// on first touch, and running out of memory is a SIGBUS at that touch:
+    /// only for simulations that write a small fraction of what they allocate.
+    pub sparse: bool,
+}
+
+#[cfg(target_os = "linux")]
+pub use linux::HostDriver;
+
+#[cfg(not(target_os = "linux"))]
+pub use other::HostDriver;
+
+#[cfg(not(target_os = "linux"))]
+mod other {
+    use super::*;
+
+    /// The host backend is Linux-only; elsewhere construction reports it.
+    #[derive(Debug)]
+    pub struct HostDriver(());
+
+    impl HostDriver {
+        /// Always `Error::Unsupported` off Linux.
+        pub fn new() -> Result<HostDriver> {
+            Err(Error::Unsupported("the host backend needs Linux (memfd, MAP_FIXED)".into()))
+        }
+        /// Always `Error::Unsupported` off Linux.
+        pub fn with_options(_: HostOptions) -> Result<HostDriver> {
+            Self::new()
+        }
+    }
+
+    impl Driver for HostDriver {
+        fn name(&self) -> &'static str {
+            "host"
+        }
+        fn granularity(&self) -> Result<Granularity> {
+            unreachable!("cannot be constructed")
+        }
+        fn total_memory(&self) -> Result<u64> {
+            unreachable!()
+        }
+        fn reserve(&self, _: u64, _: u64) -> Result<u64> {
+            unreachable!()
+        }
+        fn free_reservation(&self, _: u64, _: u64) -> Result<()> {
+            unreachable!()
+        }
+        fn create(&self, _: u64) -> Result<ChunkHandle> {
+            unreachable!()
+        }
+        fn release(&self, _: ChunkHandle) -> Result<()> {
+            unreachable!()
+        }
+        fn map(&self, _: u64, _: u64, _: ChunkHandle, _: u64) -> Result<()> {
+            unreachable!()
+        }
+        fn set_access(&self, _: u64, _: u64) -> Result<()> {
+            unreachable!()
+        }
+        fn unmap(&self, _: u64, _: u64) -> Result<()> {
+            unreachable!()
+        }
+        fn synchronize(&self) -> Result<()> {
+            unreachable!()
+        }
+        fn read(&self, _: u64, _: &mut [u8]) -> Result<()> {
+            unreachable!()
+        }
+        fn write(&self, _: u64, _: &[u8]) -> Result<()> {
+            unreachable!()
+        }
+        fn copy(&self, _: u64, _: u64, _: u64) -> Result<()> {
+            unreachable!()
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod linux {
+    use std::collections::{BTreeMap, HashMap};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    use super::*;
+    use crate::driver::rules::Rules;
+    use crate::sync::{Mutex, MutexGuard};
+
+    /// Linux host driver (see the module documentation).
+    #[derive(Debug)]
+    pub struct HostDriver {
+        memfd: OwnedFd,
+        page: u64,
+        options: HostOptions,
+        inner: Mutex<HostState>,
+    }
+
+    #[derive(Debug)]
+    struct HostState {
+        rules: Rules,
+        /// Offsets in the memfd of live chunks.
+        offsets: HashMap<ChunkHandle, (u64, u64)>,
+        /// Holes punched by released chunks, by size, for reuse.
+        free_offsets: BTreeMap<u64, Vec<u64>>,
+        file_len: u64,
+        next_handle: u64,
+    }
+
+    fn errno() -> i32 {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    fn errno_name(code: i32) -> String {
+        match code {
+            libc::ENOMEM => "ENOMEM".into(),
+            libc::ENOSPC => "ENOSPC".into(),
+            libc::EINVAL => "EINVAL".into(),
+            libc::EFAULT => "EFAULT".into(),
+            libc::EPERM => "EPERM".into(),
+            libc::EACCES => "EACCES".into(),
+            libc::EBADF => "EBADF".into(),
+            libc::ENOSYS => "ENOSYS".into(),
+            libc::EOPNOTSUPP => "EOPNOTSUPP".into(),
+            other => format!("errno {other}"),
+        }
+    }
+
+    /// Wraps a failed system call into the crate's error, once.
+    fn os_error(call: &'static str, code: i32) -> Error {
+        let message = std::io::Error::from_raw_os_error(code).to_string();
+        if code == libc::ENOMEM || code == libc::ENOSPC {
+            return Error::OutOfMemory(format!("{call}: {message}"));
+        }
+        Error::Driver { call, code: code as i64, name: errno_name(code), message }
+    }
+
+    fn mmap(addr: u64, size: u64, prot: i32, flags: i32, fd: i32, offset: u64) -> Result<u64> {
+        // SAFETY: callers pass either a null hint (a fresh mapping the kernel
+        // places) or, with MAP_FIXED, a span that `Rules` has verified lies
+        // inside one of this driver's own reservations, so no memory owned by
+        // anyone else is replaced.
+        let p = unsafe { libc::mmap(addr as *mut libc::c_void, size as usize, prot, flags, fd, offset as libc::off_t) };
+        if p == libc::MAP_FAILED {
+            return Err(os_error("mmap", errno()));
+        }
+        Ok(p as u64)
+    }
+
+    fn munmap(addr: u64, size: u64) -> Result<()> {
+        // SAFETY: only called on spans of this driver's own reservations,
+        // which no Rust reference points into once the arena has freed them.
+        if unsafe { libc::munmap(addr as *mut libc::c_void, size as usize) } != 0 {
+            return Err(os_error("munmap", errno()));
+        }
+        Ok(())
+    }
+
+    fn fallocate(fd: i32, mode: i32, offset: u64, len: u64) -> Result<()> {
+        // SAFETY: plain system call on a descriptor this driver owns.
+        if unsafe { libc::fallocate(fd, mode, offset as libc::off_t, len as libc::off_t) } != 0 {
+            return Err(os_error("fallocate", errno()));
+        }
+        Ok(())
+    }
+
+    fn ftruncate(fd: i32, len: u64) -> Result<()> {
+        // SAFETY: plain system call on a descriptor this driver owns.
+        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            return Err(os_error("ftruncate", errno()));
+        }
+        Ok(())
+    }
+
+    fn page_size() -> u64 {
+        // SAFETY: sysconf has no preconditions.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if p > 0 {
+            p as u64
+        } else {
+            4096
+        }
+    }
+
+    impl HostDriver {
+        /// A host driver that commits chunk memory at create time.
+        pub fn new() -> Result<HostDriver> {
+            Self::with_options(HostOptions::default())
+        }
+
+        /// A host driver with explicit options.
+        pub fn with_options(options: HostOptions) -> Result<HostDriver> {
+            let name = c"vmm-arena";
+            // SAFETY: `name` is a valid NUL-terminated string; flags are constants.
+            let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+            if fd < 0 {
+                let code = errno();
+                return Err(Error::Unsupported(format!(
+                    "memfd_create failed: {}",
+                    std::io::Error::from_raw_os_error(code)
+                )));
+            }
+            // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+            let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let page = page_size();
+            Ok(HostDriver {
+                memfd,
+                page,
+                options,
+                inner: Mutex::new(HostState {
+                    rules: Rules::new(page),
+                    offsets: HashMap::new(),
+                    free_offsets: BTreeMap::new(),
+                    file_len: 0,
+                    next_handle: 1,
+                }),
+            })
+        }
+
+        fn state(&self) -> Result<MutexGuard<'_, HostState>> {
+            self.inner.lock().map_err(|_| Error::Internal("host driver lock poisoned".into()))
+        }
+
+        /// Bytes of the memfd that hold memory (committed or touched).
+        pub fn allocated_file_bytes(&self) -> Result<u64> {
+            // SAFETY: `st` is a plain-old-data out-parameter for fstat.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: valid descriptor and a valid pointer to `st`.
+            if unsafe { libc::fstat(self.memfd.as_raw_fd(), &mut st) } != 0 {
+                return Err(os_error("fstat", errno()));
+            }
+            Ok(st.st_blocks as u64 * 512)
+        }
+
+        /// Chunks created and not yet released.
+        pub fn live_chunks(&self) -> usize {
+            self.state().map(|s| s.rules.live_chunks()).unwrap_or(0)
+        }
+
+        /// Mappings currently in place.
+        pub fn live_mappings(&self) -> usize {
+            self.state().map(|s| s.rules.live_mappings()).unwrap_or(0)
+        }
+
+        fn punch(&self, s: &mut HostState, handle: ChunkHandle) {
+            if let Some((off, size)) = s.offsets.remove(&handle) {
+                // Best effort: a failed punch leaves the pages allocated but
+                // the offset is still reused, so nothing accumulates.
+                let _ = fallocate(
+                    self.memfd.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    off,
+                    size,
+                );
+                s.free_offsets.entry(size).or_default().push(off);
+            }
+        }
+    }
+
+    impl Driver for HostDriver {
+        fn name(&self) -> &'static str {
+            "host"
+        }
+
+        fn granularity(&self) -> Result<Granularity> {
+            Ok(Granularity { minimum: self.page, recommended: 2 << 20 })
+        }
+
+        fn total_memory(&self) -> Result<u64> {
+            // SAFETY: sysconf has no preconditions.
+            let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+            if pages <= 0 {
+                return Err(os_error("sysconf", errno()));
+            }
+            Ok(pages as u64 * self.page)
+        }
+
+        fn reserve(&self, size: u64, align: u64) -> Result<u64> {
+            let align = align.max(self.page);
+            if size == 0 || size % self.page != 0 || !align.is_power_of_two() {
+                return Err(os_error("mmap", libc::EINVAL));
+            }
+            let total = size.checked_add(align).ok_or_else(|| os_error("mmap", libc::ENOMEM))?;
+            let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+            let raw = mmap(0, total, libc::PROT_NONE, flags, -1, 0)?;
+            let base = raw.div_ceil(align) * align;
+            // Trim the alignment slack on both sides; failures here only leak
+            // inaccessible address space, never memory.
+            if base > raw {
+                let _ = munmap(raw, base - raw);
+            }
+            let tail = raw + total - (base + size);
+            if tail > 0 {
+                let _ = munmap(base + size, tail);
+            }
+            self.state()?.rules.add_reservation(base, size);
+            Ok(base)
+        }
+
+        fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
+            let mut s = self.state()?;
+            s.rules.check_free_reservation(base, size)?;
+            munmap(base, size)?;
+            s.rules.remove_reservation(base);
+            Ok(())
+        }
+
+        fn create(&self, size: u64) -> Result<ChunkHandle> {
+            let mut s = self.state()?;
+            s.rules.check_create(size)?;
+            let fd = self.memfd.as_raw_fd();
+            let reused = s.free_offsets.get_mut(&size).and_then(|v| v.pop());
+            let (off, grew) = match reused {
+                Some(off) => (off, false),
+                None => (s.file_len, true),
+            };
+            let restore = |s: &mut HostState| match grew {
+                true => {}
+                false => s.free_offsets.entry(size).or_default().push(off),
+            };
+            if grew {
+                if let Err(e) = ftruncate(fd, off + size) {
+                    restore(&mut s);
+                    return Err(e);
+                }
+            }
+            if !self.options.sparse {
+                if let Err(e) = fallocate(fd, 0, off, size) {
+                    // Give back whatever part was committed before the failure.
+                    let _ = fallocate(fd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, size);
+                    if grew {
+                        let _ = ftruncate(fd, s.file_len);
+                    }
+                    restore(&mut s);
+                    return Err(e);
+                }
+            }
+            if grew {
+                s.file_len = off + size;
+            }
+            let h = ChunkHandle(s.next_handle);
+            s.next_handle += 1;
+            s.offsets.insert(h, (off, size));
+            s.rules.add_chunk(h, size);
+            Ok(h)
+        }
+
+        fn release(&self, chunk: ChunkHandle) -> Result<()> {
+            let mut s = self.state()?;
+            if s.rules.release(chunk)? {
+                self.punch(&mut s, chunk);
+            }
+            Ok(())
+        }
+
+        fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
+            let mut s = self.state()?;
+            s.rules.check_map(addr, size, chunk, offset)?;
+            let (base_off, _) = s.offsets[&chunk];
+            let flags = libc::MAP_SHARED | libc::MAP_FIXED;
+            mmap(addr, size, libc::PROT_NONE, flags, self.memfd.as_raw_fd(), base_off + offset)?;
+            s.rules.add_mapping(addr, size, chunk, offset);
+            Ok(())
+        }
+
+        fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+            let mut s = self.state()?;
+            s.rules.check_set_access(addr, size)?;
+            // SAFETY: `Rules` verified the span is wholly mapped by this driver.
+            if unsafe { libc::mprotect(addr as *mut libc::c_void, size as usize, libc::PROT_READ | libc::PROT_WRITE) }
+                != 0
+            {
+                return Err(os_error("mprotect", errno()));
+            }
+            s.rules.set_access(addr, size);
+            Ok(())
+        }
+
+        fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+            let mut s = self.state()?;
+            s.rules.check_unmap(addr, size)?;
+            let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED;
+            mmap(addr, size, libc::PROT_NONE, flags, -1, 0)?;
+            for (h, _) in s.rules.unmap(addr, size).freed_chunks {
+                self.punch(&mut s, h);
+            }
+            Ok(())
+        }
+
+        fn synchronize(&self) -> Result<()> {
+            Ok(())
+        }
+
+        fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+            let s = self.state()?;
+            s.rules.resolve("read", addr, dst.len() as u64)?;
+            // SAFETY: `resolve` proved the whole span is mapped with read
+            // access, and the state lock keeps it mapped during the copy.
+            unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, dst.as_mut_ptr(), dst.len()) };
+            Ok(())
+        }
+
+        fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
+            let s = self.state()?;
+            s.rules.resolve("write", addr, src.len() as u64)?;
+            // SAFETY: as in `read`: mapped, writable, and kept so by the lock.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), addr as *mut u8, src.len()) };
+            Ok(())
+        }
+
+        fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+            let s = self.state()?;
+            s.rules.resolve("copy", src, len)?;
+            s.rules.resolve("copy", dst, len)?;
+            // SAFETY: both spans are mapped and accessible (checked above) and
+            // stay so under the lock; `copy` handles overlap safely.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+            Ok(())
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        const C: u64 = 2 << 20;
+
+        #[test]
+        fn same_chunk_at_two_addresses_and_release_gives_memory_back() {
+            let d = HostDriver::new().unwrap();
+            let base = d.reserve(8 * C, C).unwrap();
+            assert_eq!(base % C, 0);
+            let c = d.create(C).unwrap();
+            assert!(d.allocated_file_bytes().unwrap() >= C, "create commits");
+            d.map(base, C, c, 0).unwrap();
+            d.map(base + 3 * C, C, c, 0).unwrap();
+            d.set_access(base, C).unwrap();
+            d.set_access(base + 3 * C, C).unwrap();
+            d.write(base + 4096, b"moved by remapping").unwrap();
+            let mut out = [0u8; 18];
+            d.read(base + 3 * C + 4096, &mut out).unwrap();
+            assert_eq!(&out, b"moved by remapping");
+            assert!(d.read(base + C, &mut out).is_err(), "unmapped hole is refused, not a segfault");
+            assert!(d.unmap(base, C / 2).is_err(), "partial unmap refused");
+            d.unmap(base, C).unwrap();
+            d.release(c).unwrap();
+            assert!(d.allocated_file_bytes().unwrap() >= C, "still mapped once");
+            d.unmap(base + 3 * C, C).unwrap();
+            assert_eq!(d.allocated_file_bytes().unwrap(), 0, "hole punched");
+            assert!(d.release(c).is_err(), "double release refused");
+            assert_eq!((d.live_chunks(), d.live_mappings()), (0, 0));
+            d.free_reservation(base, 8 * C).unwrap();
+        }
+
+        #[test]
+        fn sparse_mode_does_not_commit_and_offsets_are_reused() {
+            let d = HostDriver::with_options(HostOptions { sparse: true }).unwrap();
+            let a = d.create(C).unwrap();
+            assert_eq!(d.allocated_file_bytes().unwrap(), 0);
+            d.release(a).unwrap();
+            let _b = d.create(C).unwrap();
+            assert_eq!(d.state().unwrap().file_len, C, "offset reused");
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! An in-memory backend: chunks are byte vectors, addresses are numbers.
+//!
+//! It enforces the same rules as the host backend (see [`super::rules`]) but
+//! makes no system call, so the whole policy runs under Miri and loom, and
+//! large-scale bookkeeping benches do not need real memory. Chunk memory is
+//! allocated lazily on first write, so a million untouched chunks cost nothing.
+
+use std::collections::HashMap;
+
+use super::rules::Rules;
+use super::{ChunkHandle, Driver, Granularity};
+use crate::error::{Error, Result};
+use crate::sync::Mutex;
+
+/// In-memory driver.
+#[derive(Debug)]
+pub struct MockDriver {
+    granularity: u64,
+    total: u64,
+    inner: Mutex<MockState>,
+}
+
+#[derive(Debug, Default)]
+struct MockState {
+    rules: Rules,
+    next_va: u64,
+    next_handle: u64,
+    /// Chunk contents, created on first write; absent means all zeroes.
+    data: HashMap<ChunkHandle, Vec<u8>>,
+}
+
+impl MockDriver {
+    /// A mock device with the given granularity and total memory.
+    pub fn new(granularity: u64, total_memory: u64) -> MockDriver {
+        MockDriver {
+            granularity,
+            total: total_memory,
+            inner: Mutex::new(MockState {
+                rules: Rules::new(granularity),
+                next_va: 0x1000_0000_0000,
+                next_handle: 1,
+                data: HashMap::new(),
+            }),
+        }
+    }
+
+    fn state(&self) -> Result<crate::sync::MutexGuard<'_, MockState>> {
+        self.inner.lock().map_err(|_| Error::Internal("mock driver lock poisoned".into()))
+    }
+
+    /// Chunks created and not yet released.
+    pub fn live_chunks(&self) -> usize {
+        self.state().map(|s| s.rules.live_chunks()).unwrap_or(0)
+    }
+
+    /// Mappings currently in place.
+    pub fn live_mappings(&self) -> usize {
+        self.state().map(|s| s.rules.live_mappings()).unwrap_or(0)
+    }
+}
+
+impl Driver for MockDriver {
+    fn name(&self) -> &'static str {
+        "mock"
+    }
+
+    fn granularity(&self) -> Result<Granularity> {
+        Ok(Granularity { minimum: self.granularity, recommended: self.granularity })
+    }
+
+    fn total_memory(&self) -> Result<u64> {
+        Ok(self.total)
+    }
+
+    fn reserve(&self, size: u64, align: u64) -> Result<u64> {
+        let mut s = self.state()?;
+        let align = align.max(self.granularity);
+        let base = s.next_va.div_ceil(align) * align;
+        let end = base.checked_add(size).ok_or_else(|| Error::OutOfMemory("mock VA exhausted".into()))?;
+        // Leave a guard gap between reservations, as a real address space would.
+        s.next_va = end + self.granularity;
+        s.rules.add_reservation(base, size);
+        Ok(base)
+    }
+
+    fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
+        let mut s = self.state()?;
+        s.rules.check_free_reservation(base, size)?;
+        s.rules.remove_reservation(base);
+        Ok(())
+    }
+
+    fn create(&self, size: u64) -> Result<ChunkHandle> {
+        let mut s = self.state()?;
+        s.rules.check_create(size)?;
+        let h = ChunkHandle(s.next_handle);
+        s.next_handle += 1;
+        s.rules.add_chunk(h, size);
+        Ok(h)
+    }
+
+    fn release(&self, chunk: ChunkHandle) -> Result<()> {
+        let mut s = self.state()?;
+        if s.rules.release(chunk)? {
+            s.data.remove(&chunk);
+        }
+        Ok(())
+    }
+
+    fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
+        let mut s = self.state()?;
+        s.rules.check_map(addr, size, chunk, offset)?;
+        s.rules.add_mapping(addr, size, chunk, offset);
+        Ok(())
+    }
+
+    fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+        let mut s = self.state()?;
+        s.rules.check_set_access(addr, size)?;
+        s.rules.set_access(addr, size);
+        Ok(())
+    }
+
+    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        let mut s = self.state()?;
+        s.rules.check_unmap(addr, size)?;
+        for (h, _) in s.rules.unmap(addr, size).freed_chunks {
+            s.data.remove(&h);
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+        let s = self.state()?;
+        let mut at = 0usize;
+        for (h, off, len) in s.rules.resolve("read", addr, dst.len() as u64)? {
+            let len = len as usize;
+            match s.data.get(&h) {
+                Some(d) => dst[at..at + len].copy_from_slice(&d[off as usize..off as usize + len]),
+                None => dst[at..at + len].fill(0),
+            }
+            at += len;
+        }
+        Ok(())
+    }
+
+    fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
+        let mut s = self.state()?;
+        let pieces = s.rules.resolve("write", addr, src.len() as u64)?;
+        let mut at = 0usize;
+        for (h, off, len) in pieces {
+            let len = len as usize;
+            let size = s.rules.chunk_size(h).unwrap_or(0) as usize;
+            let d = s.data.entry(h).or_insert_with(|| vec![0; size]);
+            d[off as usize..off as usize + len].copy_from_slice(&src[at..at + len]);
+            at += len;
+        }
+        Ok(())
+    }
+
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        let mut buf = vec![0u8; len as usize];
+        self.read(src, &mut buf)?;
+        self.write(dst, &buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_chunk_at_two_addresses_shows_same_bytes() {
+        let d = MockDriver::new(4096, 1 << 30);
+        let base = d.reserve(8 * 4096, 4096).unwrap();
+        let c = d.create(2 * 4096).unwrap();
+        d.map(base, 2 * 4096, c, 0).unwrap();
+        d.map(base + 4 * 4096, 2 * 4096, c, 0).unwrap();
+        d.set_access(base, 2 * 4096).unwrap();
+        d.set_access(base + 4 * 4096, 2 * 4096).unwrap();
+        d.write(base + 100, b"hello").unwrap();
+        let mut out = [0u8; 5];
+        d.read(base + 4 * 4096 + 100, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+        d.release(c).unwrap();
+        d.read(base + 100, &mut out).unwrap();
+        assert_eq!(&out, b"hello", "released while mapped: memory lives");
+        d.unmap(base, 2 * 4096).unwrap();
+        d.unmap(base + 4 * 4096, 2 * 4096).unwrap();
+        assert_eq!((d.live_chunks(), d.live_mappings()), (0, 0));
+        d.free_reservation(base, 8 * 4096).unwrap();
+    }
+}

@@ -1,0 +1,213 @@
+//! The narrow device interface the arena's policy talks through.
+//!
+//! A [`Driver`] exposes the CUDA virtual-memory primitives and nothing else:
+//! reserve a virtual range, create physical chunks, map them, set access,
+//! unmap, release, free the range, synchronize. Backends translate these calls
+//! and hold no policy; every decision (which chunk goes where, when to unmap,
+//! what to keep pooled) lives in the arena.
+//!
+//! Rules every backend enforces or models (they are the CUDA rules):
+//! - a fresh mapping is not accessible until [`Driver::set_access`] covers it,
+//!   and `set_access` requires its whole span to be mapped;
+//! - [`Driver::unmap`] must cover whole mappings (one or more), never a part;
+//! - a chunk may be released while still mapped: its memory lives until its
+//!   last mapping goes; releasing twice is an error;
+//! - addresses, sizes and offsets are multiples of the granularity.
+//!
+//! Backends: [`host::HostDriver`] (Linux mmap + memfd), [`cuda::CudaDriver`]
+//! (CUDA driver API, loaded at run time), [`mock::MockDriver`] (in memory,
+//! no system calls: for Miri, loom and fast policy tests), and
+//! [`fault::FaultDriver`], which wraps any of them and fails chosen calls.
+
+use crate::error::Result;
+
+pub mod cuda;
+pub mod fault;
+pub mod host;
+pub mod mock;
+mod rules;
+
+/// Opaque handle of one physical chunk, as issued by a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkHandle(pub u64);
+
+/// Allocation granularities reported by a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Granularity {
+    /// Every address, size and offset must be a multiple of this.
+    pub minimum: u64,
+    /// The size the backend performs best with (CUDA: the recommended granularity).
+    pub recommended: u64,
+}
+
+/// The kinds of driver call, for counting and fault injection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CallKind {
+    Reserve,
+    FreeReservation,
+    Create,
+    Release,
+    Map,
+    SetAccess,
+    Unmap,
+    Synchronize,
+    /// Data movement: `read`, `write`, `copy` (not VMM calls, but they can fail).
+    Data,
+}
+
+impl CallKind {
+    /// Every kind, in a fixed order.
+    pub const ALL: [CallKind; 9] = [
+        CallKind::Reserve,
+        CallKind::FreeReservation,
+        CallKind::Create,
+        CallKind::Release,
+        CallKind::Map,
+        CallKind::SetAccess,
+        CallKind::Unmap,
+        CallKind::Synchronize,
+        CallKind::Data,
+    ];
+}
+
+/// The virtual-memory primitives a backend provides.
+///
+/// Implementations must be `Send + Sync`; the arena serializes its own calls
+/// but may call from any thread.
+pub trait Driver: Send + Sync {
+    /// Short backend name for messages and snapshots (`"host"`, `"cuda"`, ...).
+    fn name(&self) -> &'static str;
+
+    /// The backend's granularities.
+    fn granularity(&self) -> Result<Granularity>;
+
+    /// Total physical memory the backend could provide (the default capacity).
+    fn total_memory(&self) -> Result<u64>;
+
+    /// Reserves `size` bytes of virtual address space aligned to `align`;
+    /// returns the base address. Nothing is accessible in it yet.
+    fn reserve(&self, size: u64, align: u64) -> Result<u64>;
+
+    /// Frees a whole reservation made by [`Driver::reserve`] (exactly that range).
+    fn free_reservation(&self, base: u64, size: u64) -> Result<()>;
+
+    /// Creates one physical chunk of `size` bytes.
+    fn create(&self, size: u64) -> Result<ChunkHandle>;
+
+    /// Releases a chunk. Its memory lives on while it is still mapped.
+    fn release(&self, chunk: ChunkHandle) -> Result<()>;
+
+    /// Maps `size` bytes of `chunk`, starting at `offset` within it, at `addr`
+    /// (inside a reservation, not mapped yet). The mapping has no access yet.
+    fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()>;
+
+    /// Makes a fully mapped span readable and writable by the device.
+    fn set_access(&self, addr: u64, size: u64) -> Result<()>;
+
+    /// Unmaps a span made of whole mappings. Does not wait for the device:
+    /// callers synchronize first when the span may be in use.
+    fn unmap(&self, addr: u64, size: u64) -> Result<()>;
+
+    /// Waits until the device has finished all work that may touch memory
+    /// about to be unmapped. A no-op on the host.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Copies `dst.len()` bytes from the mapped, accessible span at `addr`.
+    fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()>;
+
+    /// Copies `src` into the mapped, accessible span at `addr`.
+    fn write(&self, addr: u64, src: &[u8]) -> Result<()>;
+
+    /// Copies `len` bytes between two mapped, accessible spans (may not overlap).
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()>;
+}
+
+impl<T: Driver + ?Sized> Driver for std::sync::Arc<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn granularity(&self) -> Result<Granularity> {
+        (**self).granularity()
+    }
+    fn total_memory(&self) -> Result<u64> {
+        (**self).total_memory()
+    }
+    fn reserve(&self, size: u64, align: u64) -> Result<u64> {
+        (**self).reserve(size, align)
+    }
+    fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
+        (**self).free_reservation(base, size)
+    }
+    fn create(&self, size: u64) -> Result<ChunkHandle> {
+        (**self).create(size)
+    }
+    fn release(&self, chunk: ChunkHandle) -> Result<()> {
+        (**self).release(chunk)
+    }
+    fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
+        (**self).map(addr, size, chunk, offset)
+    }
+    fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+        (**self).set_access(addr, size)
+    }
+    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        (**self).unmap(addr, size)
+    }
+    fn synchronize(&self) -> Result<()> {
+        (**self).synchronize()
+    }
+    fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+        (**self).read(addr, dst)
+    }
+    fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
+        (**self).write(addr, src)
+    }
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        (**self).copy(dst, src, len)
+    }
+}
+
+impl<T: Driver + ?Sized> Driver for Box<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn granularity(&self) -> Result<Granularity> {
+        (**self).granularity()
+    }
+    fn total_memory(&self) -> Result<u64> {
+        (**self).total_memory()
+    }
+    fn reserve(&self, size: u64, align: u64) -> Result<u64> {
+        (**self).reserve(size, align)
+    }
+    fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
+        (**self).free_reservation(base, size)
+    }
+    fn create(&self, size: u64) -> Result<ChunkHandle> {
+        (**self).create(size)
+    }
+    fn release(&self, chunk: ChunkHandle) -> Result<()> {
+        (**self).release(chunk)
+    }
+    fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
+        (**self).map(addr, size, chunk, offset)
+    }
+    fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+        (**self).set_access(addr, size)
+    }
+    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        (**self).unmap(addr, size)
+    }
+    fn synchronize(&self) -> Result<()> {
+        (**self).synchronize()
+    }
+    fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+        (**self).read(addr, dst)
+    }
+    fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
+        (**self).write(addr, src)
+    }
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        (**self).copy(dst, src, len)
+    }
+}

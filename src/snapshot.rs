@@ -1,0 +1,86 @@
+//! The JSON snapshot of an arena: every range in address order and the stats.
+//!
+//! Written by hand (the library has no serialization dependency); the format
+//! is documented in DESIGN.md and read by the `snapshot_svg` example.
+
+use std::fmt::Write;
+
+use crate::arena::state::{Segment, State};
+use crate::arena::Stats;
+
+/// Renders the snapshot.
+pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
+    let c = st.chunk;
+    let mut s = String::with_capacity(256 + st.by_start.len() * 160);
+    let _ = write!(
+        s,
+        "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"ranges\":[",
+        st.base,
+        st.pool.len()
+    );
+    let cached_in = |from: u64, to: u64| st.cached.range(from..to).count() as u64 * c;
+    for (i, (start, len, kind)) in st.segments().into_iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        let addr = st.addr(start);
+        let bytes = len * c;
+        match kind {
+            Segment::Free => {
+                let _ = write!(
+                    s,
+                    "{{\"kind\":\"free\",\"addr\":{addr},\"bytes\":{bytes},\"pooled_mapped_bytes\":{}}}",
+                    cached_in(start, start + len)
+                );
+            }
+            Segment::Retired => {
+                let _ = write!(s, "{{\"kind\":\"retired\",\"addr\":{addr},\"bytes\":{bytes}}}");
+            }
+            Segment::Alloc(slot) => {
+                let a = st.alloc(slot);
+                let _ = write!(
+                    s,
+                    "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{}}}",
+                    st.id_of(slot).get(),
+                    a.size,
+                    a.backed * c,
+                    cached_in(start + a.backed, start + len),
+                    a.pinned,
+                    a.growable
+                );
+            }
+        }
+    }
+    s.push_str("],\"stats\":{");
+    let fields: [(&str, u64); 21] = [
+        ("live_allocations", stats.live_allocations),
+        ("live_bytes", stats.live_bytes),
+        ("mapped_bytes", stats.mapped_bytes),
+        ("pooled_bytes", stats.pooled_bytes),
+        ("peak_physical_bytes", stats.peak_physical_bytes),
+        ("capacity_bytes", stats.capacity_bytes),
+        ("reserved_va_bytes", stats.reserved_va_bytes),
+        ("free_va_bytes", stats.free_va_bytes),
+        ("largest_free_va_bytes", stats.largest_free_va_bytes),
+        ("retired_va_bytes", stats.retired_va_bytes),
+        ("moves", stats.moves),
+        ("driver_creates", stats.driver_creates),
+        ("driver_releases", stats.driver_releases),
+        ("driver_maps", stats.driver_maps),
+        ("driver_unmaps", stats.driver_unmaps),
+        ("driver_access_calls", stats.driver_access_calls),
+        ("driver_syncs", stats.driver_syncs),
+        ("chunk_bytes", stats.chunk_bytes),
+        ("cached_mapped_bytes", stats.cached_mapped_bytes),
+        ("release_failures", stats.release_failures),
+        ("reserve_fallbacks", stats.reserve_fallbacks),
+    ];
+    for (i, (k, v)) in fields.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        let _ = write!(s, "\"{k}\":{v}");
+    }
+    s.push_str("}}");
+    s
+}
