@@ -48,3 +48,8 @@ mod va;
 pub use arena::{AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveEvent, Stats, DEFAULT_CHUNK_BYTES};
 pub use error::{Error, Result, Status};
 pub use id::Id;
+
+/// The README's code blocks, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
