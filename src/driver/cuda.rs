@@ -1,0 +1,854 @@
+//! The CUDA backend: the [`Driver`] primitives over the CUDA driver API's
+//! virtual memory management calls, with cudarc's `sys` bindings.
+//!
+//! libcuda is loaded at run time (cudarc's `dynamic-loading`), so this backend
+//! builds and links everywhere, including machines without a GPU or a CUDA
+//! toolkit. [`CudaDriver::new`] is the only way in, and it answers
+//! [`Error::Unsupported`] — never a panic — when libcuda is missing, lacks a
+//! symbol this backend calls, cannot initialise, has no such device, or the
+//! device lacks virtual memory management.
+//!
+//! Layering, as in cudarc: every raw driver call is wrapped exactly once, in
+//! the private `Lib` methods below, into a small function that returns
+//! [`Result`]; nothing else in this file sees a raw result code. cudarc finds
+//! and opens libcuda ([`sys::is_culib_present`], [`sys::culib`]) and provides
+//! the driver's types (property structs, enums, handles). The functions
+//! themselves are resolved from that library *once*, all together, into a
+//! table (`Api`) whose entries return the result code as a plain `u32`,
+//! instead of being called through cudarc's per-function lazy loaders, for
+//! two reasons found in testing against a stand-in libcuda:
+//! - cudarc's loaders panic when a symbol is missing (design trap 9); here a
+//!   missing symbol is an [`Error::Unsupported`] from [`CudaDriver::new`];
+//! - cudarc declares the result as a Rust enum (`CUresult`), so a code that
+//!   its enum does not list (a newer driver's) is undefined behaviour; it
+//!   crashed the process with an illegal instruction. A `u32` cannot be wrong.
+//!
+//! Context handling (trap 5): the device's *primary* context is retained once
+//! in [`CudaDriver::new`] and released in `Drop`. Every driver method first
+//! makes it current on the calling thread, so any thread may call in and the
+//! memory is shared with code using the CUDA runtime API (which also uses the
+//! primary context). If the calling thread had another (non-primary) context
+//! current, it is restored when the method returns.
+//!
+//! Data calls (`read`, `write`, `copy`, [`CudaDriver::fill_u32`]) run on the
+//! legacy default stream and return only when their bytes are in place, like
+//! the host backend, so an unmap that follows them never races them. The VMM
+//! calls themselves do not wait for the device: [`Driver::synchronize`]
+//! (`cuCtxSynchronize`) is the one place that does (trap 1).
+//!
+//! Chunk handles are tracked: releasing a handle twice, or mapping a handle
+//! that was released, is an [`Error::InvalidArgument`] here rather than a call
+//! into the driver with a value that may by then name someone else's chunk
+//! (trap 4).
+#![allow(unsafe_code)]
+
+use std::collections::HashSet;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::driver::{ChunkHandle, Driver, Granularity};
+use crate::error::{Error, Result};
+
+/// A driver result code as the driver returns it (`CUresult`), unconverted.
+type Code = c_uint;
+
+const SUCCESS: Code = CUresult::CUDA_SUCCESS as Code;
+const OUT_OF_MEMORY: Code = CUresult::CUDA_ERROR_OUT_OF_MEMORY as Code;
+
+/// Declares `Api`, the table of driver functions, and `REQUIRED_SYMBOLS`.
+/// Field names are the exported symbol names (the versioned `_v2` ones where
+/// the driver has them, as cudarc loads them).
+macro_rules! driver_api {
+    ($($name:ident: fn($($arg:ty),* $(,)?);)*) => {
+        /// libcuda's functions used here, resolved once from cudarc's handle
+        /// to the library, which lives as long as the process.
+        #[allow(non_snake_case)]
+        struct Api {
+            $($name: unsafe extern "C" fn($($arg),*) -> Code,)*
+        }
+
+        /// Every libcuda symbol this backend calls (checked by a test).
+        #[cfg(test)]
+        const REQUIRED_SYMBOLS: &[&str] = &[$(stringify!($name)),*];
+
+        impl Api {
+            /// Resolves every function, or names the first missing one.
+            ///
+            /// # Safety
+            ///
+            /// Opens libcuda through cudarc: the library must be present
+            /// (`sys::is_culib_present()` returned true), or cudarc panics.
+            /// Each declared signature must match the driver's C prototype
+            /// (they are copied from cudarc's bindings for CUDA 12.8, with the
+            /// result as a plain integer).
+            unsafe fn resolve() -> std::result::Result<Api, &'static str> {
+                // SAFETY: the caller guarantees the library is present;
+                // `culib` keeps it open for the life of the process.
+                let lib = unsafe { sys::culib() };
+                Ok(Api {
+                    $($name: {
+                        let name = concat!(stringify!($name), "\0");
+                        // SAFETY: the symbol's type is the driver's prototype
+                        // (caller's guarantee); the pointer is copied out of
+                        // the `Symbol` and stays valid because the library is
+                        // never closed.
+                        let sym = unsafe { lib.get::<unsafe extern "C" fn($($arg),*) -> Code>(name.as_bytes()) };
+                        *sym.map_err(|_| stringify!($name))?
+                    },)*
+                })
+            }
+        }
+    };
+}
+
+driver_api! {
+    cuGetErrorName: fn(Code, *mut *const c_char);
+    cuGetErrorString: fn(Code, *mut *const c_char);
+    cuInit: fn(c_uint);
+    cuDriverGetVersion: fn(*mut c_int);
+    cuDeviceGetCount: fn(*mut c_int);
+    cuDeviceGet: fn(*mut sys::CUdevice, c_int);
+    cuDeviceGetName: fn(*mut c_char, c_int, sys::CUdevice);
+    cuDeviceGetAttribute: fn(*mut c_int, sys::CUdevice_attribute, sys::CUdevice);
+    cuDeviceTotalMem_v2: fn(*mut usize, sys::CUdevice);
+    cuDevicePrimaryCtxRetain: fn(*mut sys::CUcontext, sys::CUdevice);
+    cuDevicePrimaryCtxRelease_v2: fn(sys::CUdevice);
+    cuCtxGetCurrent: fn(*mut sys::CUcontext);
+    cuCtxSetCurrent: fn(sys::CUcontext);
+    cuCtxSynchronize: fn();
+    cuStreamSynchronize: fn(sys::CUstream);
+    cuMemGetAllocationGranularity: fn(
+        *mut usize,
+        *const sys::CUmemAllocationProp,
+        sys::CUmemAllocationGranularity_flags,
+    );
+    cuMemAddressReserve: fn(*mut sys::CUdeviceptr, usize, usize, sys::CUdeviceptr, u64);
+    cuMemAddressFree: fn(sys::CUdeviceptr, usize);
+    cuMemCreate: fn(
+        *mut sys::CUmemGenericAllocationHandle,
+        usize,
+        *const sys::CUmemAllocationProp,
+        u64,
+    );
+    cuMemRelease: fn(sys::CUmemGenericAllocationHandle);
+    cuMemMap: fn(sys::CUdeviceptr, usize, usize, sys::CUmemGenericAllocationHandle, u64);
+    cuMemSetAccess: fn(sys::CUdeviceptr, usize, *const sys::CUmemAccessDesc, usize);
+    cuMemUnmap: fn(sys::CUdeviceptr, usize);
+    cuMemcpyDtoH_v2: fn(*mut c_void, sys::CUdeviceptr, usize);
+    cuMemcpyHtoD_v2: fn(sys::CUdeviceptr, *const c_void, usize);
+    cuMemcpyDtoD_v2: fn(sys::CUdeviceptr, sys::CUdeviceptr, usize);
+    cuMemsetD32_v2: fn(sys::CUdeviceptr, c_uint, usize);
+}
+
+/// The resolved table, or the name of the missing symbol.
+static API: OnceLock<std::result::Result<Api, &'static str>> = OnceLock::new();
+
+/// Builds the crate error for a failed driver call (pure: no driver call).
+///
+/// `CUDA_ERROR_OUT_OF_MEMORY` becomes [`Error::OutOfMemory`]; every other
+/// code becomes [`Error::Driver`] carrying the call, the numeric code, and the
+/// driver's name and text for it.
+fn error_from_parts(call: &'static str, code: Code, name: String, message: String) -> Error {
+    if code == OUT_OF_MEMORY {
+        Error::OutOfMemory(format!("{call} failed with {name}: {message}"))
+    } else {
+        Error::Driver { call, code: i64::from(code), name, message }
+    }
+}
+
+/// The symbolic name of a code without asking the driver, for the codes this
+/// backend is likely to meet; others get a numeric name.
+fn offline_name(code: Code) -> String {
+    use CUresult as R;
+    const KNOWN: &[CUresult] = &[
+        R::CUDA_SUCCESS,
+        R::CUDA_ERROR_INVALID_VALUE,
+        R::CUDA_ERROR_OUT_OF_MEMORY,
+        R::CUDA_ERROR_NOT_INITIALIZED,
+        R::CUDA_ERROR_DEINITIALIZED,
+        R::CUDA_ERROR_STUB_LIBRARY,
+        R::CUDA_ERROR_NO_DEVICE,
+        R::CUDA_ERROR_INVALID_DEVICE,
+        R::CUDA_ERROR_INVALID_CONTEXT,
+        R::CUDA_ERROR_ALREADY_MAPPED,
+        R::CUDA_ERROR_NOT_MAPPED,
+        R::CUDA_ERROR_ECC_UNCORRECTABLE,
+        R::CUDA_ERROR_OPERATING_SYSTEM,
+        R::CUDA_ERROR_INVALID_HANDLE,
+        R::CUDA_ERROR_ILLEGAL_ADDRESS,
+        R::CUDA_ERROR_LAUNCH_FAILED,
+        R::CUDA_ERROR_NOT_PERMITTED,
+        R::CUDA_ERROR_NOT_SUPPORTED,
+        R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,
+        R::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE,
+        R::CUDA_ERROR_UNKNOWN,
+    ];
+    match KNOWN.iter().find(|&&k| k as Code == code) {
+        Some(k) => format!("{k:?}"),
+        None => format!("CUresult {code}"),
+    }
+}
+
+fn to_usize(what: &str, v: u64) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::invalid(format!("{what} {v} does not fit in usize")))
+}
+
+/// Proof that libcuda is loaded and every function in [`Api`] resolved: only
+/// [`Lib::load`] makes one. Its methods are the raw layer, one call each.
+#[derive(Clone, Copy)]
+struct Lib {
+    api: &'static Api,
+}
+
+impl std::fmt::Debug for Lib {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Lib(libcuda)")
+    }
+}
+
+impl Lib {
+    /// Finds libcuda and resolves every required symbol, without panicking.
+    fn load() -> Result<Lib> {
+        if let Some(Ok(api)) = API.get() {
+            return Ok(Lib { api });
+        }
+        // SAFETY: `is_culib_present` only tries to open the shared library
+        // (dlopen), which runs the library's initialisers; libcuda is the
+        // system's driver library and cudarc opens it the same way.
+        let present = unsafe { sys::is_culib_present() };
+        if !present {
+            return Err(Error::Unsupported(
+                "libcuda not found (no NVIDIA driver on this machine, or not on the loader path)".into(),
+            ));
+        }
+        // SAFETY: the library is present (checked just above), and the
+        // signatures in `driver_api!` are the driver's prototypes.
+        match API.get_or_init(|| unsafe { Api::resolve() }) {
+            Ok(api) => Ok(Lib { api }),
+            Err(name) => {
+                Err(Error::Unsupported(format!("libcuda does not export {name} (driver too old for this backend)")))
+            }
+        }
+    }
+
+    /// Turns a result code into `Ok` or the crate error, with the driver's
+    /// name and text for the code.
+    fn check(self, call: &'static str, code: Code) -> Result<()> {
+        if code == SUCCESS {
+            return Ok(());
+        }
+        let (name, message) = self.describe(code);
+        Err(error_from_parts(call, code, name, message))
+    }
+
+    /// `cuGetErrorName` and `cuGetErrorString`, with fallbacks when the
+    /// driver does not know the code.
+    fn describe(self, code: Code) -> (String, String) {
+        let mut name_ptr: *const c_char = std::ptr::null();
+        let mut text_ptr: *const c_char = std::ptr::null();
+        // SAFETY: resolved functions with their prototypes (`self`); the
+        // out-pointers are valid locals. On success the driver stores
+        // pointers to static, NUL-terminated strings, read only when non-null.
+        let (name_ok, text_ok) = unsafe {
+            (
+                (self.api.cuGetErrorName)(code, &mut name_ptr) == SUCCESS,
+                (self.api.cuGetErrorString)(code, &mut text_ptr) == SUCCESS,
+            )
+        };
+        let read = |ok: bool, ptr: *const c_char| {
+            // SAFETY: see above: a non-null pointer from a successful call
+            // points to a static C string owned by the driver.
+            (ok && !ptr.is_null()).then(|| unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned())
+        };
+        let name = read(name_ok, name_ptr).unwrap_or_else(|| offline_name(code));
+        let message = read(text_ok, text_ptr).unwrap_or_else(|| "no description".into());
+        (name, message)
+    }
+
+    fn init(self) -> Result<()> {
+        // SAFETY: resolved function (`self`); flags must be 0, and are.
+        self.check("cuInit", unsafe { (self.api.cuInit)(0) })
+    }
+
+    fn driver_version(self) -> Result<i32> {
+        let mut v: c_int = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local.
+        self.check("cuDriverGetVersion", unsafe { (self.api.cuDriverGetVersion)(&mut v) })?;
+        Ok(v)
+    }
+
+    fn device_count(self) -> Result<i32> {
+        let mut n: c_int = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local.
+        self.check("cuDeviceGetCount", unsafe { (self.api.cuDeviceGetCount)(&mut n) })?;
+        Ok(n)
+    }
+
+    fn device_get(self, ordinal: i32) -> Result<sys::CUdevice> {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local; the
+        // driver validates the ordinal.
+        self.check("cuDeviceGet", unsafe { (self.api.cuDeviceGet)(&mut dev, ordinal) })?;
+        Ok(dev)
+    }
+
+    fn device_name(self, dev: sys::CUdevice) -> Result<String> {
+        let mut buf = [0 as c_char; 256];
+        // SAFETY: resolved function; the driver writes at most `len` bytes,
+        // NUL-terminated, into `buf`, which holds 256.
+        self.check("cuDeviceGetName", unsafe {
+            (self.api.cuDeviceGetName)(buf.as_mut_ptr(), buf.len() as c_int, dev)
+        })?;
+        buf[buf.len() - 1] = 0;
+        // SAFETY: `buf` is NUL-terminated (forced just above) and outlives
+        // the borrow.
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
+    fn device_attribute(self, dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
+        let mut v: c_int = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local.
+        self.check("cuDeviceGetAttribute", unsafe { (self.api.cuDeviceGetAttribute)(&mut v, attr, dev) })?;
+        Ok(v)
+    }
+
+    fn device_total_mem(self, dev: sys::CUdevice) -> Result<u64> {
+        let mut bytes: usize = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local.
+        self.check("cuDeviceTotalMem", unsafe { (self.api.cuDeviceTotalMem_v2)(&mut bytes, dev) })?;
+        Ok(bytes as u64)
+    }
+
+    fn primary_ctx_retain(self, dev: sys::CUdevice) -> Result<sys::CUcontext> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: resolved function; the out-pointer is a valid local.
+        self.check("cuDevicePrimaryCtxRetain", unsafe { (self.api.cuDevicePrimaryCtxRetain)(&mut ctx, dev) })?;
+        Ok(ctx)
+    }
+
+    fn primary_ctx_release(self, dev: sys::CUdevice) -> Result<()> {
+        // SAFETY: resolved function; the caller balances one earlier retain.
+        self.check("cuDevicePrimaryCtxRelease", unsafe { (self.api.cuDevicePrimaryCtxRelease_v2)(dev) })
+    }
+
+    fn ctx_get_current(self) -> Result<sys::CUcontext> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: resolved function; the out-pointer is a valid local.
+        self.check("cuCtxGetCurrent", unsafe { (self.api.cuCtxGetCurrent)(&mut ctx) })?;
+        Ok(ctx)
+    }
+
+    fn ctx_set_current(self, ctx: sys::CUcontext) -> Result<()> {
+        // SAFETY: resolved function; `ctx` is a context handle obtained from
+        // the driver and still retained by its owner (or null, which unsets).
+        self.check("cuCtxSetCurrent", unsafe { (self.api.cuCtxSetCurrent)(ctx) })
+    }
+
+    fn ctx_synchronize(self) -> Result<()> {
+        // SAFETY: resolved function; acts on the current context.
+        self.check("cuCtxSynchronize", unsafe { (self.api.cuCtxSynchronize)() })
+    }
+
+    fn default_stream_synchronize(self) -> Result<()> {
+        // SAFETY: resolved function; the null stream is the current context's
+        // legacy default stream, always valid.
+        self.check("cuStreamSynchronize", unsafe { (self.api.cuStreamSynchronize)(std::ptr::null_mut()) })
+    }
+
+    fn granularity(
+        self,
+        prop: &sys::CUmemAllocationProp,
+        option: sys::CUmemAllocationGranularity_flags,
+    ) -> Result<u64> {
+        let mut g: usize = 0;
+        // SAFETY: resolved function; `prop` is a valid, fully initialised
+        // property struct and the out-pointer a valid local.
+        self.check("cuMemGetAllocationGranularity", unsafe {
+            (self.api.cuMemGetAllocationGranularity)(&mut g, prop, option)
+        })?;
+        Ok(g as u64)
+    }
+
+    fn address_reserve(self, size: usize, align: usize) -> Result<u64> {
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local; no
+        // fixed address is requested (0) and flags are 0. Reserving touches
+        // no host memory.
+        self.check("cuMemAddressReserve", unsafe { (self.api.cuMemAddressReserve)(&mut ptr, size, align, 0, 0) })?;
+        Ok(ptr)
+    }
+
+    fn address_free(self, ptr: u64, size: usize) -> Result<()> {
+        // SAFETY: resolved function; plain integers, validated by the driver;
+        // the range is device virtual address space, never host memory.
+        self.check("cuMemAddressFree", unsafe { (self.api.cuMemAddressFree)(ptr, size) })
+    }
+
+    fn mem_create(self, size: usize, prop: &sys::CUmemAllocationProp) -> Result<u64> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: resolved function; `prop` is a valid property struct, the
+        // out-pointer a valid local, flags 0.
+        self.check("cuMemCreate", unsafe { (self.api.cuMemCreate)(&mut handle, size, prop, 0) })?;
+        Ok(handle)
+    }
+
+    fn mem_release(self, handle: u64) -> Result<()> {
+        // SAFETY: resolved function; the caller passes a live handle exactly
+        // once (tracked by `CudaDriver`).
+        self.check("cuMemRelease", unsafe { (self.api.cuMemRelease)(handle) })
+    }
+
+    fn mem_map(self, ptr: u64, size: usize, offset: usize, handle: u64) -> Result<()> {
+        // SAFETY: resolved function; the caller passes a live handle;
+        // address, size and offset are validated by the driver; device
+        // virtual address space only, flags 0.
+        self.check("cuMemMap", unsafe { (self.api.cuMemMap)(ptr, size, offset, handle, 0) })
+    }
+
+    fn mem_set_access(self, ptr: u64, size: usize, desc: &sys::CUmemAccessDesc) -> Result<()> {
+        // SAFETY: resolved function; `desc` points to exactly one valid
+        // descriptor and the count says 1.
+        self.check("cuMemSetAccess", unsafe { (self.api.cuMemSetAccess)(ptr, size, desc, 1) })
+    }
+
+    fn mem_unmap(self, ptr: u64, size: usize) -> Result<()> {
+        // SAFETY: resolved function; plain integers, validated by the driver.
+        // Device work still using the range is the caller's to wait for.
+        self.check("cuMemUnmap", unsafe { (self.api.cuMemUnmap)(ptr, size) })
+    }
+
+    fn memcpy_dtoh(self, dst: &mut [u8], src: u64) -> Result<()> {
+        // SAFETY: resolved function; `dst` is a writable host buffer of
+        // exactly `dst.len()` bytes, borrowed for the call; a device-to-host
+        // copy into pageable memory returns only once the copy has completed,
+        // so the driver never writes to it after the borrow ends.
+        self.check("cuMemcpyDtoH", unsafe {
+            (self.api.cuMemcpyDtoH_v2)(dst.as_mut_ptr().cast::<c_void>(), src, dst.len())
+        })
+    }
+
+    fn memcpy_htod(self, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: resolved function; `src` is a readable host buffer of
+        // exactly `src.len()` bytes, borrowed for the call; the driver has
+        // finished reading it (staged or copied) when the call returns.
+        self.check("cuMemcpyHtoD", unsafe { (self.api.cuMemcpyHtoD_v2)(dst, src.as_ptr().cast::<c_void>(), src.len()) })
+    }
+
+    fn memcpy_dtod(self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: resolved function; device addresses only, validated by the
+        // driver; no host memory is involved.
+        self.check("cuMemcpyDtoD", unsafe { (self.api.cuMemcpyDtoD_v2)(dst, src, len) })
+    }
+
+    fn memset_d32(self, dst: u64, value: u32, count: usize) -> Result<()> {
+        // SAFETY: resolved function; device address only, validated by the
+        // driver; no host memory is involved.
+        self.check("cuMemsetD32", unsafe { (self.api.cuMemsetD32_v2)(dst, value, count) })
+    }
+}
+
+/// Restores the calling thread's previous context, if it was another one.
+struct CurrentCtx {
+    lib: Lib,
+    restore: Option<sys::CUcontext>,
+}
+
+impl Drop for CurrentCtx {
+    fn drop(&mut self) {
+        if let Some(prev) = self.restore.take() {
+            // Best effort: failing to restore a foreign context must not
+            // turn a finished call into an error, and Drop must not panic.
+            let _ = self.lib.ctx_set_current(prev);
+        }
+    }
+}
+
+/// The CUDA backend for one device. See the [module docs](self).
+#[derive(Debug)]
+pub struct CudaDriver {
+    lib: Lib,
+    ordinal: i32,
+    device: sys::CUdevice,
+    /// The device's primary context, retained once by `new`, released by `Drop`.
+    ctx: sys::CUcontext,
+    granularity: Granularity,
+    name: String,
+    driver_version: i32,
+    /// Handles created and not yet released (trap 4: never release twice).
+    live: Mutex<HashSet<u64>>,
+}
+
+// SAFETY: the CUDA driver API is thread-safe: a context handle may be made
+// current and used on any thread, and `CudaDriver` only ever passes it to the
+// driver. Every other field is a plain integer or string, and the mutable
+// state (the live handle set) is behind a `Mutex`.
+unsafe impl Send for CudaDriver {}
+// SAFETY: as for `Send`: `&CudaDriver` only reads plain fields, passes the
+// context handle to thread-safe driver calls, and locks the `Mutex` for the
+// live handle set.
+unsafe impl Sync for CudaDriver {}
+
+impl CudaDriver {
+    /// Opens device `device` (an ordinal, as in `CUDA_VISIBLE_DEVICES` order).
+    ///
+    /// Returns [`Error::Unsupported`] with a reason when libcuda is missing or
+    /// too old, the driver cannot initialise, the device does not exist, or it
+    /// lacks virtual memory management. Never panics.
+    pub fn new(device: i32) -> Result<CudaDriver> {
+        match catch_unwind(AssertUnwindSafe(|| CudaDriver::open(device))) {
+            Ok(r) => r,
+            Err(_) => Err(Error::Unsupported("the CUDA driver could not be loaded (loader panicked)".into())),
+        }
+    }
+
+    fn open(ordinal: i32) -> Result<CudaDriver> {
+        let lib = Lib::load()?;
+        lib.init().map_err(|e| Error::Unsupported(format!("the CUDA driver cannot initialise: {e}")))?;
+        let count = lib.device_count().map_err(|e| Error::Unsupported(e.to_string()))?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(Error::Unsupported(format!(
+                "CUDA device {ordinal} does not exist ({count} device(s) visible)"
+            )));
+        }
+        let device = lib.device_get(ordinal).map_err(|e| Error::Unsupported(e.to_string()))?;
+        let unsupported = |e: Error| Error::Unsupported(format!("CUDA device {ordinal}: {e}"));
+        let vmm = lib
+            .device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED)
+            .map_err(unsupported)?;
+        if vmm == 0 {
+            return Err(Error::Unsupported(format!(
+                "CUDA device {ordinal} does not support virtual memory management"
+            )));
+        }
+        let name = lib.device_name(device).unwrap_or_else(|_| "unknown".into());
+        let driver_version = lib.driver_version().unwrap_or(0);
+
+        let ctx = lib.primary_ctx_retain(device).map_err(unsupported)?;
+        // From here on, `Drop` balances the retain, including on error below.
+        let mut driver = CudaDriver {
+            lib,
+            ordinal,
+            device,
+            ctx,
+            granularity: Granularity { minimum: 0, recommended: 0 },
+            name,
+            driver_version,
+            live: Mutex::new(HashSet::new()),
+        };
+        let (minimum, recommended) = {
+            // The granularity query wants the context current, like every call.
+            let _cur = driver.enter().map_err(unsupported)?;
+            let prop = allocation_prop(ordinal);
+            let flag = |f| lib.granularity(&prop, f).map_err(unsupported);
+            (
+                flag(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?,
+                flag(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?,
+            )
+        };
+        if minimum == 0 || recommended == 0 || recommended % minimum != 0 {
+            return Err(Error::Unsupported(format!(
+                "CUDA device {ordinal} reports unusable granularities {minimum} / {recommended}"
+            )));
+        }
+        driver.granularity = Granularity { minimum, recommended };
+        Ok(driver)
+    }
+
+    /// The device ordinal this driver was opened on.
+    pub fn device_ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The device's name as the driver reports it (e.g. `"NVIDIA H200"`).
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    /// The driver's CUDA version, e.g. `12080` for 12.8.
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    /// Fills `count` 32-bit words at `addr` with `value` (`cuMemsetD32`),
+    /// returning once the fill is complete. `addr` must be 4-byte aligned and
+    /// the span mapped and accessible.
+    pub fn fill_u32(&self, addr: u64, value: u32, count: u64) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let count = to_usize("count", count)?;
+        let _cur = self.enter()?;
+        self.lib.memset_d32(addr, value, count)?;
+        self.lib.default_stream_synchronize()
+    }
+
+    /// Makes the primary context current on this thread for one method.
+    fn enter(&self) -> Result<CurrentCtx> {
+        let prev = self.lib.ctx_get_current()?;
+        if prev == self.ctx {
+            return Ok(CurrentCtx { lib: self.lib, restore: None });
+        }
+        self.lib.ctx_set_current(self.ctx)?;
+        // A thread with no context keeps ours (what the runtime API would
+        // make current anyway); a thread with another context gets it back.
+        let restore = (!prev.is_null()).then_some(prev);
+        Ok(CurrentCtx { lib: self.lib, restore })
+    }
+
+    fn access_desc(&self) -> sys::CUmemAccessDesc {
+        sys::CUmemAccessDesc {
+            location: location(self.ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        }
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+        // A panic while holding this lock cannot leave the set inconsistent
+        // (single inserts and removes), so a poisoned lock is used as is.
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn location(ordinal: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal }
+}
+
+/// Pinned device memory on `ordinal`, no shareable handle types.
+fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: location(ordinal),
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+impl Drop for CudaDriver {
+    fn drop(&mut self) {
+        let lib = self.lib;
+        let device = self.device;
+        // Best effort and never a panic: the release symbol was resolved by
+        // `Lib::load`, and the guard catches anything unforeseen.
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            let _ = lib.primary_ctx_release(device);
+        }));
+    }
+}
+
+impl Driver for CudaDriver {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn granularity(&self) -> Result<Granularity> {
+        Ok(self.granularity)
+    }
+
+    fn total_memory(&self) -> Result<u64> {
+        self.lib.device_total_mem(self.device)
+    }
+
+    fn reserve(&self, size: u64, align: u64) -> Result<u64> {
+        let size = to_usize("size", size)?;
+        let align = to_usize("alignment", align)?;
+        let _cur = self.enter()?;
+        self.lib.address_reserve(size, align)
+    }
+
+    fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
+        let size = to_usize("size", size)?;
+        let _cur = self.enter()?;
+        self.lib.address_free(base, size)
+    }
+
+    fn create(&self, size: u64) -> Result<ChunkHandle> {
+        let size = to_usize("size", size)?;
+        let _cur = self.enter()?;
+        let handle = self.lib.mem_create(size, &allocation_prop(self.ordinal))?;
+        self.live().insert(handle);
+        Ok(ChunkHandle(handle))
+    }
+
+    fn release(&self, chunk: ChunkHandle) -> Result<()> {
+        let mut live = self.live();
+        if !live.contains(&chunk.0) {
+            return Err(Error::invalid(format!(
+                "chunk handle {:#x} is not live (released twice, or never created here)",
+                chunk.0
+            )));
+        }
+        let _cur = self.enter()?;
+        self.lib.mem_release(chunk.0)?;
+        live.remove(&chunk.0);
+        Ok(())
+    }
+
+    fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
+        let size = to_usize("size", size)?;
+        let offset = to_usize("offset", offset)?;
+        if !self.live().contains(&chunk.0) {
+            return Err(Error::invalid(format!(
+                "chunk handle {:#x} is not live (released, or never created here)",
+                chunk.0
+            )));
+        }
+        let _cur = self.enter()?;
+        self.lib.mem_map(addr, size, offset, chunk.0)
+    }
+
+    fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+        let size = to_usize("size", size)?;
+        let _cur = self.enter()?;
+        self.lib.mem_set_access(addr, size, &self.access_desc())
+    }
+
+    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        let size = to_usize("size", size)?;
+        let _cur = self.enter()?;
+        self.lib.mem_unmap(addr, size)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let _cur = self.enter()?;
+        self.lib.ctx_synchronize()
+    }
+
+    fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let _cur = self.enter()?;
+        // Synchronous for pageable destinations: complete on return.
+        self.lib.memcpy_dtoh(dst, addr)
+    }
+
+    fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let _cur = self.enter()?;
+        self.lib.memcpy_htod(addr, src)?;
+        // A pageable upload may still be in flight from the staging buffer.
+        self.lib.default_stream_synchronize()
+    }
+
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let len = to_usize("length", len)?;
+        let _cur = self.enter()?;
+        self.lib.memcpy_dtod(dst, src, len)?;
+        // Device-to-device copies are asynchronous to the host.
+        self.lib.default_stream_synchronize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_is_unsupported_without_libcuda_and_never_panics() {
+        let result = std::panic::catch_unwind(|| CudaDriver::new(0));
+        let result = result.expect("CudaDriver::new panicked");
+        // SAFETY: only tries to open the library, as `Lib::load` does.
+        let present = unsafe { sys::is_culib_present() };
+        if !present {
+            match result {
+                Err(Error::Unsupported(msg)) => assert!(msg.contains("libcuda"), "{msg}"),
+                other => panic!("expected Unsupported without libcuda, got {other:?}"),
+            }
+        } else if let Err(e) = result {
+            // libcuda is here but the device may not be usable: any error
+            // value is acceptable, a panic is not.
+            eprintln!("CudaDriver::new(0) with libcuda present: {e}");
+        }
+    }
+
+    #[test]
+    fn absent_devices_are_unsupported() {
+        for ordinal in [-1, i32::MAX] {
+            let r = std::panic::catch_unwind(|| CudaDriver::new(ordinal)).expect("new panicked");
+            assert!(matches!(r, Err(Error::Unsupported(_))), "device {ordinal}: {r:?}");
+        }
+    }
+
+    #[test]
+    fn out_of_memory_maps_to_out_of_memory() {
+        let e = error_from_parts(
+            "cuMemCreate",
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY as Code,
+            "CUDA_ERROR_OUT_OF_MEMORY".into(),
+            "out of memory".into(),
+        );
+        match e {
+            Error::OutOfMemory(msg) => {
+                assert!(msg.contains("cuMemCreate"), "{msg}");
+                assert!(msg.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{msg}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn other_codes_map_to_driver_errors_with_call_code_name_and_text() {
+        for (code, num) in [
+            (CUresult::CUDA_ERROR_INVALID_VALUE as Code, 1),
+            (CUresult::CUDA_ERROR_NOT_INITIALIZED as Code, 3),
+            (CUresult::CUDA_ERROR_NOT_SUPPORTED as Code, 801),
+            (CUresult::CUDA_ERROR_UNKNOWN as Code, 999),
+            // Not a code cudarc's enum knows: still just a value here.
+            (35, 35),
+            (Code::MAX, i64::from(Code::MAX)),
+        ] {
+            let name = offline_name(code);
+            let e = error_from_parts("cuMemMap", code, name.clone(), "text".into());
+            assert_eq!(e, Error::Driver { call: "cuMemMap", code: num, name, message: "text".into() });
+            assert_eq!(e.status(), crate::error::Status::Driver);
+        }
+    }
+
+    #[test]
+    fn offline_names_are_the_cuda_names() {
+        assert_eq!(offline_name(SUCCESS), "CUDA_SUCCESS");
+        assert_eq!(offline_name(1), "CUDA_ERROR_INVALID_VALUE");
+        assert_eq!(offline_name(OUT_OF_MEMORY), "CUDA_ERROR_OUT_OF_MEMORY");
+        assert_eq!(offline_name(201), "CUDA_ERROR_INVALID_CONTEXT");
+        assert_eq!(offline_name(35), "CUresult 35");
+    }
+
+    #[test]
+    fn cuda_driver_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<CudaDriver>();
+    }
+
+    #[test]
+    fn required_symbols_are_the_driver_names() {
+        let unique: HashSet<_> = REQUIRED_SYMBOLS.iter().collect();
+        assert_eq!(unique.len(), REQUIRED_SYMBOLS.len());
+        assert!(REQUIRED_SYMBOLS.iter().all(|s| s.starts_with("cu")));
+        for s in ["cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"] {
+            assert!(REQUIRED_SYMBOLS.contains(&s), "{s}");
+        }
+    }
+
+    #[test]
+    fn allocation_prop_is_pinned_device_memory() {
+        let p = allocation_prop(3);
+        assert_eq!(p.type_, sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED);
+        assert_eq!(p.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
+        assert_eq!(p.location.id, 3);
+        assert_eq!(p.requestedHandleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
+    }
+}
