@@ -45,7 +45,9 @@ mod snapshot;
 mod sync;
 mod va;
 
-pub use arena::{AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveEvent, Stats, DEFAULT_CHUNK_BYTES};
+pub use arena::{
+    AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, DEFAULT_CHUNK_BYTES,
+};
 pub use error::{Error, Result, Status};
 pub use id::Id;
 

@@ -1,11 +1,12 @@
 //! The JSON snapshot of an arena: every range in address order and the stats.
 //!
+//! Slabs of small allocations appear as `"kind":"slab"` ranges.
 //! Written by hand (the library has no serialization dependency); the format
 //! is documented in DESIGN.md and read by the `snapshot_svg` example.
 
 use std::fmt::Write;
 
-use crate::arena::state::{Segment, State};
+use crate::arena::state::{Owner, Segment, State};
 use crate::arena::Stats;
 
 /// Renders the snapshot.
@@ -38,10 +39,22 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
             }
             Segment::Alloc(slot) => {
                 let a = st.alloc(slot);
+                if let Owner::Slab(slab) = a.owner {
+                    let sl = st.small.slab(slab);
+                    let _ = write!(
+                        s,
+                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{},\"objects\":{},\"used\":{},\"pinned\":{}}}",
+                        st.small.classes.size(sl.class),
+                        sl.members.len(),
+                        sl.used,
+                        a.pinned
+                    );
+                    continue;
+                }
                 let _ = write!(
                     s,
                     "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{}}}",
-                    st.id_of(slot).get(),
+                    st.user_id(slot).get(),
                     a.size,
                     a.backed * c,
                     cached_in(start + a.backed, start + len),
@@ -52,7 +65,7 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         }
     }
     s.push_str("],\"stats\":{");
-    let fields: [(&str, u64); 21] = [
+    let fields: [(&str, u64); 23] = [
         ("live_allocations", stats.live_allocations),
         ("live_bytes", stats.live_bytes),
         ("mapped_bytes", stats.mapped_bytes),
@@ -74,6 +87,8 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         ("cached_mapped_bytes", stats.cached_mapped_bytes),
         ("release_failures", stats.release_failures),
         ("reserve_fallbacks", stats.reserve_fallbacks),
+        ("bytes_copied", stats.bytes_copied),
+        ("small_slabs", stats.small_slabs),
     ];
     for (i, (k, v)) in fields.iter().enumerate() {
         if i > 0 {

@@ -20,11 +20,13 @@ use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::va::FreeRanges;
 use crate::Id;
 
+pub(crate) mod small;
 pub(crate) mod state;
 pub(crate) mod txn;
 
+use small::{SmallEntry, SmallTable};
 pub use state::MoveEvent;
-use state::{Alloc, Plan, State};
+use state::{Alloc, Owner, Plan, State};
 use txn::{Counters, Txn};
 
 /// Default chunk size: 2 MiB, CUDA's usual recommended granularity.
@@ -117,6 +119,11 @@ pub struct Stats {
     pub release_failures: u64,
     /// Times the virtual reservation had to be retried smaller at creation.
     pub reserve_fallbacks: u64,
+    /// Bytes copied by resizes of small allocations beyond their size class
+    /// (the only copies the arena ever makes).
+    pub bytes_copied: u64,
+    /// Chunks serving as slabs for small allocations.
+    pub small_slabs: u64,
 }
 
 /// What [`Arena::compact`] did.
@@ -142,11 +149,12 @@ pub struct AllocInfo {
     pub growable: bool,
 }
 
-type Callback = Box<dyn FnMut(&MoveEvent) + Send>;
+/// The move callback's type (see [`Arena::set_move_callback`]).
+pub type MoveCallback = Box<dyn FnMut(&MoveEvent) + Send>;
 
 struct Inner {
     st: State,
-    callback: Option<Callback>,
+    callback: Option<MoveCallback>,
     release_failures: u64,
 }
 
@@ -287,6 +295,8 @@ impl Arena {
             live_count: 0,
             peak_held_pages: 0,
             moves: 0,
+            small: SmallTable::new(chunk),
+            bytes_copied: 0,
         };
         Ok(Arena {
             driver: Box::new(driver),
@@ -366,59 +376,28 @@ impl Arena {
         let reserved = pages_for(max_size, chunk, "max_size")?;
         self.run(|inner, ctx, events| {
             let st = &mut inner.st;
-            if pages > st.obtainable_pages() {
-                return Err(Error::OutOfMemory(format!(
-                    "{size} bytes need {pages} chunks; {} are obtainable under the capacity of {} bytes",
-                    st.obtainable_pages(),
-                    st.cap_pages * chunk
-                )));
-            }
-            if reserved > st.pages {
-                return Err(Error::OutOfAddressSpace(format!(
-                    "a reservation of {} bytes exceeds the whole virtual range",
-                    reserved * chunk
-                )));
-            }
-            let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false };
-            let slot = match st.free.best_fit(reserved) {
-                Some(t) => {
-                    let mut tx = ctx.txn(st);
-                    let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
-                    if let Err(e) = plan.execute(st, &mut tx) {
-                        tx.rollback();
-                        return Err(e);
-                    }
-                    tx.commit();
-                    plan.apply(st);
-                    st.insert_alloc(Alloc { start: t, ..a })
-                }
+            let mut tx = ctx.txn(st);
+            let small = if growable { None } else { st.small.classes.class_of(size) };
+            let placed = match small {
+                Some(class) => alloc_small(st, &mut tx, class, size, events).map(Target::Small),
                 None => {
-                    let mut sim = st.clone();
-                    let mut tx = ctx.txn(st);
-                    let mut evs = Vec::new();
-                    let placed = (|| {
-                        let t = make_room(&mut sim, &mut tx, reserved, None, &mut evs)?;
-                        let mut plan = Plan::new(&sim, &[], t..t + pages, t..t + reserved)?;
-                        plan.execute(&sim, &mut tx)?;
-                        plan.apply(&mut sim);
-                        Ok::<_, Error>(sim.insert_alloc(Alloc { start: t, ..a }))
-                    })();
-                    match placed {
-                        Ok(slot) => {
-                            tx.commit();
-                            *st = sim;
-                            events.extend(evs);
-                            slot
-                        }
-                        Err(e) => {
-                            tx.rollback();
-                            return Err(e);
-                        }
-                    }
+                    alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events).map(Target::Chunks)
                 }
             };
-            let start = st.alloc(slot).start;
-            Ok((st.id_of(slot), st.addr(start)))
+            match placed {
+                Ok(Target::Small(ss)) => {
+                    tx.commit();
+                    Ok((st.small.id_of(ss), small_ptr(st, ss)))
+                }
+                Ok(Target::Chunks(slot)) => {
+                    tx.commit();
+                    Ok((st.id_of(slot), st.addr(st.alloc(slot).start)))
+                }
+                Err(e) => {
+                    tx.rollback();
+                    Err(e)
+                }
+            }
         })
     }
 
@@ -426,8 +405,21 @@ impl Arena {
     /// retain watermark), ready for the next allocation without a driver call.
     pub fn free(&self, id: Id) -> Result<()> {
         self.run(|inner, ctx, _| {
-            let slot = inner.st.lookup(id)?;
-            inner.st.remove_alloc(slot);
+            let st = &mut inner.st;
+            match st.resolve(id)? {
+                Target::Chunks(slot) => {
+                    if let Owner::Promoted(ss) = st.alloc(slot).owner {
+                        st.small.drop_slot(ss);
+                    }
+                    st.remove_alloc(slot);
+                }
+                Target::Small(ss) => {
+                    if let Some(empty_slab) = st.small.release(ss) {
+                        st.remove_alloc(empty_slab);
+                    }
+                    st.small.drop_slot(ss);
+                }
+            }
             enforce_watermark(inner, ctx);
             Ok(())
         })
@@ -441,7 +433,10 @@ impl Arena {
         let np = pages_for(new_size, chunk, "new_size")?;
         self.run(|inner, ctx, events| {
             let st = &mut inner.st;
-            let slot = st.lookup(id)?;
+            let slot = match st.resolve(id)? {
+                Target::Chunks(slot) => slot,
+                Target::Small(ss) => return resize_small(st, ctx, ss, id, new_size, events),
+            };
             let a = st.alloc(slot).clone();
             if np <= a.backed {
                 if np < a.backed {
@@ -520,7 +515,24 @@ impl Arena {
     pub fn query(&self, id: Id) -> Result<AllocInfo> {
         let inner = self.lock()?;
         let st = &inner.st;
-        let a = st.alloc(st.lookup(id)?);
+        let slot = match st.resolve(id)? {
+            Target::Chunks(slot) => slot,
+            Target::Small(ss) => {
+                let SmallEntry::InSlab { slab, size, pinned, .. } = *st.small.entry_of(ss) else {
+                    unreachable!("resolve gives Small only for objects in slabs")
+                };
+                let class = st.small.classes.size(st.small.slab(slab).class);
+                return Ok(AllocInfo {
+                    ptr: small_ptr(st, ss),
+                    size,
+                    reserved_bytes: class,
+                    mapped_bytes: class,
+                    pinned,
+                    growable: false,
+                });
+            }
+        };
+        let a = st.alloc(slot);
         Ok(AllocInfo {
             ptr: st.addr(a.start),
             size: a.size,
@@ -544,8 +556,15 @@ impl Arena {
 
     fn set_pinned(&self, id: Id, pinned: bool) -> Result<()> {
         let mut inner = self.lock()?;
-        let slot = inner.st.lookup(id)?;
-        inner.st.alloc_mut(slot).pinned = pinned;
+        let st = &mut inner.st;
+        match st.resolve(id)? {
+            Target::Chunks(slot) => st.alloc_mut(slot).pinned = pinned,
+            Target::Small(ss) => {
+                // A slab is pinned while any object in it is.
+                let (slab_slot, count) = st.small.set_pinned(ss, pinned).expect("object in a slab");
+                st.alloc_mut(slab_slot).pinned = count > 0;
+            }
+        }
         Ok(())
     }
 
@@ -635,6 +654,10 @@ impl Arena {
     /// was already given back: chunks released before the failure stay
     /// released (and are counted), the rest stay pooled, and the error is
     /// returned. Nothing is leaked either way.
+    ///
+    /// A chunk to be given back may still be mapped at the old address of a
+    /// moved allocation: then the retired ranges are released first, as by
+    /// [`Arena::release_retired`] (so the memory really goes back).
     pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
         self.run(|inner, ctx, _| trim_pool(&mut inner.st, ctx, keep_bytes))
     }
@@ -642,7 +665,7 @@ impl Arena {
     /// Installs (or, with `None`, removes) the callback told of every move.
     /// It runs during the call that moved, under the arena's lock: it must
     /// be quick and must not call into this arena (such calls fail).
-    pub fn set_move_callback(&self, callback: Option<Box<dyn FnMut(&MoveEvent) + Send>>) -> Result<()> {
+    pub fn set_move_callback(&self, callback: Option<MoveCallback>) -> Result<()> {
         self.lock()?.callback = callback;
         Ok(())
     }
@@ -658,8 +681,8 @@ impl Arena {
         let c = st.chunk;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Stats {
-            live_allocations: st.live_count,
-            live_bytes: st.live_bytes,
+            live_allocations: st.live_count + st.small.live,
+            live_bytes: st.live_bytes + st.small.live_bytes,
             mapped_bytes: st.backed_pages * c,
             pooled_bytes: st.pooled_pages() * c,
             peak_physical_bytes: st.peak_held_pages.max(st.held_pages()) * c,
@@ -679,6 +702,8 @@ impl Arena {
             cached_mapped_bytes: st.cached.len() as u64 * c,
             release_failures: inner.release_failures,
             reserve_fallbacks: self.reserve_fallbacks,
+            bytes_copied: st.bytes_copied,
+            small_slabs: st.small.slab_count(),
         }
     }
 
@@ -690,10 +715,16 @@ impl Arena {
     }
 
     fn span(&self, st: &State, id: Id, offset: u64, len: usize) -> Result<u64> {
-        let a = st.alloc(st.lookup(id)?);
+        let (ptr, size) = match st.resolve(id)? {
+            Target::Chunks(slot) => {
+                let a = st.alloc(slot);
+                (st.addr(a.start), a.size)
+            }
+            Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss)),
+        };
         match offset.checked_add(len as u64) {
-            Some(end) if end <= a.size => Ok(st.addr(a.start) + offset),
-            _ => Err(Error::invalid(format!("span {offset}+{len} exceeds the allocation's {} bytes", a.size))),
+            Some(end) if end <= size => Ok(ptr + offset),
+            _ => Err(Error::invalid(format!("span {offset}+{len} exceeds the allocation's {size} bytes"))),
         }
     }
 
@@ -710,6 +741,189 @@ impl Arena {
         let inner = self.lock()?;
         let addr = self.span(&inner.st, id, offset, out.len())?;
         self.driver.read(addr, out)
+    }
+}
+
+/// Places a new allocation of whole chunks: best fit, else after releasing
+/// retired ranges and compacting. Returns its slot. On error the state is
+/// unchanged and the caller rolls `tx` back.
+#[allow(clippy::too_many_arguments)]
+fn alloc_pages(
+    st: &mut State,
+    tx: &mut Txn<'_>,
+    pages: u64,
+    reserved: u64,
+    size: u64,
+    growable: bool,
+    owner: Owner,
+    events: &mut Vec<MoveEvent>,
+) -> Result<u32> {
+    let chunk = st.chunk;
+    if pages > st.obtainable_pages() {
+        return Err(Error::OutOfMemory(format!(
+            "{size} bytes need {pages} chunks; {} are obtainable under the capacity of {} bytes",
+            st.obtainable_pages(),
+            st.cap_pages * chunk
+        )));
+    }
+    if reserved > st.pages {
+        return Err(Error::OutOfAddressSpace(format!(
+            "a reservation of {} bytes exceeds the whole virtual range",
+            reserved * chunk
+        )));
+    }
+    let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false, owner };
+    if let Some(t) = st.free.best_fit(reserved) {
+        let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
+        plan.execute(st, tx)?;
+        plan.apply(st);
+        return Ok(st.insert_alloc(Alloc { start: t, ..a }));
+    }
+    // Several steps: work on a copy that replaces the state only on success.
+    let mut sim = st.clone();
+    let mut evs = Vec::new();
+    let t = make_room(&mut sim, tx, reserved, None, &mut evs)?;
+    let mut plan = Plan::new(&sim, &[], t..t + pages, t..t + reserved)?;
+    plan.execute(&sim, tx)?;
+    plan.apply(&mut sim);
+    let slot = sim.insert_alloc(Alloc { start: t, ..a });
+    *st = sim;
+    events.extend(evs);
+    Ok(slot)
+}
+
+/// Places a small allocation in a slab of its class, making a slab (one
+/// chunk, like any allocation) when none has room. Returns its small slot.
+fn alloc_small(st: &mut State, tx: &mut Txn<'_>, class: u16, size: u64, events: &mut Vec<MoveEvent>) -> Result<u32> {
+    let slab = match st.small.partial_slab(class) {
+        Some(s) => s,
+        None => {
+            let chunk = st.chunk;
+            let slot = alloc_pages(st, tx, 1, 1, chunk, false, Owner::Slab(u32::MAX), events)?;
+            let slab = st.small.add_slab(class, slot);
+            st.alloc_mut(slot).owner = Owner::Slab(slab);
+            slab
+        }
+    };
+    Ok(st.small.take(slab, size).0)
+}
+
+/// Address of a small allocation in its slab.
+fn small_ptr(st: &State, small_slot: u32) -> u64 {
+    match st.small.slots[small_slot as usize].entry.as_ref().expect("live small slot") {
+        SmallEntry::InSlab { slab, index, .. } => {
+            let s = st.small.slab(*slab);
+            st.addr(st.alloc(s.alloc_slot).start) + *index as u64 * st.small.classes.size(s.class)
+        }
+        SmallEntry::Promoted { alloc_slot } => st.addr(st.alloc(*alloc_slot).start),
+    }
+}
+
+/// Resizes a small allocation. Within its class it stays where it is;
+/// beyond, it gets a new place (another class, or whole chunks) and its
+/// bytes are copied — the one place where the arena copies. The copy counts
+/// in `bytes_copied`, and the address change is reported like a move.
+fn resize_small(
+    st: &mut State,
+    ctx: &Ctx<'_>,
+    ss: u32,
+    id: Id,
+    new_size: u64,
+    events: &mut Vec<MoveEvent>,
+) -> Result<u64> {
+    let SmallEntry::InSlab { slab, size, pinned, .. } = *st.small.entry_of(ss) else {
+        unreachable!("resolve gives Small only for objects in slabs")
+    };
+    let class = st.small.slab(slab).class;
+    if new_size <= st.small.classes.size(class) {
+        st.small.set_size(ss, new_size);
+        return Ok(small_ptr(st, ss));
+    }
+    if pinned {
+        return Err(Error::Pinned(id.get()));
+    }
+    let mut sim = st.clone();
+    let mut tx = ctx.txn(st);
+    let mut evs = Vec::new();
+    let done = (|| {
+        let chunk = sim.chunk;
+        let new_place = match sim.small.classes.class_of(new_size) {
+            Some(c) => {
+                let tmp = alloc_small(&mut sim, &mut tx, c, new_size, &mut evs)?;
+                NewPlace::Small(tmp)
+            }
+            None => {
+                let pages = pages_for(new_size, chunk, "new_size")?;
+                let owner = Owner::Promoted(ss);
+                NewPlace::Chunks(alloc_pages(&mut sim, &mut tx, pages, pages, new_size, false, owner, &mut evs)?)
+            }
+        };
+        // Placing the new object may have compacted: read the old address now.
+        let old_ptr = small_ptr(&sim, ss);
+        let new_ptr = match new_place {
+            NewPlace::Small(tmp) => small_ptr(&sim, tmp),
+            NewPlace::Chunks(slot) => sim.addr(sim.alloc(slot).start),
+        };
+        ctx.drv.copy(new_ptr, old_ptr, size.min(new_size))?;
+        sim.bytes_copied += size.min(new_size);
+        if let Some(empty_slab) = sim.small.release(ss) {
+            sim.remove_alloc(empty_slab);
+        }
+        match new_place {
+            NewPlace::Small(tmp) => sim.small.adopt(ss, tmp),
+            NewPlace::Chunks(slot) => sim.small.set_entry(ss, SmallEntry::Promoted { alloc_slot: slot }),
+        }
+        sim.moves += 1;
+        evs.push(MoveEvent { id, old_ptr, new_ptr, size: new_size });
+        Ok::<_, Error>(new_ptr)
+    })();
+    match done {
+        Ok(ptr) => {
+            tx.commit();
+            *st = sim;
+            events.extend(evs);
+            Ok(ptr)
+        }
+        Err(e) => {
+            tx.rollback();
+            Err(e)
+        }
+    }
+}
+
+enum NewPlace {
+    Small(u32),
+    Chunks(u32),
+}
+
+/// What an id names.
+pub(crate) enum Target {
+    /// An allocation of whole chunks (its arena slot).
+    Chunks(u32),
+    /// A small allocation in a slab (its small-table slot).
+    Small(u32),
+}
+
+impl State {
+    /// Resolves a caller's id; unknown, freed and internal ids are errors.
+    pub(crate) fn resolve(&self, id: Id) -> Result<Target> {
+        if !id.is_small() {
+            return self.lookup(id).map(Target::Chunks);
+        }
+        let (slot, generation) = id.parts();
+        match self.small.entry(slot, generation) {
+            Some(SmallEntry::InSlab { .. }) => Ok(Target::Small(slot)),
+            Some(SmallEntry::Promoted { alloc_slot }) => Ok(Target::Chunks(*alloc_slot)),
+            None => Err(Error::UnknownAllocation(id.get())),
+        }
+    }
+
+    /// The id a caller knows an allocation of whole chunks by.
+    pub(crate) fn user_id(&self, slot: u32) -> Id {
+        match self.alloc(slot).owner {
+            Owner::Promoted(ss) => self.small.id_of(ss),
+            _ => self.id_of(slot),
+        }
     }
 }
 
@@ -775,15 +989,34 @@ fn move_alloc(
     st.free.remove(dest, reserved);
     st.by_start.insert(dest, slot);
     st.backed_pages += backed - a.backed;
-    st.live_bytes = st.live_bytes - a.size + size;
-    st.moves += 1;
+    if !matches!(a.owner, Owner::Slab(_)) {
+        st.live_bytes = st.live_bytes - a.size + size;
+    }
     let m = st.alloc_mut(slot);
     m.start = dest;
     m.reserved = reserved;
     m.backed = backed;
     m.size = size;
-    let id = st.id_of(slot);
-    evs.push(MoveEvent { id, old_ptr: st.addr(a.start), new_ptr: st.addr(dest), size });
+    let (old, new) = (st.addr(a.start), st.addr(dest));
+    match a.owner {
+        // Every object of a slab moves with it.
+        Owner::Slab(slab) => {
+            let s = st.small.slab(slab);
+            let class = st.small.classes.size(s.class);
+            for (i, member) in s.members.iter().enumerate() {
+                if let Some(ss) = *member {
+                    let off = i as u64 * class;
+                    let id = st.small.id_of(ss);
+                    evs.push(MoveEvent { id, old_ptr: old + off, new_ptr: new + off, size: st.small.size_of(ss) });
+                    st.moves += 1;
+                }
+            }
+        }
+        _ => {
+            evs.push(MoveEvent { id: st.user_id(slot), old_ptr: old, new_ptr: new, size });
+            st.moves += 1;
+        }
+    }
     Ok(())
 }
 
@@ -814,6 +1047,25 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     }
     let mut k = (pooled - keep) as usize;
     let mut released = 0u64;
+    // A chunk about to be given back may still be mapped at the retired
+    // (old) address of a moved allocation. Its memory would outlive the
+    // release, and a later rollback could not map it back there: release
+    // the retired ranges first (undoable until committed, like any unmap).
+    let from_pool = k.min(st.pool.len());
+    let mut doomed: std::collections::HashSet<_> = st.pool.iter().rev().take(from_pool).copied().collect();
+    doomed.extend(st.cached.iter().rev().take(k - from_pool).filter_map(|&p| st.mapped[p as usize]));
+    let retired_hold = st
+        .retired
+        .iter()
+        .any(|(&s, &l)| (s..s + l).any(|p| st.mapped[p as usize].is_some_and(|h| doomed.contains(&h))));
+    if retired_hold {
+        let mut tx = ctx.txn(st);
+        if let Err(e) = release_retired_into(st, &mut tx) {
+            tx.rollback();
+            return Err(e);
+        }
+        tx.commit();
+    }
     // Unmapped pooled chunks first: giving them back needs no unmap.
     while k > 0 {
         let Some(&h) = st.pool.last() else { break };

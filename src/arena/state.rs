@@ -16,12 +16,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::small::SmallTable;
 use super::txn::Txn;
 use crate::driver::ChunkHandle;
 use crate::error::{Error, Result};
 use crate::va::FreeRanges;
 
-/// One live allocation.
+/// One live allocation of whole chunks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Alloc {
     pub start: u64,
@@ -30,6 +31,19 @@ pub(crate) struct Alloc {
     pub size: u64,
     pub growable: bool,
     pub pinned: bool,
+    pub owner: Owner,
+}
+
+/// Who an allocation of whole chunks belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// A caller, through its id.
+    User,
+    /// The slab of this index (small allocations live inside it).
+    Slab(u32),
+    /// A small allocation resized beyond the small classes: the caller
+    /// knows it by the small id of this small-table slot.
+    Promoted(u32),
 }
 
 #[derive(Clone, Debug)]
@@ -66,6 +80,10 @@ pub(crate) struct State {
     pub live_count: u64,
     pub peak_held_pages: u64,
     pub moves: u64,
+    /// Small allocations and their slabs.
+    pub small: SmallTable,
+    /// Bytes copied by resizes of small allocations beyond their class.
+    pub bytes_copied: u64,
 }
 
 /// A relocation that happened, reported to the move callback.
@@ -110,7 +128,11 @@ impl State {
     pub fn lookup(&self, id: crate::Id) -> Result<u32> {
         let (slot, generation) = id.parts();
         match self.slots.get(slot as usize) {
-            Some(s) if s.generation == generation && s.alloc.is_some() => Ok(slot),
+            Some(Slot { generation: g, alloc: Some(a) })
+                if *g == generation && a.owner == Owner::User && !id.is_small() =>
+            {
+                Ok(slot)
+            }
             _ => Err(Error::UnknownAllocation(id.get())),
         }
     }
@@ -127,8 +149,10 @@ impl State {
     pub fn insert_alloc(&mut self, a: Alloc) -> u32 {
         self.free.remove(a.start, a.reserved);
         self.backed_pages += a.backed;
-        self.live_bytes += a.size;
-        self.live_count += 1;
+        if !matches!(a.owner, Owner::Slab(_)) {
+            self.live_bytes += a.size;
+            self.live_count += 1;
+        }
         let slot = match self.free_slots.pop() {
             Some(s) => s,
             None => {
@@ -146,8 +170,9 @@ impl State {
     pub fn remove_alloc(&mut self, slot: u32) {
         let s = &mut self.slots[slot as usize];
         let a = s.alloc.take().expect("live slot");
-        // A generation that would wrap retires the slot forever: ids are never reused.
-        if s.generation < u32::MAX {
+        // A generation that would wrap (31 bits: the top bit tags small ids)
+        // retires the slot forever: ids are never reused.
+        if s.generation < u32::MAX >> 1 {
             s.generation += 1;
             self.free_slots.push(slot);
         }
@@ -156,8 +181,10 @@ impl State {
             self.cached.insert(p);
         }
         self.backed_pages -= a.backed;
-        self.live_bytes -= a.size;
-        self.live_count -= 1;
+        if !matches!(a.owner, Owner::Slab(_)) {
+            self.live_bytes -= a.size;
+            self.live_count -= 1;
+        }
         self.free.insert(a.start, a.reserved);
     }
 

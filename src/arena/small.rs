@@ -1,0 +1,385 @@
+//! Small allocations packed into shared chunks by size class.
+//!
+//! An allocation of at most half a chunk (1 MiB with 2 MiB chunks) takes a
+//! slot in a *slab*: one chunk, allocated from the arena like any other
+//! allocation, cut into equal objects of one size class. Slabs move by
+//! remapping like any allocation, and every small allocation in a moved slab
+//! moves with it (the move callback fires for each).
+//!
+//! Classes: multiples of 256 bytes (the alignment the contract promises),
+//! four per power of two up to an eighth of a chunk — so a request of 1 KiB
+//! or more wastes at most a fifth of its class (less than 256 bytes below
+//! 1 KiB) — and above that
+//! the chunk divided by 7, 6, ..., 2 (rounded down to 256), so a slab of a
+//! large class wastes at most 256 bytes per object at its tail instead of
+//! up to a third of the chunk.
+//!
+//! This module is bookkeeping only: which slab and index an allocation
+//! uses. The arena maps slabs and reports moves.
+
+use std::collections::BTreeSet;
+
+/// Objects are aligned to this (and class sizes are multiples of it).
+pub const SMALL_ALIGN: u64 = 256;
+
+/// The size classes of one chunk size.
+#[derive(Clone, Debug)]
+pub(crate) struct SizeClasses {
+    chunk: u64,
+    sizes: Vec<u64>,
+}
+
+impl SizeClasses {
+    pub fn new(chunk: u64) -> SizeClasses {
+        let mut sizes = Vec::new();
+        let eighth = chunk / 8;
+        let mut base = SMALL_ALIGN;
+        'outer: while base < eighth {
+            for q in 0..4 {
+                let s = (base + base * q / 4) / SMALL_ALIGN * SMALL_ALIGN;
+                if s > eighth {
+                    break 'outer;
+                }
+                if sizes.last() != Some(&s) {
+                    sizes.push(s);
+                }
+            }
+            base *= 2;
+        }
+        for n in (2..=8).rev() {
+            let s = chunk / n / SMALL_ALIGN * SMALL_ALIGN;
+            if s >= SMALL_ALIGN && sizes.last().map_or(true, |&l| s > l) {
+                sizes.push(s);
+            }
+        }
+        SizeClasses { chunk, sizes }
+    }
+
+    /// The largest small size; larger requests get whole chunks.
+    pub fn threshold(&self) -> u64 {
+        self.sizes.last().copied().unwrap_or(0)
+    }
+
+    /// The class of a request, or `None` if it is not small.
+    pub fn class_of(&self, size: u64) -> Option<u16> {
+        if size == 0 || size > self.threshold() {
+            return None;
+        }
+        Some(self.sizes.partition_point(|&s| s < size) as u16)
+    }
+
+    pub fn size(&self, class: u16) -> u64 {
+        self.sizes[class as usize]
+    }
+
+    pub fn per_slab(&self, class: u16) -> u32 {
+        (self.chunk / self.size(class)) as u32
+    }
+
+    pub fn count(&self) -> usize {
+        self.sizes.len()
+    }
+}
+
+/// One slab: a chunk-sized arena allocation cut into objects of one class.
+#[derive(Clone, Debug)]
+pub(crate) struct Slab {
+    /// The arena slot of the slab's chunk allocation.
+    pub alloc_slot: u32,
+    pub class: u16,
+    /// Small-table slot of the allocation at each index.
+    pub members: Vec<Option<u32>>,
+    free: Vec<u32>,
+    pub used: u32,
+    pub pinned: u32,
+}
+
+/// Where a small id's bytes are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum SmallEntry {
+    /// In a slab, at an index.
+    InSlab { slab: u32, index: u32, size: u64, pinned: bool },
+    /// Resized beyond the small classes: now a whole-chunk allocation in
+    /// this arena slot (the id stays the same).
+    Promoted { alloc_slot: u32 },
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct SmallSlot {
+    pub generation: u32,
+    pub entry: Option<SmallEntry>,
+}
+
+/// All slabs and small allocations of an arena.
+#[derive(Clone, Debug)]
+pub(crate) struct SmallTable {
+    pub classes: SizeClasses,
+    pub slots: Vec<SmallSlot>,
+    free_slots: Vec<u32>,
+    pub slabs: Vec<Option<Slab>>,
+    free_slabs: Vec<u32>,
+    /// Slabs with a free object, per class.
+    partial: Vec<BTreeSet<u32>>,
+    /// Live small allocations in slabs, and their requested bytes.
+    pub live: u64,
+    pub live_bytes: u64,
+}
+
+impl SmallTable {
+    pub fn new(chunk: u64) -> SmallTable {
+        let classes = SizeClasses::new(chunk);
+        let n = classes.count();
+        SmallTable {
+            classes,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            slabs: Vec::new(),
+            free_slabs: Vec::new(),
+            partial: vec![BTreeSet::new(); n],
+            live: 0,
+            live_bytes: 0,
+        }
+    }
+
+    /// A slab of `class` with a free object, if any.
+    pub fn partial_slab(&self, class: u16) -> Option<u32> {
+        self.partial[class as usize].first().copied()
+    }
+
+    /// Registers a new, empty slab over the arena allocation `alloc_slot`.
+    pub fn add_slab(&mut self, class: u16, alloc_slot: u32) -> u32 {
+        let n = self.classes.per_slab(class);
+        let slab = Slab {
+            alloc_slot,
+            class,
+            members: vec![None; n as usize],
+            free: (0..n).rev().collect(),
+            used: 0,
+            pinned: 0,
+        };
+        let idx = match self.free_slabs.pop() {
+            Some(i) => {
+                self.slabs[i as usize] = Some(slab);
+                i
+            }
+            None => {
+                self.slabs.push(Some(slab));
+                (self.slabs.len() - 1) as u32
+            }
+        };
+        self.partial[class as usize].insert(idx);
+        idx
+    }
+
+    pub fn slab(&self, idx: u32) -> &Slab {
+        self.slabs[idx as usize].as_ref().expect("live slab")
+    }
+
+    fn slab_mut(&mut self, idx: u32) -> &mut Slab {
+        self.slabs[idx as usize].as_mut().expect("live slab")
+    }
+
+    fn new_slot(&mut self, entry: SmallEntry) -> u32 {
+        match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize].entry = Some(entry);
+                s
+            }
+            None => {
+                self.slots.push(SmallSlot { generation: 1, entry: Some(entry) });
+                (self.slots.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Takes an object of `slab` for a new allocation of `size` bytes;
+    /// returns (small slot, index).
+    pub fn take(&mut self, slab: u32, size: u64) -> (u32, u32) {
+        let index = self.slab_mut(slab).free.pop().expect("partial slab has a free object");
+        let slot = self.new_slot(SmallEntry::InSlab { slab, index, size, pinned: false });
+        let s = self.slab_mut(slab);
+        s.members[index as usize] = Some(slot);
+        s.used += 1;
+        let (class, full) = (s.class, s.free.is_empty());
+        if full {
+            self.partial[class as usize].remove(&slab);
+        }
+        self.live += 1;
+        self.live_bytes += size;
+        (slot, index)
+    }
+
+    /// Gives an object back. Returns the slab's arena slot if the slab is
+    /// now empty and was dropped (the caller frees that allocation).
+    pub fn give_back(&mut self, slab: u32, index: u32, size: u64) -> Option<u32> {
+        let s = self.slab_mut(slab);
+        s.members[index as usize] = None;
+        s.free.push(index);
+        s.used -= 1;
+        let (class, used, alloc_slot) = (s.class, s.used, s.alloc_slot);
+        self.live -= 1;
+        self.live_bytes -= size;
+        if used == 0 {
+            self.partial[class as usize].remove(&slab);
+            self.slabs[slab as usize] = None;
+            self.free_slabs.push(slab);
+            return Some(alloc_slot);
+        }
+        self.partial[class as usize].insert(slab);
+        None
+    }
+
+    /// The entry of a live small slot.
+    pub fn entry_of(&self, slot: u32) -> &SmallEntry {
+        self.slots[slot as usize].entry.as_ref().expect("live small slot")
+    }
+
+    /// The caller's id of a live small slot.
+    pub fn id_of(&self, slot: u32) -> crate::Id {
+        crate::Id::compose_small(slot, self.slots[slot as usize].generation)
+    }
+
+    /// Requested size of a small allocation (in a slab).
+    pub fn size_of(&self, slot: u32) -> u64 {
+        match self.entry_of(slot) {
+            SmallEntry::InSlab { size, .. } => *size,
+            SmallEntry::Promoted { .. } => 0,
+        }
+    }
+
+    /// Slabs in use.
+    pub fn slab_count(&self) -> u64 {
+        (self.slabs.len() - self.free_slabs.len()) as u64
+    }
+
+    /// Gives back the object of small slot `slot` (unpinning it first); the
+    /// slot itself stays. Returns the arena slot of the slab if it is now
+    /// empty and was dropped.
+    pub fn release(&mut self, slot: u32) -> Option<u32> {
+        let SmallEntry::InSlab { slab, index, size, pinned } = *self.entry_of(slot) else {
+            return None;
+        };
+        if pinned {
+            self.set_pinned(slot, false);
+        }
+        self.give_back(slab, index, size)
+    }
+
+    /// Moves the object of `tmp` (a fresh slot) under the identity of `slot`
+    /// and forgets `tmp`.
+    pub fn adopt(&mut self, slot: u32, tmp: u32) {
+        let entry = self.slots[tmp as usize].entry.take().expect("live tmp slot");
+        if let SmallEntry::InSlab { slab, index, .. } = entry {
+            self.slab_mut(slab).members[index as usize] = Some(slot);
+        }
+        self.slots[slot as usize].entry = Some(entry);
+        self.drop_slot(tmp);
+    }
+
+    /// Frees a small slot's id (bumps the generation; retires a wrapping slot).
+    pub fn drop_slot(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        s.entry = None;
+        // Small ids keep one bit of the generation for the "small" tag.
+        if s.generation < (u32::MAX >> 1) {
+            s.generation += 1;
+            self.free_slots.push(slot);
+        }
+    }
+
+    pub fn set_entry(&mut self, slot: u32, entry: SmallEntry) {
+        self.slots[slot as usize].entry = Some(entry);
+    }
+
+    pub fn entry(&self, slot: u32, generation: u32) -> Option<&SmallEntry> {
+        match self.slots.get(slot as usize) {
+            Some(s) if s.generation == generation => s.entry.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// Pins or unpins one object; returns the slab's new pinned count.
+    pub fn set_pinned(&mut self, slot: u32, pinned: bool) -> Option<(u32, u32)> {
+        let Some(SmallEntry::InSlab { slab, pinned: p, .. }) = self.slots[slot as usize].entry.as_mut() else {
+            return None;
+        };
+        let slab = *slab;
+        let changed = *p != pinned;
+        *p = pinned;
+        let s = self.slab_mut(slab);
+        if changed {
+            if pinned {
+                s.pinned += 1;
+            } else {
+                s.pinned -= 1;
+            }
+        }
+        Some((s.alloc_slot, s.pinned))
+    }
+
+    /// Updates the requested size of an object (resize within its class).
+    pub fn set_size(&mut self, slot: u32, new_size: u64) {
+        if let Some(SmallEntry::InSlab { size, .. }) = self.slots[slot as usize].entry.as_mut() {
+            self.live_bytes = self.live_bytes - *size + new_size;
+            *size = new_size;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const C: u64 = 2 << 20;
+
+    #[test]
+    fn classes_are_aligned_increasing_and_bounded_in_waste() {
+        let c = SizeClasses::new(C);
+        assert_eq!(c.threshold(), 1 << 20);
+        let mut prev = 0;
+        for i in 0..c.count() as u16 {
+            let s = c.size(i);
+            assert!(s > prev && s % SMALL_ALIGN == 0, "{s}");
+            prev = s;
+        }
+        // Worst case per object: just above a class boundary.
+        // Below 1 KiB the 256-byte alignment dominates: waste under 256 bytes.
+        for size in [1u64, 255, 257, 513, 1000] {
+            let s = c.size(c.class_of(size).unwrap());
+            assert!(s >= size && s - size < SMALL_ALIGN, "{size} -> {s}");
+        }
+        for size in [1025u64, 4097, 65537, 262145, 300_000, 700_000, 1 << 20] {
+            let s = c.size(c.class_of(size).unwrap());
+            assert!(s >= size);
+            assert!((s - size) as f64 / s as f64 <= 0.34, "{size} -> {s}");
+        }
+        assert_eq!(c.class_of((1 << 20) + 1), None);
+        assert_eq!(c.class_of(0), None);
+        assert_eq!(c.size(c.class_of(1).unwrap()), 256);
+        // Large classes fill the chunk up to less than one alignment unit per object.
+        for i in 0..c.count() as u16 {
+            let n = c.per_slab(i) as u64;
+            if c.size(i) > C / 8 {
+                assert!(C - n * c.size(i) < SMALL_ALIGN * n, "class {}", c.size(i));
+            }
+        }
+    }
+
+    #[test]
+    fn slabs_fill_and_empty() {
+        let mut t = SmallTable::new(C);
+        let cls = t.classes.class_of(1 << 20).unwrap();
+        assert_eq!(t.classes.per_slab(cls), 2);
+        let slab = t.add_slab(cls, 7);
+        let (a, ia) = t.take(slab, 1 << 20);
+        let (b, ib) = t.take(slab, 1000);
+        assert_ne!(ia, ib);
+        assert_eq!(t.partial_slab(cls), None, "full");
+        assert_eq!(t.give_back(slab, ia, 1 << 20), None);
+        t.drop_slot(a);
+        assert_eq!(t.partial_slab(cls), Some(slab));
+        assert_eq!(t.give_back(slab, ib, 1000), Some(7), "empty slab is dropped");
+        t.drop_slot(b);
+        assert_eq!((t.live, t.live_bytes), (0, 0));
+    }
+}
