@@ -736,6 +736,24 @@ impl Arena {
         self.driver.write(addr, data)
     }
 
+    /// Records an event on a device stream (a `CUstream`, 0 = the legacy
+    /// default stream), for stream-ordered frees: memory freed by work on
+    /// that stream may be handed out again once the event has completed.
+    /// `None` on backends without asynchronous streams (the host).
+    pub fn record_event(&self, stream: u64) -> Result<Option<u64>> {
+        self.driver.record_event(stream)
+    }
+
+    /// Whether an event from [`Arena::record_event`] has completed.
+    pub fn event_complete(&self, event: u64) -> Result<bool> {
+        self.driver.event_complete(event)
+    }
+
+    /// Destroys an event from [`Arena::record_event`].
+    pub fn destroy_event(&self, event: u64) -> Result<()> {
+        self.driver.destroy_event(event)
+    }
+
     /// Copies bytes of the allocation at `offset` into `out`.
     pub fn read(&self, id: Id, offset: u64, out: &mut [u8]) -> Result<()> {
         let inner = self.lock()?;

@@ -57,6 +57,7 @@ type Code = c_uint;
 
 const SUCCESS: Code = CUresult::CUDA_SUCCESS as Code;
 const OUT_OF_MEMORY: Code = CUresult::CUDA_ERROR_OUT_OF_MEMORY as Code;
+const NOT_READY: Code = CUresult::CUDA_ERROR_NOT_READY as Code;
 
 /// Declares `Api`, the table of driver functions, and `REQUIRED_SYMBOLS`.
 /// Field names are the exported symbol names (the versioned `_v2` ones where
@@ -141,6 +142,10 @@ driver_api! {
     cuMemcpyHtoD_v2: fn(sys::CUdeviceptr, *const c_void, usize);
     cuMemcpyDtoD_v2: fn(sys::CUdeviceptr, sys::CUdeviceptr, usize);
     cuMemsetD32_v2: fn(sys::CUdeviceptr, c_uint, usize);
+    cuEventCreate: fn(*mut sys::CUevent, c_uint);
+    cuEventRecord: fn(sys::CUevent, sys::CUstream);
+    cuEventQuery: fn(sys::CUevent);
+    cuEventDestroy_v2: fn(sys::CUevent);
 }
 
 /// The resolved table, or the name of the missing symbol.
@@ -441,6 +446,38 @@ impl Lib {
         // SAFETY: resolved function; device addresses only, validated by the
         // driver; no host memory is involved.
         self.check("cuMemcpyDtoD", unsafe { (self.api.cuMemcpyDtoD_v2)(dst, src, len) })
+    }
+
+    fn event_record(self, stream: u64) -> Result<u64> {
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: resolved function; `ev` is a valid out-pointer.
+        self.check("cuEventCreate", unsafe {
+            (self.api.cuEventCreate)(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint)
+        })?;
+        // SAFETY: `ev` was just created; the stream handle is the caller's
+        // (a CUstream of this context, or 0), validated by the driver.
+        let recorded = self.check("cuEventRecord", unsafe { (self.api.cuEventRecord)(ev, stream as sys::CUstream) });
+        if let Err(e) = recorded {
+            // SAFETY: `ev` is a live event that nothing else refers to.
+            let _ = unsafe { (self.api.cuEventDestroy_v2)(ev) };
+            return Err(e);
+        }
+        Ok(ev as u64)
+    }
+
+    fn event_query(self, ev: u64) -> Result<bool> {
+        // SAFETY: `ev` came from `event_record` and is not destroyed yet
+        // (the caller owns it until `event_destroy`).
+        match unsafe { (self.api.cuEventQuery)(ev as sys::CUevent) } {
+            SUCCESS => Ok(true),
+            NOT_READY => Ok(false),
+            code => self.check("cuEventQuery", code).map(|_| false),
+        }
+    }
+
+    fn event_destroy(self, ev: u64) -> Result<()> {
+        // SAFETY: as in `event_query`; destroyed once by its owner.
+        self.check("cuEventDestroy", unsafe { (self.api.cuEventDestroy_v2)(ev as sys::CUevent) })
     }
 
     fn memset_d32(self, dst: u64, value: u32, count: usize) -> Result<()> {
@@ -750,6 +787,21 @@ impl Driver for CudaDriver {
         self.lib.memcpy_dtod(dst, src, len)?;
         // Device-to-device copies are asynchronous to the host.
         self.lib.default_stream_synchronize()
+    }
+
+    fn record_event(&self, stream: u64) -> Result<Option<u64>> {
+        let _cur = self.enter()?;
+        self.lib.event_record(stream).map(Some)
+    }
+
+    fn event_complete(&self, event: u64) -> Result<bool> {
+        let _cur = self.enter()?;
+        self.lib.event_query(event)
+    }
+
+    fn destroy_event(&self, event: u64) -> Result<()> {
+        let _cur = self.enter()?;
+        self.lib.event_destroy(event)
     }
 }
 

@@ -120,6 +120,27 @@ pub trait Driver: Send + Sync {
 
     /// Copies `len` bytes between two mapped, accessible spans (may not overlap).
     fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()>;
+
+    /// Records an event on `stream` (a `CUstream`; 0 is the legacy default
+    /// stream) and returns it, so memory freed now can be handed out again
+    /// only once the stream has passed this point. `None`: the backend has no
+    /// asynchronous streams (the host), the memory is reusable at once.
+    fn record_event(&self, stream: u64) -> Result<Option<u64>> {
+        let _ = stream;
+        Ok(None)
+    }
+
+    /// Whether a recorded event has completed.
+    fn event_complete(&self, event: u64) -> Result<bool> {
+        let _ = event;
+        Ok(true)
+    }
+
+    /// Destroys a recorded event.
+    fn destroy_event(&self, event: u64) -> Result<()> {
+        let _ = event;
+        Ok(())
+    }
 }
 
 impl<T: Driver + ?Sized> Driver for std::sync::Arc<T> {
@@ -165,6 +186,15 @@ impl<T: Driver + ?Sized> Driver for std::sync::Arc<T> {
     fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
         (**self).copy(dst, src, len)
     }
+    fn record_event(&self, stream: u64) -> Result<Option<u64>> {
+        (**self).record_event(stream)
+    }
+    fn event_complete(&self, event: u64) -> Result<bool> {
+        (**self).event_complete(event)
+    }
+    fn destroy_event(&self, event: u64) -> Result<()> {
+        (**self).destroy_event(event)
+    }
 }
 
 impl<T: Driver + ?Sized> Driver for Box<T> {
@@ -209,5 +239,14 @@ impl<T: Driver + ?Sized> Driver for Box<T> {
     }
     fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
         (**self).copy(dst, src, len)
+    }
+    fn record_event(&self, stream: u64) -> Result<Option<u64>> {
+        (**self).record_event(stream)
+    }
+    fn event_complete(&self, event: u64) -> Result<bool> {
+        (**self).event_complete(event)
+    }
+    fn destroy_event(&self, event: u64) -> Result<()> {
+        (**self).destroy_event(event)
     }
 }
