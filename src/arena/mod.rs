@@ -435,7 +435,13 @@ impl Arena {
             let st = &mut inner.st;
             let slot = match st.resolve(id)? {
                 Target::Chunks(slot) => slot,
-                Target::Small(ss) => return resize_small(st, ctx, ss, id, new_size, events),
+                Target::Small(ss) => {
+                    // Moving out of a slab may empty it: its chunk joins the
+                    // pool, which the watermark applies to as after a free.
+                    let ptr = resize_small(st, ctx, ss, id, new_size, events)?;
+                    enforce_watermark(inner, ctx);
+                    return Ok(ptr);
+                }
             };
             let a = st.alloc(slot).clone();
             if np <= a.backed {
@@ -583,9 +589,14 @@ impl Arena {
                 release_retired_into(&mut sim, &mut tx)?;
                 // Top-down passes: each unpinned allocation moves into the
                 // best-fitting hole below it; the space it leaves joins the
-                // free space above once the old ranges are released.
+                // free space above once the old ranges are released. A move
+                // is made only if it does not shrink the largest free range
+                // (counting retired ranges as free, as they will be at the
+                // end of the pass): filling a big hole to free a small
+                // pocket between pinned neighbours would fragment, not compact.
                 for _pass in 0..8 {
                     let mut moved = false;
+                    let mut after = sim.free.clone();
                     let order: Vec<u32> = sim.by_start.values().rev().copied().collect();
                     for slot in order {
                         let a = sim.alloc(slot).clone();
@@ -594,6 +605,14 @@ impl Arena {
                         }
                         let hole = sim.free.best_fit_where(a.reserved, 64, |s, _| s < a.start);
                         if let Some(t) = hole {
+                            let largest = after.largest();
+                            after.remove(t, a.reserved);
+                            after.insert(a.start, a.reserved);
+                            if after.largest() < largest {
+                                after.remove(a.start, a.reserved);
+                                after.insert(t, a.reserved);
+                                continue;
+                            }
                             move_alloc(&mut sim, &mut tx, slot, t, a.backed, a.reserved, a.size, &mut evs)?;
                             report.moved_allocations += 1;
                             report.moved_bytes += a.backed * sim.chunk;

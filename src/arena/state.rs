@@ -285,8 +285,18 @@ impl Plan {
             have += stolen.len() as u64;
             plan.unmap.extend(stolen);
         }
+        let room = st.cap_pages.saturating_sub(st.held_pages());
+        if have + room < fresh_needed {
+            // Last resort before running out of memory: the cached chunks
+            // `keep` protects (the reservation's own unbacked pages).
+            let want = (fresh_needed - have - room) as usize;
+            let tail = st.cached.range(pages.end.max(keep.start)..keep.end.max(pages.end)).rev();
+            let head = st.cached.range(keep.start.min(pages.start)..pages.start).rev();
+            let stolen: Vec<u64> = tail.chain(head).copied().take(want).collect();
+            have += stolen.len() as u64;
+            plan.unmap.extend(stolen);
+        }
         if have < fresh_needed {
-            let room = st.cap_pages.saturating_sub(st.held_pages());
             plan.create = (fresh_needed - have) as usize;
             if plan.create as u64 > room {
                 return Err(Error::OutOfMemory(format!(

@@ -1,0 +1,526 @@
+//! Helpers shared by the core's integration tests: a reader for the arena's
+//! JSON snapshot (the library has no JSON dependency, and neither do its
+//! tests), byte stamps that prove contents survive moves, and the leak and
+//! equality checks the model, fault and concurrency tests have in common.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+use vmm_arena::{Arena, Id, Stats};
+
+// ---------------------------------------------------------------- JSON
+
+/// A parsed JSON value (only what the snapshot uses: no floats, no escapes
+/// beyond the basic ones).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Json {
+    Null,
+    Bool(bool),
+    Num(u64),
+    Str(String),
+    Arr(Vec<Json>),
+    Obj(BTreeMap<String, Json>),
+}
+
+impl Json {
+    pub fn parse(text: &str) -> Json {
+        let b = text.as_bytes();
+        let mut at = 0;
+        let v = parse_value(b, &mut at);
+        skip_ws(b, &mut at);
+        assert_eq!(at, b.len(), "trailing text after the JSON value");
+        v
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Json> {
+        match self {
+            Json::Obj(m) => m.get(key),
+            _ => None,
+        }
+    }
+
+    pub fn u64(&self, key: &str) -> u64 {
+        match self.get(key) {
+            Some(Json::Num(n)) => *n,
+            other => panic!("field {key}: expected a number, got {other:?}"),
+        }
+    }
+
+    pub fn bool(&self, key: &str) -> bool {
+        match self.get(key) {
+            Some(Json::Bool(b)) => *b,
+            other => panic!("field {key}: expected a bool, got {other:?}"),
+        }
+    }
+
+    pub fn str(&self, key: &str) -> &str {
+        match self.get(key) {
+            Some(Json::Str(s)) => s,
+            other => panic!("field {key}: expected a string, got {other:?}"),
+        }
+    }
+}
+
+fn skip_ws(b: &[u8], at: &mut usize) {
+    while *at < b.len() && b[*at].is_ascii_whitespace() {
+        *at += 1;
+    }
+}
+
+fn expect(b: &[u8], at: &mut usize, c: u8) {
+    skip_ws(b, at);
+    assert_eq!(b.get(*at), Some(&c), "expected {:?} at byte {}", c as char, *at);
+    *at += 1;
+}
+
+fn parse_value(b: &[u8], at: &mut usize) -> Json {
+    skip_ws(b, at);
+    match b[*at] {
+        b'{' => {
+            *at += 1;
+            let mut m = BTreeMap::new();
+            skip_ws(b, at);
+            if b[*at] == b'}' {
+                *at += 1;
+                return Json::Obj(m);
+            }
+            loop {
+                let Json::Str(k) = parse_value(b, at) else { panic!("object key is not a string") };
+                expect(b, at, b':');
+                let v = parse_value(b, at);
+                assert!(m.insert(k.clone(), v).is_none(), "duplicate key {k}");
+                skip_ws(b, at);
+                match b[*at] {
+                    b',' => *at += 1,
+                    b'}' => {
+                        *at += 1;
+                        return Json::Obj(m);
+                    }
+                    c => panic!("unexpected {:?} in object", c as char),
+                }
+            }
+        }
+        b'[' => {
+            *at += 1;
+            let mut v = Vec::new();
+            skip_ws(b, at);
+            if b[*at] == b']' {
+                *at += 1;
+                return Json::Arr(v);
+            }
+            loop {
+                v.push(parse_value(b, at));
+                skip_ws(b, at);
+                match b[*at] {
+                    b',' => *at += 1,
+                    b']' => {
+                        *at += 1;
+                        return Json::Arr(v);
+                    }
+                    c => panic!("unexpected {:?} in array", c as char),
+                }
+            }
+        }
+        b'"' => {
+            *at += 1;
+            let mut s = String::new();
+            while b[*at] != b'"' {
+                if b[*at] == b'\\' {
+                    *at += 1;
+                    s.push(match b[*at] {
+                        b'n' => '\n',
+                        b't' => '\t',
+                        c => c as char,
+                    });
+                } else {
+                    s.push(b[*at] as char);
+                }
+                *at += 1;
+            }
+            *at += 1;
+            Json::Str(s)
+        }
+        b't' if b[*at..].starts_with(b"true") => {
+            *at += 4;
+            Json::Bool(true)
+        }
+        b'f' if b[*at..].starts_with(b"false") => {
+            *at += 5;
+            Json::Bool(false)
+        }
+        b'n' if b[*at..].starts_with(b"null") => {
+            *at += 4;
+            Json::Null
+        }
+        c if c.is_ascii_digit() => {
+            let start = *at;
+            while *at < b.len() && b[*at].is_ascii_digit() {
+                *at += 1;
+            }
+            Json::Num(std::str::from_utf8(&b[start..*at]).unwrap().parse().expect("number fits u64"))
+        }
+        c => panic!("unexpected {:?} at byte {}", c as char, *at),
+    }
+}
+
+// ---------------------------------------------------------------- snapshot
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Live,
+    /// A chunk cut into small allocations of one size class.
+    Slab,
+    Free,
+    Retired,
+}
+
+/// One range of the snapshot (fields that a kind lacks are 0/false).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Range {
+    pub kind: Kind,
+    pub addr: u64,
+    pub bytes: u64,
+    pub id: u64,
+    pub size: u64,
+    pub mapped_bytes: u64,
+    pub pooled_mapped_bytes: u64,
+    pub pinned: bool,
+    pub growable: bool,
+    /// Slabs: the size class, objects per slab, objects in use.
+    pub class_bytes: u64,
+    pub objects: u64,
+    pub used: u64,
+}
+
+/// The arena's snapshot, parsed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snap {
+    pub base: u64,
+    pub chunk: u64,
+    pub pooled_unmapped_chunks: u64,
+    pub ranges: Vec<Range>,
+    pub stats: BTreeMap<String, u64>,
+}
+
+impl Snap {
+    pub fn of(arena: &Arena) -> Snap {
+        Snap::parse(&arena.snapshot_json().expect("snapshot"))
+    }
+
+    pub fn parse(text: &str) -> Snap {
+        let j = Json::parse(text);
+        let Some(Json::Arr(rs)) = j.get("ranges") else { panic!("no ranges") };
+        let ranges = rs
+            .iter()
+            .map(|r| {
+                let kind = match r.str("kind") {
+                    "live" => Kind::Live,
+                    "slab" => Kind::Slab,
+                    "free" => Kind::Free,
+                    "retired" => Kind::Retired,
+                    k => panic!("unknown range kind {k}"),
+                };
+                let live = kind == Kind::Live;
+                let slab = kind == Kind::Slab;
+                Range {
+                    kind,
+                    addr: r.u64("addr"),
+                    bytes: r.u64("bytes"),
+                    id: if live { r.u64("id") } else { 0 },
+                    size: if live { r.u64("size") } else { 0 },
+                    mapped_bytes: if live { r.u64("mapped_bytes") } else { 0 },
+                    pooled_mapped_bytes: if live || kind == Kind::Free { r.u64("pooled_mapped_bytes") } else { 0 },
+                    pinned: (live || slab) && r.bool("pinned"),
+                    growable: live && r.bool("growable"),
+                    class_bytes: if slab { r.u64("class_bytes") } else { 0 },
+                    objects: if slab { r.u64("objects") } else { 0 },
+                    used: if slab { r.u64("used") } else { 0 },
+                }
+            })
+            .collect();
+        let Some(Json::Obj(st)) = j.get("stats") else { panic!("no stats") };
+        let stats = st
+            .iter()
+            .map(|(k, v)| match v {
+                Json::Num(n) => (k.clone(), *n),
+                _ => panic!("stat {k} is not a number"),
+            })
+            .collect();
+        Snap {
+            base: j.u64("base"),
+            chunk: j.u64("chunk_bytes"),
+            pooled_unmapped_chunks: j.u64("pooled_unmapped_chunks"),
+            ranges,
+            stats,
+        }
+    }
+
+    /// The snapshot without the counters of driver calls, which a rolled
+    /// back operation legitimately changes (its calls and their undoing).
+    pub fn without_driver_counters(mut self) -> Snap {
+        self.stats.retain(|k, _| !k.starts_with("driver_"));
+        self
+    }
+
+    pub fn live(&self) -> impl Iterator<Item = &Range> {
+        self.ranges.iter().filter(|r| r.kind == Kind::Live)
+    }
+
+    pub fn live_by_id(&self) -> BTreeMap<u64, Range> {
+        self.live().map(|r| (r.id, r.clone())).collect()
+    }
+
+    /// Free ranges, in pages: (start page, pages).
+    pub fn free_pages(&self) -> Vec<(u64, u64)> {
+        self.pages_of(|k| k == Kind::Free)
+    }
+
+    /// Free ranges once every retired range is released, coalesced, in pages.
+    pub fn free_after_release(&self) -> Vec<(u64, u64)> {
+        self.pages_of(|k| k == Kind::Free || k == Kind::Retired)
+    }
+
+    pub fn slabs(&self) -> impl Iterator<Item = &Range> {
+        self.ranges.iter().filter(|r| r.kind == Kind::Slab)
+    }
+
+    /// The slab containing `addr`, if any.
+    pub fn slab_at(&self, addr: u64) -> Option<&Range> {
+        self.slabs().find(|r| r.addr <= addr && addr < r.addr + r.bytes)
+    }
+
+    fn pages_of(&self, want: impl Fn(Kind) -> bool) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for r in self.ranges.iter().filter(|r| want(r.kind)) {
+            let (s, l) = ((r.addr - self.base) / self.chunk, r.bytes / self.chunk);
+            match out.last_mut() {
+                Some((ps, pl)) if *ps + *pl == s => *pl += l,
+                _ => out.push((s, l)),
+            }
+        }
+        out
+    }
+
+    /// Allocations of whole chunks and slabs, in pages: (id (0 for a slab),
+    /// start page, reserved pages, pinned).
+    pub fn live_pages(&self) -> Vec<(u64, u64, u64, bool)> {
+        self.ranges
+            .iter()
+            .filter(|r| r.kind == Kind::Live || r.kind == Kind::Slab)
+            .map(|r| (r.id, (r.addr - self.base) / self.chunk, r.bytes / self.chunk, r.pinned))
+            .collect()
+    }
+
+    /// Pages that hold a mapping: backing pages, cached pooled chunks, retired ranges.
+    pub fn mapped_pages(&self) -> u64 {
+        self.ranges
+            .iter()
+            .map(|r| match r.kind {
+                Kind::Live => r.mapped_bytes + r.pooled_mapped_bytes,
+                Kind::Slab => r.bytes,
+                Kind::Free => r.pooled_mapped_bytes,
+                Kind::Retired => r.bytes,
+            })
+            .sum::<u64>()
+            / self.chunk
+    }
+
+    /// Checks the structural invariants: ranges tile the reserved range
+    /// exactly, in address order, without overlap; free ranges are
+    /// coalesced; per-range facts are consistent; the stats agree.
+    pub fn check_structure(&self, va: (u64, u64)) {
+        let (base, len) = va;
+        assert_eq!(self.base, base, "snapshot base");
+        let c = self.chunk;
+        let mut at = base;
+        let mut prev_free = false;
+        for r in &self.ranges {
+            assert_eq!(r.addr, at, "ranges must tile the VA range without gap or overlap: {r:?}");
+            assert!(r.bytes > 0 && r.bytes % c == 0, "range of whole chunks: {r:?}");
+            at += r.bytes;
+            let free = r.kind == Kind::Free;
+            assert!(!(free && prev_free), "adjacent free ranges must be coalesced");
+            prev_free = free;
+            match r.kind {
+                Kind::Live => {
+                    assert_eq!(r.mapped_bytes, r.size.div_ceil(c) * c, "mapped bytes of {r:?}");
+                    assert!(r.mapped_bytes + r.pooled_mapped_bytes <= r.bytes, "{r:?}");
+                    assert!(r.growable || r.bytes == r.mapped_bytes, "only growable ones reserve more: {r:?}");
+                    assert_eq!(r.addr % 256, 0);
+                }
+                Kind::Slab => {
+                    assert_eq!(r.bytes, c, "a slab is one chunk: {r:?}");
+                    assert!(r.class_bytes % 256 == 0 && r.class_bytes > 0 && r.class_bytes <= c / 2, "{r:?}");
+                    assert_eq!(r.objects, c / r.class_bytes, "{r:?}");
+                    assert!(r.used >= 1 && r.used <= r.objects, "an empty slab is given back: {r:?}");
+                }
+                Kind::Free => assert!(r.pooled_mapped_bytes <= r.bytes),
+                Kind::Retired => {}
+            }
+        }
+        assert_eq!(at, base + len, "ranges must end at the end of the VA range");
+        let sum = |k: Kind| self.ranges.iter().filter(|r| r.kind == k).map(|r| r.bytes).sum::<u64>();
+        let s = &self.stats;
+        assert_eq!(s["free_va_bytes"], sum(Kind::Free), "free_va_bytes");
+        assert_eq!(
+            s["largest_free_va_bytes"],
+            self.ranges.iter().filter(|r| r.kind == Kind::Free).map(|r| r.bytes).max().unwrap_or(0),
+            "largest_free_va_bytes"
+        );
+        assert_eq!(s["retired_va_bytes"], sum(Kind::Retired), "retired_va_bytes");
+        assert_eq!(s["reserved_va_bytes"], len);
+        let slabs = self.slabs().count() as u64;
+        let small = self.slabs().map(|r| r.used).sum::<u64>();
+        assert_eq!(s["small_slabs"], slabs, "small_slabs");
+        assert_eq!(s["live_allocations"], self.live().count() as u64 + small, "live_allocations");
+        assert!(s["live_bytes"] >= self.live().map(|r| r.size).sum::<u64>() + small, "live_bytes");
+        assert_eq!(s["mapped_bytes"], self.live().map(|r| r.mapped_bytes).sum::<u64>() + slabs * c, "mapped_bytes");
+        let cached: u64 = self.ranges.iter().map(|r| r.pooled_mapped_bytes).sum();
+        assert_eq!(s["cached_mapped_bytes"], cached);
+        assert_eq!(s["pooled_bytes"], cached + self.pooled_unmapped_chunks * c, "pooled = cached + unmapped pool");
+        assert!(s["mapped_bytes"] + s["pooled_bytes"] <= s["capacity_bytes"], "held memory exceeds the capacity");
+        assert!(s["peak_physical_bytes"] >= s["mapped_bytes"] + s["pooled_bytes"]);
+    }
+}
+
+/// Stats without the counters of driver calls.
+pub fn stats_sans_driver(s: Stats) -> Stats {
+    Stats {
+        driver_creates: 0,
+        driver_releases: 0,
+        driver_maps: 0,
+        driver_unmaps: 0,
+        driver_access_calls: 0,
+        driver_syncs: 0,
+        ..s
+    }
+}
+
+// ---------------------------------------------------------------- window condition
+
+/// The planner's sufficient condition (see `src/compact.rs`): some window of
+/// `n` pages intersects no immovable allocation, and the reservations of the
+/// allocations it intersects fit together into the largest free range
+/// outside it. `free` are the free ranges (retired ones already released),
+/// `live` the allocations as (start, pages, immovable).
+pub fn window_exists(total_pages: u64, n: u64, free: &[(u64, u64)], live: &[(u64, u64, bool)]) -> bool {
+    if n == 0 || n > total_pages {
+        return false;
+    }
+    for w0 in 0..=total_pages - n {
+        let w1 = w0 + n;
+        let inside: Vec<_> = live.iter().filter(|&&(s, l, _)| s < w1 && s + l > w0).collect();
+        if inside.iter().any(|&&(_, _, imm)| imm) {
+            continue;
+        }
+        let need: u64 = inside.iter().map(|&&(_, l, _)| l).sum();
+        let largest_outside = free
+            .iter()
+            .flat_map(|&(s, l)| [(s, (s + l).min(w0)), (s.max(w1), s + l)])
+            .map(|(a, b)| b.saturating_sub(a))
+            .max()
+            .unwrap_or(0);
+        if need <= largest_outside {
+            return true;
+        }
+    }
+    false
+}
+
+// ---------------------------------------------------------------- stamps
+
+/// Deterministic 8-byte content for `offset` of an allocation written with `seed`.
+pub fn stamp_bytes(seed: u64, offset: u64) -> [u8; 8] {
+    let mut x = seed ^ offset.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 29;
+    x.to_le_bytes()
+}
+
+/// Offsets to stamp in `from..to` of an allocation with `chunk`-sized
+/// pages: each page's first, middle and last bytes and the allocation's
+/// last bytes, without overlaps. Returns (offset, length) pairs.
+pub fn stamp_positions(from: u64, to: u64, chunk: u64) -> Vec<(u64, u64)> {
+    let mut pos = Vec::new();
+    let mut k = from / chunk * chunk;
+    while k < to {
+        pos.extend([k, k + chunk / 2, k + chunk - 8]);
+        k += chunk;
+    }
+    pos.push(to.saturating_sub(8));
+    pos.retain(|&p| p >= from && p < to);
+    pos.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for p in pos {
+        if out.last().is_some_and(|&(q, l)| p < q + l) {
+            continue;
+        }
+        out.push((p, 8.min(to - p)));
+    }
+    out
+}
+
+/// Stamps written into one allocation, to be verified later.
+#[derive(Clone, Debug, Default)]
+pub struct Stamps {
+    pub seed: u64,
+    pub marks: Vec<(u64, Vec<u8>)>,
+}
+
+impl Stamps {
+    /// Writes fresh stamps over `from..to`.
+    pub fn write(&mut self, arena: &Arena, id: Id, from: u64, to: u64) {
+        for (off, len) in stamp_positions(from, to, arena.chunk_bytes()) {
+            let bytes = stamp_bytes(self.seed, off)[..len as usize].to_vec();
+            arena.write(id, off, &bytes).expect("write a stamp");
+            self.marks.push((off, bytes));
+        }
+    }
+
+    /// Forgets stamps that do not lie wholly below `size`.
+    pub fn truncate(&mut self, size: u64) {
+        self.marks.retain(|(off, b)| off + b.len() as u64 <= size);
+    }
+
+    /// Reads every stamp back through the arena.
+    pub fn verify(&self, arena: &Arena, id: Id, what: &str) {
+        let mut buf = [0u8; 8];
+        for (off, bytes) in &self.marks {
+            let out = &mut buf[..bytes.len()];
+            arena.read(id, *off, out).unwrap_or_else(|e| panic!("{what}: read of {id} at {off}: {e}"));
+            assert_eq!(out, &bytes[..], "{what}: allocation {id} lost its bytes at offset {off}");
+        }
+    }
+
+    /// Reads every stamp through the raw address (host backend only).
+    ///
+    /// # Safety
+    /// `ptr` must be the current address of a live allocation of a host
+    /// arena that covers every stamp, and no other thread may change the
+    /// arena during the call (the pages stay mapped and readable).
+    pub unsafe fn verify_raw(&self, ptr: u64, what: &str) {
+        for (off, bytes) in &self.marks {
+            let mut got = vec![0u8; bytes.len()];
+            // SAFETY: the caller guarantees `ptr..ptr+size` is mapped readable
+            // process memory (host backend) and that each stamp lies inside it.
+            unsafe { std::ptr::copy_nonoverlapping((ptr + off) as *const u8, got.as_mut_ptr(), bytes.len()) };
+            assert_eq!(&got, bytes, "{what}: raw read at {ptr:#x}+{off} differs");
+        }
+    }
+}
+
+/// Every byte of an allocation.
+pub fn read_all(arena: &Arena, id: Id) -> Vec<u8> {
+    let size = arena.query(id).expect("live").size;
+    let mut v = vec![0u8; size as usize];
+    arena.read(id, 0, &mut v).expect("read");
+    v
+}
+
+/// Fills a whole allocation with a pattern derived from `seed`.
+pub fn fill(arena: &Arena, id: Id, seed: u64) {
+    let size = arena.query(id).expect("live").size;
+    let v: Vec<u8> = (0..size).map(|i| stamp_bytes(seed, i / 8)[(i % 8) as usize]).collect();
+    arena.write(id, 0, &v).expect("write");
+}
