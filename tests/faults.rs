@@ -1,0 +1,543 @@
+//! The fault matrix: every driver call of every public operation fails in
+//! turn, with each kind of failure, and the arena must come out of it as the
+//! contract says.
+//!
+//! The matrix is generated from [`cases`], a table of operations, each with
+//! the arena state it starts from. For each case:
+//! 1. a twin arena is set up and the operation run once without faults, to
+//!    count the driver calls it makes (`FaultDriver::total_calls`);
+//! 2. for every call `i` in `1..=calls` and every [`FaultKind`], the same
+//!    state is rebuilt, recorded (snapshot without the driver counters,
+//!    stats without them, every allocation's bytes, the driver's live chunks
+//!    and mappings, the memfd's committed bytes), the `i`th call is made to
+//!    fail, and the operation run;
+//! 3. the outcome is checked against the case's [`Expect`]:
+//!    - `Atomic`: the operation returns the fault's status (`OutOfMemory` or
+//!      `Driver`) and the arena equals the recording exactly;
+//!    - `BestEffort` (free and shrink, which only give memory back after
+//!      their own change is done; see `enforce_watermark`): the operation
+//!      succeeds, its change is made as in the twin, the memory it could not
+//!      give back stays pooled and `release_failures` counts the failure;
+//!    - `Trim`: as [`Arena::trim`] documents, chunks released before the
+//!      failure stay released (and counted), the rest stay pooled, the error
+//!      is returned;
+//!
+//!    and in every case: no chunk or mapping leaked (the driver's live
+//!    chunks equal the arena's held memory, its live mappings the arena's
+//!    mapped pages), and the arena keeps working (data still verifies, a
+//!    follow-up alloc, write, read and free succeed).
+//!
+//! The test prints the matrix: per case, the calls by kind and the faults
+//! injected, and the total.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use common::{read_all, stats_sans_driver, Kind, Snap};
+use vmm_arena::driver::fault::{FaultDriver, FaultKind};
+use vmm_arena::driver::host::HostDriver;
+use vmm_arena::driver::CallKind;
+use vmm_arena::{Arena, ArenaConfig, Id, Result, Stats, Status};
+
+const C: u64 = 64 << 10;
+
+type Fd = Arc<FaultDriver<HostDriver>>;
+
+/// What a failed driver call must leave behind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expect {
+    /// Error, and the arena exactly as before.
+    Atomic,
+    /// Success; memory not given back stays pooled.
+    BestEffort,
+    /// Error; what was released stays released, the rest pooled.
+    Trim,
+}
+
+struct Case {
+    name: &'static str,
+    cap: u64,
+    reserve: u64,
+    retain: u64,
+    /// Builds the starting state; returns the live allocations (all of them).
+    setup: fn(&Arena) -> Vec<Id>,
+    /// The operation under test; may use and change the ids (it removes the
+    /// ones it frees).
+    op: fn(&Arena, &mut Vec<Id>) -> Result<()>,
+    expect: Expect,
+}
+
+fn alloc(a: &Arena, size: u64) -> Id {
+    a.alloc(size).unwrap().0
+}
+
+fn cases() -> Vec<Case> {
+    const KEEP: u64 = u64::MAX;
+    vec![
+        Case {
+            name: "alloc that must create",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| vec![alloc(a, 2 * C)],
+            op: |a, ids| a.alloc(3 * C).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "alloc that steals a cached chunk",
+            cap: 3,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| {
+                let (x, y, z) = (alloc(a, C), alloc(a, C), alloc(a, C));
+                a.free(x).unwrap(); // page 0 cached, a hole of one page
+                a.free(z).unwrap(); // page 2 cached at the start of the big free range
+                vec![y]
+            },
+            // Lands at page 2 (adopting its chunk); page 3 gets page 0's
+            // chunk: an unmap there, since the capacity allows no create.
+            op: |a, ids| a.alloc(2 * C).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "alloc that must compact",
+            cap: 8,
+            reserve: 8,
+            retain: KEEP,
+            setup: |a| {
+                let v: Vec<Id> = (0..7).map(|_| alloc(a, C)).collect();
+                for &i in &[0, 2, 4] {
+                    a.free(v[i]).unwrap();
+                }
+                vec![v[1], v[3], v[5], v[6]] // holes of one page at 0, 2, 4 and 7
+            },
+            op: |a, ids| a.alloc(4 * C).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "alloc_growable",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| vec![alloc(a, C)],
+            op: |a, ids| a.alloc_growable(2 * C, 6 * C).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "alloc_growable that must compact",
+            cap: 8,
+            reserve: 8,
+            retain: KEEP,
+            setup: |a| {
+                let v: Vec<Id> = (0..6).map(|_| alloc(a, C)).collect();
+                a.free(v[1]).unwrap();
+                a.free(v[3]).unwrap();
+                vec![v[0], v[2], v[4], v[5]]
+            },
+            op: |a, ids| a.alloc_growable(C, 3 * C).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "alloc small (new slab)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| vec![alloc(a, 2 * C)],
+            op: |a, ids| a.alloc(1000).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "free (retain 0: gives the chunks back)",
+            cap: 8,
+            reserve: 16,
+            retain: 0,
+            setup: |a| vec![alloc(a, 2 * C), alloc(a, C)],
+            op: |a, ids| a.free(ids.remove(0)),
+            expect: Expect::BestEffort,
+        },
+        Case {
+            name: "free small emptying its slab (retain 0)",
+            cap: 8,
+            reserve: 16,
+            retain: 0,
+            setup: |a| vec![alloc(a, 3000), alloc(a, C)],
+            op: |a, ids| a.free(ids.remove(0)),
+            expect: Expect::BestEffort,
+        },
+        Case {
+            name: "resize grow in place",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| vec![a.alloc_growable(C, 6 * C).unwrap().0, alloc(a, C)],
+            op: |a, ids| a.resize(ids[0], 4 * C).map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "resize grow beyond the reservation (move)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| vec![a.alloc_growable(C, 2 * C).unwrap().0, alloc(a, C)],
+            op: |a, ids| a.resize(ids[0], 3 * C).map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "resize that needs compaction",
+            cap: 8,
+            reserve: 8,
+            retain: KEEP,
+            setup: |a| {
+                let x = alloc(a, 2 * C); // [0, 2)
+                let g = a.alloc_growable(C, C).unwrap().0; // [2, 3)
+                let b = alloc(a, C); // [3, 4)
+                let c = alloc(a, 2 * C); // [4, 6)
+                let d = alloc(a, C); // [6, 7)
+                a.free(x).unwrap();
+                a.free(c).unwrap();
+                vec![g, b, d] // free: [0, 2), [4, 6), [7, 8)
+            },
+            op: |a, ids| a.resize(ids[0], 3 * C).map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "shrink (retain 0: gives the tail back)",
+            cap: 8,
+            reserve: 16,
+            retain: 0,
+            setup: |a| vec![alloc(a, 4 * C), alloc(a, C)],
+            op: |a, ids| a.resize(ids[0], C).map(drop),
+            expect: Expect::BestEffort,
+        },
+        Case {
+            name: "resize small beyond its class (copy)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| vec![alloc(a, 1000), alloc(a, C)],
+            op: |a, ids| a.resize(ids[0], 20_000).map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "resize small beyond the small classes (copy to chunks)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| vec![alloc(a, 1000), alloc(a, C)],
+            op: |a, ids| a.resize(ids[0], 3 * C).map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "compact",
+            cap: 8,
+            reserve: 8,
+            retain: KEEP,
+            setup: |a| {
+                let v: Vec<Id> = [2 * C, C, C, 2 * C, 700].iter().map(|&s| alloc(a, s)).collect();
+                a.free(v[0]).unwrap();
+                a.free(v[2]).unwrap();
+                vec![v[1], v[3], v[4]]
+            },
+            op: |a, _| a.compact().map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "release_retired",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| {
+                let g = a.alloc_growable(C, C).unwrap().0;
+                let b = alloc(a, C);
+                a.resize(g, 2 * C).unwrap(); // moves: page 0 retired
+                let h = a.alloc_growable(2 * C, 2 * C).unwrap().0;
+                let c = alloc(a, C);
+                a.resize(h, 3 * C).unwrap(); // moves too: a second retired range
+                assert_eq!(a.stats().unwrap().retired_va_bytes, 3 * C);
+                vec![g, b, h, c]
+            },
+            op: |a, _| a.release_retired(),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "trim (pooled chunks, mapped and unmapped)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| {
+                let v: Vec<Id> = [2 * C, C, 2 * C, C, C].iter().map(|&s| alloc(a, s)).collect();
+                a.free(v[0]).unwrap(); // pages 0, 1 cached
+                a.compact().unwrap(); // v[1] lands on page 0: its cached chunk is evicted to the pool
+                a.free(v[3]).unwrap();
+                let s = Snap::of(a);
+                assert!(s.pooled_unmapped_chunks > 0 && s.stats["cached_mapped_bytes"] > 0, "{s:?}");
+                vec![v[1], v[2], v[4]]
+            },
+            op: |a, _| a.trim(0).map(drop),
+            expect: Expect::Trim,
+        },
+        Case {
+            name: "trim of chunks still mapped at a retired range",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| {
+                let g = a.alloc_growable(C, C).unwrap().0;
+                let b = alloc(a, C);
+                a.resize(g, 2 * C).unwrap(); // moves: page 0 retired, mapping g's first chunk
+                a.free(g).unwrap();
+                vec![b]
+            },
+            op: |a, _| a.trim(0).map(drop),
+            expect: Expect::Trim,
+        },
+    ]
+}
+
+/// Everything observable about an arena that a failed call must not change.
+struct Recording {
+    snap: Snap,
+    stats: Stats,
+    bytes: BTreeMap<Id, Vec<u8>>,
+    live_chunks: usize,
+    live_mappings: usize,
+    file_bytes: u64,
+}
+
+impl Recording {
+    /// Field by field, so that a failure names what changed (and does not
+    /// print megabytes of contents).
+    fn assert_same(&self, now: &Recording, what: &str) {
+        assert_eq!(now.snap, self.snap, "{what}: the ranges or stats changed");
+        assert_eq!(now.stats, self.stats, "{what}: the stats changed");
+        for (id, want) in &self.bytes {
+            assert!(now.bytes.get(id) == Some(want), "{what}: the bytes of {id} changed");
+        }
+        assert_eq!(now.bytes.len(), self.bytes.len());
+        assert_eq!(
+            (now.live_chunks, now.live_mappings, now.file_bytes),
+            (self.live_chunks, self.live_mappings, self.file_bytes),
+            "{what}: the driver's chunks, mappings or committed memory changed"
+        );
+    }
+}
+
+fn record(a: &Arena, fd: &Fd, ids: &[Id]) -> Recording {
+    Recording {
+        snap: Snap::of(a).without_driver_counters(),
+        stats: stats_sans_driver(a.stats().unwrap()),
+        bytes: ids.iter().map(|&id| (id, read_all(a, id))).collect(),
+        live_chunks: fd.live_chunks(),
+        live_mappings: fd.live_mappings(),
+        file_bytes: fd.inner().allocated_file_bytes().unwrap(),
+    }
+}
+
+/// A fresh arena in the case's starting state, every allocation filled
+/// with a pattern of its own.
+fn build(case: &Case) -> (Fd, Arena, Vec<Id>) {
+    let fd: Fd = Arc::new(FaultDriver::new(HostDriver::new().unwrap()));
+    let cfg = ArenaConfig {
+        capacity_bytes: case.cap * C,
+        reserve_bytes: case.reserve * C,
+        chunk_bytes: C,
+        retain_bytes: case.retain,
+        ..ArenaConfig::default()
+    };
+    let a = Arena::with_driver(fd.clone(), cfg).unwrap();
+    let ids = (case.setup)(&a);
+    assert_eq!(a.stats().unwrap().live_allocations, ids.len() as u64, "{}: setup lists every allocation", case.name);
+    for &id in &ids {
+        common::fill(&a, id, id.get());
+    }
+    (fd, a, ids)
+}
+
+/// The invariants that hold after any outcome: nothing leaked, ranges and
+/// stats consistent.
+fn check_no_leak(what: &str, a: &Arena, fd: &Fd) {
+    let snap = Snap::of(a);
+    snap.check_structure(a.va_range());
+    let s = a.stats().unwrap();
+    assert_eq!(fd.live_chunks() as u64, (s.mapped_bytes + s.pooled_bytes) / C, "{what}: leaked or lost chunks");
+    assert_eq!(fd.live_mappings() as u64, snap.mapped_pages(), "{what}: leaked or lost mappings");
+    assert_eq!(
+        fd.inner().allocated_file_bytes().unwrap(),
+        s.mapped_bytes + s.pooled_bytes,
+        "{what}: memory committed in the memfd vs memory held"
+    );
+}
+
+/// The arena still works: old data verifies, and a new allocation can be
+/// made, written, read and freed.
+fn check_keeps_working(what: &str, a: &Arena, fd: &Fd, bytes: &BTreeMap<Id, Vec<u8>>, live: &[Id]) {
+    fd.clear();
+    for (&id, want) in bytes.iter().filter(|(id, _)| live.contains(id)) {
+        let got = read_all(a, id);
+        let n = want.len().min(got.len());
+        assert_eq!(&got[..n], &want[..n], "{what}: bytes of {id} after the fault");
+    }
+    // Whatever fits: the capacity may be used up by the case.
+    let s = a.stats().unwrap();
+    let size = if s.mapped_bytes + 2 * C <= s.capacity_bytes { C + 123 } else { 100 };
+    if let Ok((id, _)) = a.alloc(size) {
+        a.write(id, size - 5, b"alive").unwrap();
+        let mut out = [0u8; 5];
+        a.read(id, size - 5, &mut out).unwrap();
+        assert_eq!(&out, b"alive", "{what}");
+        a.free(id).unwrap();
+    } else {
+        assert_eq!(s.mapped_bytes, s.capacity_bytes, "{what}: a follow-up alloc failed with room left");
+    }
+    a.release_retired().unwrap();
+    a.compact().unwrap();
+    check_no_leak(what, a, fd);
+}
+
+fn status_of(kind: FaultKind) -> Status {
+    match kind {
+        FaultKind::OutOfMemory => Status::OutOfMemory,
+        FaultKind::Driver => Status::Driver,
+    }
+}
+
+/// The live part of a snapshot: allocations and slabs, without pooled chunks.
+fn live_part(s: &Snap) -> Vec<(Kind, u64, u64, u64, u64, u64)> {
+    s.ranges
+        .iter()
+        .filter(|r| matches!(r.kind, Kind::Live | Kind::Slab))
+        .map(|r| (r.kind, r.id, r.addr, r.bytes, r.size, r.used))
+        .collect()
+}
+
+struct Row {
+    name: &'static str,
+    calls: u64,
+    by_kind: BTreeMap<CallKind, u64>,
+    moves: u64,
+    injected: u64,
+}
+
+fn run_case(case: &Case) -> Row {
+    // The twin: count the calls, and keep its outcome for best-effort cases.
+    let (fd, a, mut ids) = build(case);
+    let before: BTreeMap<CallKind, u64> = CallKind::ALL.iter().map(|&k| (k, fd.calls(k))).collect();
+    let total0 = fd.total_calls();
+    let moves0 = a.stats().unwrap().moves;
+    (case.op)(&a, &mut ids).unwrap_or_else(|e| panic!("{}: the operation fails without a fault: {e}", case.name));
+    let calls = fd.total_calls() - total0;
+    let by_kind: BTreeMap<CallKind, u64> =
+        CallKind::ALL.iter().map(|&k| (k, fd.calls(k) - before[&k])).filter(|&(_, n)| n > 0).collect();
+    assert!(calls > 0, "{}: the operation makes no driver call; the case tests nothing", case.name);
+    let twin = Snap::of(&a);
+    let twin_stats = a.stats().unwrap();
+    let moves = twin_stats.moves - moves0;
+    check_no_leak(case.name, &a, &fd);
+    drop(a);
+    assert_eq!((fd.live_chunks(), fd.live_mappings()), (0, 0), "{}: dropping the arena releases all", case.name);
+
+    let mut injected = 0;
+    for i in 1..=calls {
+        for kind in FaultKind::ALL {
+            let what = format!("{} / call {i} of {calls} fails with {kind:?}", case.name);
+            let (fd, a, mut ids) = build(case);
+            let pre = record(&a, &fd, &ids);
+            let releases0 = a.stats().unwrap().driver_releases;
+            fd.fail_nth(None, i, kind);
+            let r = (case.op)(&a, &mut ids);
+            assert!(!fd.pending(), "{what}: the operation made fewer calls than its twin");
+            injected += 1;
+            match case.expect {
+                Expect::Atomic => {
+                    let e = r.expect_err(&what);
+                    assert_eq!(e.status(), status_of(kind), "{what}: {e}");
+                    let pre_ids: Vec<Id> = pre.bytes.keys().copied().collect();
+                    pre.assert_same(&record(&a, &fd, &pre_ids), &what);
+                }
+                Expect::BestEffort => {
+                    r.unwrap_or_else(|e| panic!("{what}: a give-back failure must not fail the call: {e}"));
+                    let snap = Snap::of(&a);
+                    let s = a.stats().unwrap();
+                    assert_eq!(live_part(&snap), live_part(&twin), "{what}: the change differs from the twin's");
+                    assert_eq!(
+                        (s.live_allocations, s.live_bytes, s.mapped_bytes),
+                        (twin_stats.live_allocations, twin_stats.live_bytes, twin_stats.mapped_bytes),
+                        "{what}"
+                    );
+                    assert_eq!(s.release_failures, 1, "{what}: the failure is counted");
+                    assert!(s.pooled_bytes >= twin_stats.pooled_bytes, "{what}");
+                }
+                Expect::Trim => {
+                    let e = r.expect_err(&what);
+                    assert_eq!(e.status(), status_of(kind), "{what}: {e}");
+                    let snap = Snap::of(&a).without_driver_counters();
+                    let s = a.stats().unwrap();
+                    assert_eq!(live_part(&snap), live_part(&pre.snap), "{what}: trim moved an allocation");
+                    assert_eq!(
+                        (s.live_allocations, s.live_bytes, s.mapped_bytes),
+                        (pre.stats.live_allocations, pre.stats.live_bytes, pre.stats.mapped_bytes),
+                        "{what}"
+                    );
+                    let released = s.driver_releases - releases0;
+                    assert_eq!(
+                        pre.stats.pooled_bytes - s.pooled_bytes,
+                        released * C,
+                        "{what}: what was released is gone from the pool, the rest stays pooled"
+                    );
+                    for (&id, want) in &pre.bytes {
+                        assert_eq!(&read_all(&a, id), want, "{what}: bytes of {id}");
+                    }
+                }
+            }
+            check_no_leak(&what, &a, &fd);
+            check_keeps_working(&what, &a, &fd, &pre.bytes, &ids);
+            if case.expect == Expect::Trim {
+                a.trim(0).unwrap();
+                assert_eq!(a.stats().unwrap().pooled_bytes, 0, "{what}: a second trim finishes the job");
+            }
+            drop(a);
+            assert_eq!((fd.live_chunks(), fd.live_mappings()), (0, 0), "{what}: dropping the arena releases all");
+        }
+    }
+    Row { name: case.name, calls, by_kind, moves, injected }
+}
+
+#[test]
+fn every_driver_call_of_every_operation_fails_cleanly() {
+    let rows: Vec<Row> = cases().iter().map(run_case).collect();
+    let total: u64 = rows.iter().map(|r| r.injected).sum();
+    println!("fault matrix ({} operations x their driver calls x {} fault kinds):", rows.len(), FaultKind::ALL.len());
+    for r in &rows {
+        println!(
+            "  {:<55} {:>2} moves {:>3} calls {:?} -> {:>3} faults",
+            r.name, r.moves, r.calls, r.by_kind, r.injected
+        );
+    }
+    println!("fault matrix size: {total} injected faults");
+    assert_eq!(total, rows.iter().map(|r| r.calls * 2).sum::<u64>());
+}
+
+/// Creation: a refused reservation is retried smaller (down to the
+/// capacity) and reported; a failure of every size is an error, not a panic.
+#[test]
+fn a_refused_reservation_falls_back_to_a_smaller_one() {
+    let fd: Fd = Arc::new(FaultDriver::new(HostDriver::new().unwrap()));
+    fd.fail_nth(Some(CallKind::Reserve), 1, FaultKind::OutOfMemory);
+    let cfg = ArenaConfig { capacity_bytes: 4 * C, reserve_bytes: 16 * C, chunk_bytes: C, ..ArenaConfig::default() };
+    let a = Arena::with_driver(fd.clone(), cfg).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.reserve_fallbacks, s.reserved_va_bytes), (1, 8 * C));
+    let (id, _) = a.alloc(4 * C).unwrap();
+    a.free(id).unwrap();
+    drop(a);
+    for kind in FaultKind::ALL {
+        let fd: Fd = Arc::new(FaultDriver::new(HostDriver::new().unwrap()));
+        let cfg = ArenaConfig { capacity_bytes: 4 * C, reserve_bytes: 4 * C, chunk_bytes: C, ..ArenaConfig::default() };
+        fd.fail_nth(Some(CallKind::Reserve), 1, kind);
+        let e = Arena::with_driver(fd.clone(), cfg).unwrap_err();
+        assert_eq!(e.status(), status_of(kind), "{e}");
+        assert_eq!((fd.live_chunks(), fd.live_mappings()), (0, 0));
+    }
+}
