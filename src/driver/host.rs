@@ -137,6 +137,7 @@ mod linux {
         match code {
             libc::ENOMEM => "ENOMEM".into(),
             libc::ENOSPC => "ENOSPC".into(),
+            libc::EFBIG => "EFBIG".into(),
             libc::EINVAL => "EINVAL".into(),
             libc::EFAULT => "EFAULT".into(),
             libc::EPERM => "EPERM".into(),
@@ -151,7 +152,9 @@ mod linux {
     /// Wraps a failed system call into the crate's error, once.
     fn os_error(call: &'static str, code: i32) -> Error {
         let message = std::io::Error::from_raw_os_error(code).to_string();
-        if code == libc::ENOMEM || code == libc::ENOSPC {
+        // The memfd's backing store refusing pages (no memory, no space, a
+        // file-size limit) is the host's way of saying out of memory.
+        if code == libc::ENOMEM || code == libc::ENOSPC || code == libc::EFBIG {
             return Error::OutOfMemory(format!("{call}: {message}"));
         }
         Error::Driver { call, code: code as i64, name: errno_name(code), message }
