@@ -1,0 +1,926 @@
+//! # vmm-arena-ffi: the C ABI of vmm-arena
+//!
+//! Builds `libvmm_arena.so` and `libvmm_arena.a`. The C declarations in
+//! `include/vmm_arena.h` are generated from this file by cbindgen (a test
+//! fails when the committed header is stale) and declare everything of the
+//! contract header `abi/vmm_arena.h`, identically.
+//!
+//! House rules, each of them tested from C:
+//! - every exported function runs inside one panic boundary ([`boundary`]):
+//!   a panic becomes `VMM_ARENA_ERR_INTERNAL` and poisons the arena, which
+//!   then refuses every call but `vmm_arena_destroy`;
+//! - the function's own arguments are checked first (NULL pointers,
+//!   `struct_size`, unknown enum values and flag bits), then the poison, then
+//!   the arena's own checks in the contract's order of precedence;
+//! - enums arrive as plain `u32` and are converted (an out-of-range value in
+//!   a Rust enum would be undefined behaviour);
+//! - `struct_size` is read first, and nothing past it;
+//! - out-parameters are written only on `VMM_ARENA_OK`;
+//! - a failing call sets this thread's last error; a successful one leaves it.
+#![allow(non_camel_case_types)]
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use arena::driver::fault::FaultDriver;
+use arena::driver::host::HostDriver;
+use arena::{Arena, ArenaConfig, Backend, Error, Id, MoveEvent, Status};
+
+mod testing;
+
+/// The ABI version; bumped on any incompatible change.
+pub const VMM_ARENA_ABI_VERSION: u32 = 1;
+
+/// alloc, alloc_growable and resize never move other allocations to make
+/// room: they fail with VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE instead, and only
+/// vmm_arena_compact and the resized allocation itself move.
+pub const VMM_ARENA_FLAG_NO_IMPLICIT_MOVES: u32 = 1u32;
+
+/// Every flag bit this version knows.
+const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES;
+
+/// What every call that can fail returns. Values are never changed or reused.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum vmm_arena_status {
+    /// Success.
+    VMM_ARENA_OK = 0,
+    /// NULL pointer; size 0; a size that overflows when rounded up to the
+    /// chunk size; max_size < size; a bad config field or struct_size; a
+    /// call from inside the arena's own move callback.
+    VMM_ARENA_ERR_INVALID_ARGUMENT = 1,
+    /// The physical capacity (or the driver's memory) cannot cover the
+    /// request, after pooled chunks were reused. Returned also when the
+    /// address space falls short at the same time. The arena is unchanged.
+    VMM_ARENA_ERR_OUT_OF_MEMORY = 2,
+    /// Physical capacity suffices, but the reserved virtual range cannot fit
+    /// the request even after compaction: pinned allocations are in the way,
+    /// or VMM_ARENA_FLAG_NO_IMPLICIT_MOVES forbids the moves that would make
+    /// room. The arena is unchanged.
+    VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE = 3,
+    /// The id was never issued by this arena, or was already freed.
+    VMM_ARENA_ERR_UNKNOWN_ALLOCATION = 4,
+    /// The request would have to move the pinned allocation it names (resize
+    /// of a pinned allocation that cannot grow where it stands).
+    VMM_ARENA_ERR_PINNED = 5,
+    /// The backend cannot run here: no CUDA driver, no such device, a device
+    /// without virtual memory management, or a host without memfd.
+    VMM_ARENA_ERR_UNSUPPORTED = 6,
+    /// Any other driver failure; vmm_arena_last_error() says which call and code.
+    VMM_ARENA_ERR_DRIVER = 7,
+    /// A bug inside the library was caught at the boundary; the arena refuses
+    /// every later call with this status, and destroy still releases it.
+    VMM_ARENA_ERR_INTERNAL = 8,
+}
+
+use vmm_arena_status::*;
+
+impl From<Status> for vmm_arena_status {
+    fn from(s: Status) -> Self {
+        match s {
+            Status::Ok => VMM_ARENA_OK,
+            Status::InvalidArgument => VMM_ARENA_ERR_INVALID_ARGUMENT,
+            Status::OutOfMemory => VMM_ARENA_ERR_OUT_OF_MEMORY,
+            Status::OutOfAddressSpace => VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE,
+            Status::UnknownAllocation => VMM_ARENA_ERR_UNKNOWN_ALLOCATION,
+            Status::Pinned => VMM_ARENA_ERR_PINNED,
+            Status::Unsupported => VMM_ARENA_ERR_UNSUPPORTED,
+            Status::Driver => VMM_ARENA_ERR_DRIVER,
+            Status::Internal => VMM_ARENA_ERR_INTERNAL,
+        }
+    }
+}
+
+/// A `vmm_arena_status` as a caller passes it: any 32-bit value. The header
+/// spells it `vmm_arena_status` (cbindgen renames it), which C passes as a
+/// 32-bit integer; Rust must not take it as an enum, since a value outside
+/// the enum would be undefined behaviour.
+pub type vmm_arena_status_raw = u32;
+
+/// Backends, as the values of vmm_arena_config.backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum vmm_arena_backend {
+    /// Linux: mmap reservation + memfd chunks
+    VMM_ARENA_BACKEND_HOST = 0,
+    /// CUDA driver virtual memory management
+    VMM_ARENA_BACKEND_CUDA = 1,
+}
+
+/// Names one allocation for the arena's lifetime; 0 is never issued and an
+/// id is never reused, so a stale id is detected.
+pub type vmm_arena_id = u64;
+
+/// Opaque arena.
+pub struct vmm_arena {
+    arena: Arena,
+    /// Set when a panic was caught in a call on this arena.
+    poisoned: AtomicBool,
+    /// The fault injector under a testing arena (see `testing`).
+    fault: Option<Arc<FaultDriver<HostDriver>>>,
+}
+
+/// Arena configuration. Defaults (vmm_arena_config_default): backend CUDA,
+/// device 0, flags 0, capacity 0, reserve 0, chunk 0, retain UINT64_MAX.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct vmm_arena_config {
+    /// must equal sizeof(vmm_arena_config) of this ABI version
+    pub struct_size: u32,
+    /// vmm_arena_backend
+    pub backend: u32,
+    /// CUDA device ordinal; ignored by the host backend
+    pub device: i32,
+    /// VMM_ARENA_FLAG_* bits; unknown bits are INVALID_ARGUMENT
+    pub flags: u32,
+    /// most physical memory the arena may hold, rounded down to the chunk
+    /// size; 0 = backend default: the host's physical RAM, or the CUDA
+    /// device's total memory
+    pub capacity_bytes: u64,
+    /// size of the virtual range, rounded up to the chunk size; 0 = four
+    /// times the capacity
+    pub reserve_bytes: u64,
+    /// physical chunk size: 0 = 2 MiB, or the driver's recommended
+    /// granularity if larger; otherwise it must be a multiple of the
+    /// backend's minimum granularity (host: the page size), else
+    /// INVALID_ARGUMENT
+    pub chunk_bytes: u64,
+    /// unused physical memory kept pooled; beyond it freed chunks go back to
+    /// the driver. UINT64_MAX = keep everything until vmm_arena_trim; 0 =
+    /// keep nothing
+    pub retain_bytes: u64,
+}
+
+/// Counters and sizes of an arena.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct vmm_arena_stats {
+    /// set by the caller; must equal sizeof(vmm_arena_stats)
+    pub struct_size: u32,
+    /// written as 0
+    pub reserved0: u32,
+    /// allocations alive
+    pub live_allocations: u64,
+    /// sum of the sizes callers asked for
+    pub live_bytes: u64,
+    /// physical bytes backing live allocations
+    pub mapped_bytes: u64,
+    /// physical bytes held but backing no live allocation
+    pub pooled_bytes: u64,
+    /// high-water mark of mapped_bytes + pooled_bytes
+    pub peak_physical_bytes: u64,
+    /// the capacity, rounded down to the chunk size
+    pub capacity_bytes: u64,
+    /// size of the virtual range
+    pub reserved_va_bytes: u64,
+    /// address space that no live allocation (a growable's whole reservation
+    /// included) and no retired range covers
+    pub free_va_bytes: u64,
+    /// the longest contiguous such range
+    pub largest_free_va_bytes: u64,
+    /// old ranges of moved allocations not yet released
+    pub retired_va_bytes: u64,
+    /// moves by remapping, ever (one allocation moved twice counts 2)
+    pub moves: u64,
+    /// physical chunks created, ever
+    pub driver_creates: u64,
+    /// physical chunks given back to the driver, ever
+    pub driver_releases: u64,
+    /// driver map calls, ever
+    pub driver_maps: u64,
+    /// driver unmap calls, ever
+    pub driver_unmaps: u64,
+    /// driver access-setting calls (cuMemSetAccess), ever
+    pub driver_access_calls: u64,
+}
+
+/// What vmm_arena_compact did.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct vmm_arena_compact_report {
+    /// allocations moved
+    pub moved_allocations: u64,
+    /// physical bytes of the moved allocations
+    pub moved_bytes: u64,
+    /// longest free address range before
+    pub largest_free_va_before: u64,
+    /// longest free address range after
+    pub largest_free_va_after: u64,
+}
+
+/// Called once for every move (the count in stats.moves), the moved
+/// allocation's own included when resize moves it, during the call that
+/// moved it, after the new address is mapped; size is the allocation's size
+/// at that moment. It must not call back into the arena (such calls fail
+/// with VMM_ARENA_ERR_INVALID_ARGUMENT; vmm_arena_destroy is refused), must
+/// not unwind (no C++ exception may leave it), and runs on whichever thread
+/// made the call that moved, so `user` must be usable from those threads.
+pub type vmm_arena_move_fn =
+    Option<unsafe extern "C" fn(user: *mut c_void, id: vmm_arena_id, old_ptr: u64, new_ptr: u64, size: u64)>;
+
+// ---------------------------------------------------------------------------
+// The boundary: panics, last error, argument checks.
+
+thread_local! {
+    /// This thread's last error; `None` reads as "".
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+    /// Handles whose move callback is running on this thread.
+    static IN_CALLBACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+fn set_last_error(msg: String) {
+    let msg = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
+    // `try_with`: during thread teardown the slot may be gone; the status
+    // still tells the caller what happened.
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = Some(msg));
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s
+    } else {
+        "(no message)"
+    }
+}
+
+/// Runs one exported function's body: its error becomes the status and the
+/// thread's last error; a panic becomes `VMM_ARENA_ERR_INTERNAL` and poisons
+/// `arena` (when not NULL).
+///
+/// `arena` must be NULL or a live handle: every caller passes its own
+/// `arena` argument, which its `# Safety` contract requires to be so.
+fn boundary(func: &'static str, arena: *const vmm_arena, body: impl FnOnce() -> Result<(), Error>) -> vmm_arena_status {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => VMM_ARENA_OK,
+        Ok(Err(e)) => {
+            set_last_error(format!("{func}: {e}"));
+            e.status().into()
+        }
+        Err(payload) => {
+            // SAFETY: `arena` is NULL or a live handle (see above); the flag
+            // is atomic, so other threads may use the handle meanwhile.
+            if let Some(h) = unsafe { arena.as_ref() } {
+                h.poisoned.store(true, Ordering::SeqCst);
+            }
+            set_last_error(format!(
+                "{func}: internal error: a panic was caught ({}); the arena is poisoned",
+                panic_message(&*payload)
+            ));
+            VMM_ARENA_ERR_INTERNAL
+        }
+    }
+}
+
+/// The panic boundary of the functions that return a value instead of a
+/// status (and have no arena to poison): `fallback` if `f` panics.
+fn guarded<T>(fallback: T, f: impl FnOnce() -> T) -> T {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
+}
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}
+
+/// The handle behind `arena`, or INVALID_ARGUMENT for NULL.
+///
+/// # Safety
+/// `arena` is NULL or a handle from `vmm_arena_create` not yet destroyed,
+/// and it outlives `'a`.
+unsafe fn handle<'a>(arena: *const vmm_arena) -> Result<&'a vmm_arena, Error> {
+    // SAFETY: non-NULL means a live handle, per this function's contract.
+    unsafe { arena.as_ref() }.ok_or_else(|| invalid("arena is NULL"))
+}
+
+impl vmm_arena {
+    /// The arena, unless a caught panic poisoned it.
+    fn live(&self) -> Result<&Arena, Error> {
+        if self.poisoned.load(Ordering::SeqCst) {
+            return Err(Error::Internal(
+                "the arena is poisoned by an earlier panic; only vmm_arena_destroy works".into(),
+            ));
+        }
+        Ok(&self.arena)
+    }
+}
+
+/// A required out-parameter: not NULL and aligned for `T`.
+fn required<T>(p: *mut T, name: &str) -> Result<NonNull<T>, Error> {
+    let p = NonNull::new(p).ok_or_else(|| invalid(format!("{name} is NULL")))?;
+    if !p.as_ptr().is_aligned() {
+        return Err(invalid(format!("{name} is not aligned")));
+    }
+    Ok(p)
+}
+
+/// An optional out-parameter ("may be NULL"): `None` for NULL.
+fn optional<T>(p: *mut T, name: &str) -> Result<Option<NonNull<T>>, Error> {
+    if p.is_null() {
+        Ok(None)
+    } else {
+        required(p, name).map(Some)
+    }
+}
+
+/// Writes an out-parameter.
+///
+/// # Safety
+/// `p` points to memory the caller lets us write a `T` to.
+unsafe fn put<T>(p: NonNull<T>, value: T) {
+    // SAFETY: per this function's contract; `write` does not read or drop
+    // what was there, which may be uninitialised.
+    unsafe { p.as_ptr().write(value) }
+}
+
+/// The id for a raw value. 0 is never issued; it maps to an id whose low
+/// half is 0, which names no slot (see `vmm_arena::Id`), so the arena still
+/// applies its checks in the contract's order and answers UNKNOWN_ALLOCATION.
+fn id_arg(raw: vmm_arena_id) -> Id {
+    Id::from_raw(raw).or(Id::from_raw(1 << 32)).expect("1 << 32 is not 0")
+}
+
+/// Reports an unknown id as the caller spelled it.
+fn with_raw_id(raw: vmm_arena_id) -> impl FnOnce(Error) -> Error {
+    move |e| match e {
+        Error::UnknownAllocation(_) => Error::UnknownAllocation(raw),
+        e => e,
+    }
+}
+
+fn in_callback_of(h: *const vmm_arena) -> bool {
+    IN_CALLBACK.try_with(|v| v.borrow().contains(&(h as usize))).unwrap_or(false)
+}
+
+/// The C move callback, wrapped for the arena.
+struct CMoveCallback {
+    f: unsafe extern "C" fn(*mut c_void, vmm_arena_id, u64, u64, u64),
+    user: *mut c_void,
+    /// The handle the callback belongs to (compared only, never dereferenced).
+    owner: usize,
+}
+
+// SAFETY: the arena may call its callback from any thread that calls into
+// it. The C caller installs `f` and `user` under the header's documented
+// rule that they may be used from every thread that calls the arena; the
+// pointer itself is only passed back to `f`, never dereferenced here.
+unsafe impl Send for CMoveCallback {}
+
+impl CMoveCallback {
+    fn call(&self, e: &MoveEvent) {
+        let _ = IN_CALLBACK.try_with(|v| v.borrow_mut().push(self.owner));
+        // SAFETY: `f` is the function the caller installed with
+        // vmm_arena_set_move_callback, called with the `user` it gave and
+        // plain integers; the header's contract for vmm_arena_move_fn says it
+        // neither unwinds nor calls back into the arena in ways that fail
+        // other than by status.
+        unsafe { (self.f)(self.user, e.id.get(), e.old_ptr, e.new_ptr, e.size) };
+        let _ = IN_CALLBACK.try_with(|v| {
+            let mut v = v.borrow_mut();
+            if let Some(i) = v.iter().rposition(|&o| o == self.owner) {
+                v.remove(i);
+            }
+        });
+    }
+}
+
+/// Reads a caller's config: `struct_size` first, and the rest only when it
+/// is this version's size.
+///
+/// # Safety
+/// `config` is NULL or points to at least `struct_size` readable bytes
+/// that start with a `uint32_t struct_size`.
+unsafe fn read_config(config: *const vmm_arena_config) -> Result<vmm_arena_config, Error> {
+    if config.is_null() {
+        return Err(invalid("config is NULL"));
+    }
+    if !config.is_aligned() {
+        return Err(invalid("config is not aligned"));
+    }
+    // SAFETY: non-NULL and aligned; every caller's struct starts with its
+    // uint32_t struct_size, and nothing past it is read here.
+    let size = unsafe { config.cast::<u32>().read() };
+    if size as usize != std::mem::size_of::<vmm_arena_config>() {
+        return Err(invalid(format!(
+            "config->struct_size is {size}, expected sizeof(vmm_arena_config) = {}",
+            std::mem::size_of::<vmm_arena_config>()
+        )));
+    }
+    // SAFETY: the caller says the struct is struct_size bytes, which is
+    // exactly the size of the struct read; every bit pattern is valid for
+    // its integer fields.
+    Ok(unsafe { config.read() })
+}
+
+fn arena_config(c: &vmm_arena_config) -> Result<ArenaConfig, Error> {
+    let backend = match c.backend {
+        b if b == vmm_arena_backend::VMM_ARENA_BACKEND_HOST as u32 => Backend::Host,
+        b if b == vmm_arena_backend::VMM_ARENA_BACKEND_CUDA as u32 => Backend::Cuda,
+        b => return Err(invalid(format!("config->backend {b} is not a vmm_arena_backend"))),
+    };
+    if c.flags & !KNOWN_FLAGS != 0 {
+        return Err(invalid(format!("config->flags has unknown bits {:#x}", c.flags & !KNOWN_FLAGS)));
+    }
+    Ok(ArenaConfig {
+        backend,
+        device: c.device,
+        capacity_bytes: c.capacity_bytes,
+        reserve_bytes: c.reserve_bytes,
+        chunk_bytes: c.chunk_bytes,
+        retain_bytes: c.retain_bytes,
+        no_implicit_moves: c.flags & VMM_ARENA_FLAG_NO_IMPLICIT_MOVES != 0,
+    })
+}
+
+fn default_config() -> vmm_arena_config {
+    vmm_arena_config {
+        struct_size: std::mem::size_of::<vmm_arena_config>() as u32,
+        backend: vmm_arena_backend::VMM_ARENA_BACKEND_CUDA as u32,
+        device: 0,
+        flags: 0,
+        capacity_bytes: 0,
+        reserve_bytes: 0,
+        chunk_bytes: 0,
+        retain_bytes: u64::MAX,
+    }
+}
+
+/// Boxes an arena into a new handle and writes it to `out`.
+///
+/// # Safety
+/// `out` is writable (checked by `required`).
+unsafe fn publish(
+    arena: Arena,
+    fault: Option<Arc<FaultDriver<HostDriver>>>,
+    out: NonNull<*mut vmm_arena>,
+) -> Result<(), Error> {
+    let h = Box::into_raw(Box::new(vmm_arena { arena, poisoned: AtomicBool::new(false), fault }));
+    // SAFETY: per this function's contract.
+    unsafe { put(out, h) };
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The exported functions, in the contract's order.
+
+/// The ABI version this library implements (VMM_ARENA_ABI_VERSION).
+#[no_mangle]
+pub extern "C" fn vmm_arena_abi_version() -> u32 {
+    guarded(VMM_ARENA_ABI_VERSION, || VMM_ARENA_ABI_VERSION)
+}
+
+static STATUS_NAMES: [&CStr; 9] = [
+    c"VMM_ARENA_OK",
+    c"VMM_ARENA_ERR_INVALID_ARGUMENT",
+    c"VMM_ARENA_ERR_OUT_OF_MEMORY",
+    c"VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE",
+    c"VMM_ARENA_ERR_UNKNOWN_ALLOCATION",
+    c"VMM_ARENA_ERR_PINNED",
+    c"VMM_ARENA_ERR_UNSUPPORTED",
+    c"VMM_ARENA_ERR_DRIVER",
+    c"VMM_ARENA_ERR_INTERNAL",
+];
+
+/// Static, never NULL, e.g. "VMM_ARENA_ERR_PINNED". Unknown values give "UNKNOWN".
+#[no_mangle]
+pub extern "C" fn vmm_arena_status_name(status: vmm_arena_status_raw) -> *const c_char {
+    guarded(c"UNKNOWN".as_ptr(), || STATUS_NAMES.get(status as usize).copied().unwrap_or(c"UNKNOWN").as_ptr())
+}
+
+/// Detail of the last failure on this thread (e.g. the driver call and its
+/// code); "" if none. Valid until the next call on this thread. Never NULL.
+#[no_mangle]
+pub extern "C" fn vmm_arena_last_error() -> *const c_char {
+    guarded(c"".as_ptr(), || {
+        LAST_ERROR.try_with(|e| e.borrow().as_ref().map(|s| s.as_ptr())).ok().flatten().unwrap_or(c"".as_ptr())
+    })
+}
+
+/// Fills every field with its default (struct_size included). NULL is ignored.
+///
+/// # Safety
+/// `config` is NULL or points to a writable `vmm_arena_config`.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_config_default(config: *mut vmm_arena_config) {
+    let _ = boundary("vmm_arena_config_default", std::ptr::null(), || {
+        if let Some(p) = optional(config, "config")? {
+            // SAFETY: a writable config, per this function's contract.
+            unsafe { put(p, default_config()) };
+        }
+        Ok(())
+    });
+}
+
+/// Creates an arena. *out receives it on VMM_ARENA_OK.
+///
+/// # Safety
+/// `config` is NULL or points to a config of at least its `struct_size`
+/// bytes; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_create(
+    config: *const vmm_arena_config,
+    out: *mut *mut vmm_arena,
+) -> vmm_arena_status {
+    boundary("vmm_arena_create", std::ptr::null(), || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { read_config(config) }?;
+        let out = required(out, "out")?;
+        let cfg = arena_config(&c)?;
+        let arena = Arena::new(cfg)?;
+        // SAFETY: `out` was checked and is writable per this function's contract.
+        unsafe { publish(arena, None, out) }
+    })
+}
+
+/// Unmaps and releases everything. NULL is fine. Refused (the arena stays,
+/// and the last error says so) when called from the arena's own move callback.
+///
+/// # Safety
+/// `arena` is NULL or a live handle that no other thread is using, and is
+/// not used again.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_destroy(arena: *mut vmm_arena) {
+    // The boundary gets NULL: a panic here must not touch a freed handle.
+    let _ = boundary("vmm_arena_destroy", std::ptr::null(), || {
+        if arena.is_null() {
+            return Ok(());
+        }
+        if in_callback_of(arena) {
+            return Err(invalid("called from inside the arena's own move callback; the arena was not destroyed"));
+        }
+        // SAFETY: a live handle made by Box::into_raw in `publish`, owned by
+        // the caller, who gives it up here.
+        drop(unsafe { Box::from_raw(arena) });
+        Ok(())
+    });
+}
+
+/// Allocates `size` bytes. Every address is a multiple of 256; allocations
+/// of chunk_bytes or more are chunk-aligned. Unless
+/// VMM_ARENA_FLAG_NO_IMPLICIT_MOVES is set, alloc, alloc_growable and resize
+/// move other unpinned allocations by remapping when that makes room for the
+/// request (the move callback reports each move).
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_alloc(
+    arena: *mut vmm_arena,
+    size: u64,
+    out_id: *mut vmm_arena_id,
+    out_ptr: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_alloc", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let (oid, optr) = (required(out_id, "out_id")?, required(out_ptr, "out_ptr")?);
+        let (id, ptr) = h.live()?.alloc(size)?;
+        // SAFETY: checked out-parameters, writable per this function's contract.
+        unsafe {
+            put(oid, id.get());
+            put(optr, ptr);
+        }
+        Ok(())
+    })
+}
+
+/// Reserves address space for max_size; backs only size. Growth up to
+/// max_size never moves the allocation; shrinking keeps the reservation.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_alloc_growable(
+    arena: *mut vmm_arena,
+    size: u64,
+    max_size: u64,
+    out_id: *mut vmm_arena_id,
+    out_ptr: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_alloc_growable", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let (oid, optr) = (required(out_id, "out_id")?, required(out_ptr, "out_ptr")?);
+        let (id, ptr) = h.live()?.alloc_growable(size, max_size)?;
+        // SAFETY: checked out-parameters, writable per this function's contract.
+        unsafe {
+            put(oid, id.get());
+            put(optr, ptr);
+        }
+        Ok(())
+    })
+}
+
+/// Frees an allocation; its id is never valid again.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_free(arena: *mut vmm_arena, id: vmm_arena_id) -> vmm_arena_status {
+    boundary("vmm_arena_free", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.free(id_arg(id)).map_err(with_raw_id(id))
+    })
+}
+
+/// Grows or shrinks, keeping the first min(old, new) bytes. Grows in place
+/// when it can, else moves by remapping (never by copying a chunk); after a
+/// move the reservation is at least new_size. Shrinking gives whole tail
+/// chunks back to the pool. out_ptr receives the (maybe new) address.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_ptr` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_resize(
+    arena: *mut vmm_arena,
+    id: vmm_arena_id,
+    new_size: u64,
+    out_ptr: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_resize", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let optr = required(out_ptr, "out_ptr")?;
+        let ptr = h.live()?.resize(id_arg(id), new_size).map_err(with_raw_id(id))?;
+        // SAFETY: a checked out-parameter, writable per this function's contract.
+        unsafe { put(optr, ptr) };
+        Ok(())
+    })
+}
+
+/// Current address and size (either out-parameter may be NULL).
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_ptr` and `out_size` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_query(
+    arena: *mut vmm_arena,
+    id: vmm_arena_id,
+    out_ptr: *mut u64,
+    out_size: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_query", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let (optr, osize) = (optional(out_ptr, "out_ptr")?, optional(out_size, "out_size")?);
+        let info = h.live()?.query(id_arg(id)).map_err(with_raw_id(id))?;
+        // SAFETY: checked out-parameters, writable per this function's contract.
+        unsafe {
+            if let Some(p) = optr {
+                put(p, info.ptr);
+            }
+            if let Some(p) = osize {
+                put(p, info.size);
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Pins an allocation: it never moves until unpinned (buffers registered
+/// with NCCL or RDMA, captured in CUDA graphs).
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_pin(arena: *mut vmm_arena, id: vmm_arena_id) -> vmm_arena_status {
+    boundary("vmm_arena_pin", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.pin(id_arg(id)).map_err(with_raw_id(id))
+    })
+}
+
+/// Lets a pinned allocation move again.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_unpin(arena: *mut vmm_arena, id: vmm_arena_id) -> vmm_arena_status {
+    boundary("vmm_arena_unpin", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.unpin(id_arg(id)).map_err(with_raw_id(id))
+    })
+}
+
+/// Moves unpinned allocations by remapping to close address-space holes.
+/// report may be NULL.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `report` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_compact(
+    arena: *mut vmm_arena,
+    report: *mut vmm_arena_compact_report,
+) -> vmm_arena_status {
+    boundary("vmm_arena_compact", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let out = optional(report, "report")?;
+        let r = h.live()?.compact()?;
+        if let Some(p) = out {
+            let r = vmm_arena_compact_report {
+                moved_allocations: r.moved_allocations,
+                moved_bytes: r.moved_bytes,
+                largest_free_va_before: r.largest_free_va_before,
+                largest_free_va_after: r.largest_free_va_after,
+            };
+            // SAFETY: a checked out-parameter, writable per this function's contract.
+            unsafe { put(p, r) };
+        }
+        Ok(())
+    })
+}
+
+/// Unmaps the old ranges of moved allocations (CUDA: after synchronizing
+/// the device). The arena also does this by itself when it needs their
+/// address space, with the same synchronization.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_release_retired(arena: *mut vmm_arena) -> vmm_arena_status {
+    boundary("vmm_arena_release_retired", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.release_retired()
+    })
+}
+
+/// Gives pooled physical chunks back to the driver until at most keep_bytes
+/// stay pooled. out_released (may be NULL) receives the bytes released.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_released` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_trim(
+    arena: *mut vmm_arena,
+    keep_bytes: u64,
+    out_released: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_trim", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let out = optional(out_released, "out_released")?;
+        let released = h.live()?.trim(keep_bytes)?;
+        if let Some(p) = out {
+            // SAFETY: a checked out-parameter, writable per this function's contract.
+            unsafe { put(p, released) };
+        }
+        Ok(())
+    })
+}
+
+/// stats->struct_size must be set by the caller.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `stats` is NULL or points to at least
+/// `stats->struct_size` writable bytes starting with a `uint32_t struct_size`.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_stats_get(arena: *mut vmm_arena, stats: *mut vmm_arena_stats) -> vmm_arena_status {
+    boundary("vmm_arena_stats_get", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let out = required(stats, "stats")?;
+        // SAFETY: non-NULL and aligned; the caller's struct starts with its
+        // uint32_t struct_size, and nothing past it is read.
+        let size = unsafe { out.as_ptr().cast::<u32>().read() };
+        if size as usize != std::mem::size_of::<vmm_arena_stats>() {
+            return Err(invalid(format!(
+                "stats->struct_size is {size}, expected sizeof(vmm_arena_stats) = {}",
+                std::mem::size_of::<vmm_arena_stats>()
+            )));
+        }
+        let s = h.live()?.stats()?;
+        let c = vmm_arena_stats {
+            struct_size: size,
+            reserved0: 0,
+            live_allocations: s.live_allocations,
+            live_bytes: s.live_bytes,
+            mapped_bytes: s.mapped_bytes,
+            pooled_bytes: s.pooled_bytes,
+            peak_physical_bytes: s.peak_physical_bytes,
+            capacity_bytes: s.capacity_bytes,
+            reserved_va_bytes: s.reserved_va_bytes,
+            free_va_bytes: s.free_va_bytes,
+            largest_free_va_bytes: s.largest_free_va_bytes,
+            retired_va_bytes: s.retired_va_bytes,
+            moves: s.moves,
+            driver_creates: s.driver_creates,
+            driver_releases: s.driver_releases,
+            driver_maps: s.driver_maps,
+            driver_unmaps: s.driver_unmaps,
+            driver_access_calls: s.driver_access_calls,
+        };
+        // SAFETY: the caller's struct is struct_size = sizeof(vmm_arena_stats)
+        // writable bytes, per this function's contract.
+        unsafe { put(out, c) };
+        Ok(())
+    })
+}
+
+/// Installs the move callback; fn == NULL removes the callback. The arena
+/// calls it under its lock, so once this returns the previous callback is
+/// not running and will not run again.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `fn` (if not NULL) and `user` follow
+/// the rules of `vmm_arena_move_fn` for as long as they stay installed.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_set_move_callback(
+    arena: *mut vmm_arena,
+    r#fn: vmm_arena_move_fn,
+    user: *mut c_void,
+) -> vmm_arena_status {
+    boundary("vmm_arena_set_move_callback", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let a = h.live()?;
+        let cb = r#fn.map(|f| {
+            let cb = CMoveCallback { f, user, owner: arena as usize };
+            Box::new(move |e: &MoveEvent| cb.call(e)) as Box<dyn FnMut(&MoveEvent) + Send>
+        });
+        a.set_move_callback(cb)
+    })
+}
+
+/// A JSON object of every range (live, free, retired) and the stats. If cap
+/// is at least the size needed, writes it with its terminating NUL; else
+/// (buf may then be NULL) writes nothing. Either way *out_len receives the
+/// size needed, NUL included, and the status is VMM_ARENA_OK.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `buf` is NULL or has `cap` writable
+/// bytes; `out_len` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_snapshot_json(
+    arena: *mut vmm_arena,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> vmm_arena_status {
+    boundary("vmm_arena_snapshot_json", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let out = required(out_len, "out_len")?;
+        let json = h.live()?.snapshot_json()?;
+        let needed = json.len() + 1;
+        if cap >= needed {
+            if buf.is_null() {
+                return Err(invalid(format!("buf is NULL while cap {cap} covers the {needed} bytes needed")));
+            }
+            // SAFETY: `buf` has `cap >= json.len() + 1` writable bytes per
+            // this function's contract, and cannot overlap a fresh String.
+            unsafe {
+                std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
+                buf.add(json.len()).write(0);
+            }
+        }
+        // SAFETY: a checked out-parameter, writable per this function's contract.
+        unsafe { put(out, needed) };
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_names_match_the_library() {
+        for raw in 0..=8u32 {
+            let name = Status::from_raw(raw).unwrap().name();
+            // SAFETY: status names are static NUL-terminated strings.
+            let c = unsafe { CStr::from_ptr(vmm_arena_status_name(raw)) };
+            assert_eq!(c.to_str().unwrap(), name);
+            assert_eq!(vmm_arena_status::from(Status::from_raw(raw).unwrap()) as u32, raw);
+        }
+        for raw in [9, 100, u32::MAX] {
+            // SAFETY: as above.
+            assert_eq!(unsafe { CStr::from_ptr(vmm_arena_status_name(raw)) }, c"UNKNOWN");
+        }
+    }
+
+    #[test]
+    fn id_zero_maps_to_an_id_no_arena_issues() {
+        let a = Arena::new(ArenaConfig { capacity_bytes: 8 << 20, ..Default::default() }).unwrap();
+        let (id, _) = a.alloc(1).unwrap();
+        assert_ne!(id, id_arg(0));
+        assert!(matches!(a.query(id_arg(0)), Err(Error::UnknownAllocation(_))));
+        assert_eq!(id_arg(id.get()), id);
+    }
+
+    #[test]
+    fn layouts_match_the_contract() {
+        assert_eq!(std::mem::size_of::<vmm_arena_config>(), 48);
+        assert_eq!(std::mem::size_of::<vmm_arena_stats>(), 8 + 16 * 8);
+        assert_eq!(std::mem::size_of::<vmm_arena_compact_report>(), 32);
+        assert_eq!(std::mem::size_of::<vmm_arena_status>(), 4);
+    }
+}

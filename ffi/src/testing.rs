@@ -1,0 +1,108 @@
+//! Testing hooks for the C test programs: not part of the ABI contract and
+//! left out of the generated header (declare them yourself; they may change
+//! in any version). They make the statuses that the host backend cannot
+//! produce on demand (`VMM_ARENA_ERR_DRIVER`, a caught panic) reachable from
+//! C, so the boundary's behaviour is tested where it matters.
+
+use std::sync::Arc;
+
+use arena::driver::fault::{FaultDriver, FaultKind};
+use arena::driver::host::HostDriver;
+use arena::driver::CallKind;
+use arena::{Arena, Error};
+
+use crate::{arena_config, boundary, handle, invalid, publish, read_config, required, vmm_arena, vmm_arena_config};
+use crate::{vmm_arena_backend, vmm_arena_status};
+
+/// Like `vmm_arena_create`, on the host backend wrapped in a fault injector
+/// (`config->backend` must be `VMM_ARENA_BACKEND_HOST`).
+///
+/// # Safety
+/// As for `vmm_arena_create`.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_create_faulty(
+    config: *const vmm_arena_config,
+    out: *mut *mut vmm_arena,
+) -> vmm_arena_status {
+    boundary("vmm_arena_testing_create_faulty", std::ptr::null(), || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { read_config(config) }?;
+        let out = required(out, "out")?;
+        if c.backend != vmm_arena_backend::VMM_ARENA_BACKEND_HOST as u32 {
+            return Err(invalid("a faulty arena needs the host backend"));
+        }
+        let fault = Arc::new(FaultDriver::new(HostDriver::new()?));
+        let arena = Arena::with_driver(Arc::clone(&fault), arena_config(&c)?)?;
+        // SAFETY: `out` was checked and is writable per this function's contract.
+        unsafe { publish(arena, Some(fault), out) }
+    })
+}
+
+/// Makes the `n`th driver call from now (1-based) of `call_kind` fail:
+/// `call_kind` 0 = any call, 1.. = reserve, free_reservation, create,
+/// release, map, set_access, unmap, synchronize, data; `fault` 0 = out of
+/// memory, 1 = a driver error. `n` 0 clears the plan. INVALID_ARGUMENT for an
+/// arena not made by `vmm_arena_testing_create_faulty`.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_fail_nth(
+    arena: *mut vmm_arena,
+    call_kind: u32,
+    n: u64,
+    fault: u32,
+) -> vmm_arena_status {
+    boundary("vmm_arena_testing_fail_nth", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let f = h.fault.as_ref().ok_or_else(|| invalid("not a faulty arena"))?;
+        let kind = match call_kind {
+            0 => None,
+            k => Some(*CallKind::ALL.get(k as usize - 1).ok_or_else(|| invalid("unknown call kind"))?),
+        };
+        let fault = *FaultKind::ALL.get(fault as usize).ok_or_else(|| invalid("unknown fault kind"))?;
+        if n == 0 {
+            f.clear();
+        } else {
+            f.fail_nth(kind, n, fault);
+        }
+        Ok(())
+    })
+}
+
+/// Chunks and mappings alive on the driver's side of a faulty arena.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_driver_objects(
+    arena: *mut vmm_arena,
+    out_chunks: *mut u64,
+    out_mappings: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_testing_driver_objects", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let (oc, om) = (required(out_chunks, "out_chunks")?, required(out_mappings, "out_mappings")?);
+        let f = h.fault.as_ref().ok_or_else(|| invalid("not a faulty arena"))?;
+        // SAFETY: checked out-parameters, writable per this function's contract.
+        unsafe {
+            crate::put(oc, f.live_chunks() as u64);
+            crate::put(om, f.live_mappings() as u64);
+        }
+        Ok(())
+    })
+}
+
+/// Panics inside the boundary, as a bug in the library would: returns
+/// `VMM_ARENA_ERR_INTERNAL` and poisons the arena (when not NULL).
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_panic(arena: *mut vmm_arena) -> vmm_arena_status {
+    boundary("vmm_arena_testing_panic", arena, || -> Result<(), Error> {
+        panic!("vmm_arena_testing_panic was called");
+    })
+}

@@ -1,0 +1,1092 @@
+/*
+ * Every function and every status of the vmm_arena C ABI, on the host
+ * backend, with every bad input we could think of.
+ *
+ * Written against the contract's names only (plus the library's testing
+ * hooks, declared below), so it compiles against the contract header
+ * abi/vmm_arena.h as well as against ffi/include/vmm_arena.h; the test
+ * suite builds it both ways, with -fsanitize=address,undefined.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "vmm_arena.h"
+#include "check.h"
+
+/* Testing hooks of libvmm_arena (not part of the ABI; see ffi/src/testing.rs). */
+vmm_arena_status vmm_arena_testing_create_faulty(const vmm_arena_config *config, vmm_arena **out);
+vmm_arena_status vmm_arena_testing_fail_nth(vmm_arena *arena, uint32_t call_kind, uint64_t n, uint32_t fault);
+vmm_arena_status vmm_arena_testing_driver_objects(vmm_arena *arena, uint64_t *chunks, uint64_t *mappings);
+vmm_arena_status vmm_arena_testing_panic(vmm_arena *arena);
+enum { CALL_ANY = 0, CALL_CREATE = 3, CALL_MAP = 5, CALL_UNMAP = 7 };
+enum { FAULT_OOM = 0, FAULT_DRIVER = 1 };
+
+#define K ((uint64_t)64 << 10) /* the chunk size of the test arenas */
+
+static vmm_arena_config host_config(uint64_t cap_chunks, uint64_t reserve_chunks, uint32_t flags) {
+  vmm_arena_config c;
+  vmm_arena_config_default(&c);
+  c.backend = VMM_ARENA_BACKEND_HOST;
+  c.chunk_bytes = K;
+  c.capacity_bytes = cap_chunks * K;
+  c.reserve_bytes = reserve_chunks * K;
+  c.flags = flags;
+  return c;
+}
+
+static vmm_arena *make(uint64_t cap_chunks, uint64_t reserve_chunks, uint32_t flags) {
+  vmm_arena_config c = host_config(cap_chunks, reserve_chunks, flags);
+  vmm_arena *a = NULL;
+  OK(vmm_arena_create(&c, &a));
+  CHECK(a != NULL);
+  return a;
+}
+
+static uint8_t pattern(uint32_t seed, uint64_t i) {
+  return (uint8_t)(seed * 131u + i * 7u + (i >> 9) + 1u);
+}
+
+static void fill(uint64_t ptr, uint64_t len, uint32_t seed) {
+  uint8_t *p = (uint8_t *)(uintptr_t)ptr;
+  for (uint64_t i = 0; i < len; i++) p[i] = pattern(seed, i);
+}
+
+static int intact(uint64_t ptr, uint64_t len, uint32_t seed) {
+  const uint8_t *p = (const uint8_t *)(uintptr_t)ptr;
+  for (uint64_t i = 0; i < len; i++)
+    if (p[i] != pattern(seed, i)) return 0;
+  return 1;
+}
+
+static vmm_arena_stats stats_of(vmm_arena *a) {
+  vmm_arena_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  OK(vmm_arena_stats_get(a, &s));
+  return s;
+}
+
+static uint64_t ptr_of(vmm_arena *a, vmm_arena_id id) {
+  uint64_t p = 0;
+  OK(vmm_arena_query(a, id, &p, NULL));
+  return p;
+}
+
+/* Records every move the arena reports. */
+typedef struct {
+  int count;
+  vmm_arena_id id[256];
+  uint64_t old_ptr[256], new_ptr[256], size[256];
+} moves_t;
+
+static void record_move(void *user, vmm_arena_id id, uint64_t old_ptr, uint64_t new_ptr, uint64_t size) {
+  moves_t *m = (moves_t *)user;
+  if (m->count < 256) {
+    m->id[m->count] = id;
+    m->old_ptr[m->count] = old_ptr;
+    m->new_ptr[m->count] = new_ptr;
+    m->size[m->count] = size;
+  }
+  m->count++;
+}
+
+static void test_meta(void) {
+  static const char *const names[] = {
+      "VMM_ARENA_OK",
+      "VMM_ARENA_ERR_INVALID_ARGUMENT",
+      "VMM_ARENA_ERR_OUT_OF_MEMORY",
+      "VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE",
+      "VMM_ARENA_ERR_UNKNOWN_ALLOCATION",
+      "VMM_ARENA_ERR_PINNED",
+      "VMM_ARENA_ERR_UNSUPPORTED",
+      "VMM_ARENA_ERR_DRIVER",
+      "VMM_ARENA_ERR_INTERNAL",
+  };
+  CHECK(vmm_arena_last_error() != NULL);
+  CHECK(strcmp(vmm_arena_last_error(), "") == 0); /* nothing failed yet */
+  CHECK(VMM_ARENA_ABI_VERSION == 1);
+  CHECK(vmm_arena_abi_version() == VMM_ARENA_ABI_VERSION);
+  for (unsigned i = 0; i < 9; i++) {
+    const char *n = vmm_arena_status_name((vmm_arena_status)i);
+    CHECK(n != NULL && strcmp(n, names[i]) == 0);
+  }
+  CHECK(VMM_ARENA_OK == 0 && VMM_ARENA_ERR_INVALID_ARGUMENT == 1 && VMM_ARENA_ERR_OUT_OF_MEMORY == 2 &&
+        VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE == 3 && VMM_ARENA_ERR_UNKNOWN_ALLOCATION == 4 &&
+        VMM_ARENA_ERR_PINNED == 5 && VMM_ARENA_ERR_UNSUPPORTED == 6 && VMM_ARENA_ERR_DRIVER == 7 &&
+        VMM_ARENA_ERR_INTERNAL == 8);
+  /* Static strings: the same pointer every time. */
+  CHECK(vmm_arena_status_name(VMM_ARENA_ERR_PINNED) == vmm_arena_status_name(VMM_ARENA_ERR_PINNED));
+  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)9), "UNKNOWN") == 0);
+  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)1000), "UNKNOWN") == 0);
+  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)0xFFFFFFFFu), "UNKNOWN") == 0);
+  CHECK(VMM_ARENA_BACKEND_HOST == 0 && VMM_ARENA_BACKEND_CUDA == 1);
+  CHECK(VMM_ARENA_FLAG_NO_IMPLICIT_MOVES == 1u);
+  CHECK(sizeof(vmm_arena_id) == 8);
+  CHECK(strcmp(vmm_arena_last_error(), "") == 0); /* none of these failed */
+}
+
+static void test_config_and_create(void) {
+  vmm_arena_config c;
+  memset(&c, 0x5A, sizeof c);
+  vmm_arena_config_default(&c);
+  CHECK(c.struct_size == sizeof(vmm_arena_config));
+  CHECK(c.backend == VMM_ARENA_BACKEND_CUDA);
+  CHECK(c.device == 0 && c.flags == 0);
+  CHECK(c.capacity_bytes == 0 && c.reserve_bytes == 0 && c.chunk_bytes == 0);
+  CHECK(c.retain_bytes == UINT64_MAX);
+  vmm_arena_config_default(NULL); /* ignored */
+
+  vmm_arena *const sentinel = (vmm_arena *)(uintptr_t)0x1230;
+  vmm_arena *a = sentinel;
+  vmm_arena_config h = host_config(4, 16, 0);
+
+  EXPECT(vmm_arena_create(NULL, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(a == sentinel);
+  CHECK(strlen(vmm_arena_last_error()) > 0);
+  EXPECT(vmm_arena_create(&h, NULL), VMM_ARENA_ERR_INVALID_ARGUMENT);
+
+  /* struct_size: anything but this version's size. */
+  const uint32_t bad_sizes[] = {0, 4, 8, sizeof(vmm_arena_config) - 8, sizeof(vmm_arena_config) + 8, 0xFFFFFFFFu};
+  for (size_t i = 0; i < sizeof bad_sizes / sizeof bad_sizes[0]; i++) {
+    vmm_arena_config b = h;
+    b.struct_size = bad_sizes[i];
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    CHECK(a == sentinel);
+    CHECK(strstr(vmm_arena_last_error(), "struct_size") != NULL);
+  }
+  /* A short struct at the very end of a readable page: reading past its
+   * struct_size would fault. */
+  long page = sysconf(_SC_PAGESIZE);
+  uint8_t *m = (uint8_t *)mmap(NULL, 2 * (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(m != MAP_FAILED);
+  CHECK(mprotect(m + page, (size_t)page, PROT_NONE) == 0);
+  for (uint32_t sz = 4; sz <= 8; sz += 4) {
+    uint8_t *edge = m + page - 8;
+    memset(edge, 0, 8);
+    memcpy(edge, &sz, sizeof sz);
+    EXPECT(vmm_arena_create((const vmm_arena_config *)(void *)edge, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    CHECK(a == sentinel);
+  }
+  CHECK(munmap(m, 2 * (size_t)page) == 0);
+
+  /* Enum values arrive as plain integers. */
+  const uint32_t bad_backends[] = {2, 3, 1000, 0x80000000u, 0xFFFFFFFFu};
+  for (size_t i = 0; i < sizeof bad_backends / sizeof bad_backends[0]; i++) {
+    vmm_arena_config b = h;
+    b.backend = bad_backends[i];
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    CHECK(a == sentinel);
+  }
+  const uint32_t bad_flags[] = {2, 4, 3, 0x80000000u, 0xFFFFFFFFu};
+  for (size_t i = 0; i < sizeof bad_flags / sizeof bad_flags[0]; i++) {
+    vmm_arena_config b = h;
+    b.flags = bad_flags[i];
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    CHECK(a == sentinel);
+    CHECK(strstr(vmm_arena_last_error(), "flags") != NULL);
+  }
+  /* Chunk sizes that are not a multiple of the page size. */
+  const uint64_t bad_chunks[] = {1, 1000, 4097, (uint64_t)page + 1, K + 8};
+  for (size_t i = 0; i < sizeof bad_chunks / sizeof bad_chunks[0]; i++) {
+    vmm_arena_config b = h;
+    b.chunk_bytes = bad_chunks[i];
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    CHECK(a == sentinel);
+  }
+  {
+    vmm_arena_config b = h;
+    b.capacity_bytes = K - 1; /* below one chunk */
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    b = h;
+    b.reserve_bytes = UINT64_MAX; /* overflows when rounded up */
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    b = h;
+    b.chunk_bytes = 0; /* 2 MiB, above the 4-chunk capacity of 256 KiB */
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    CHECK(a == sentinel);
+    /* No address space this large exists: out of memory, nothing created. */
+    b = h;
+    b.capacity_bytes = (uint64_t)1 << 62;
+    b.reserve_bytes = (uint64_t)1 << 62;
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_OUT_OF_MEMORY);
+    CHECK(a == sentinel);
+  }
+
+  /* The CUDA backend: unsupported without a driver, fine with one. */
+  {
+    vmm_arena_config b;
+    vmm_arena_config_default(&b);
+    b.capacity_bytes = 64ull << 20;
+    vmm_arena_status s = vmm_arena_create(&b, &a);
+    CHECK(s == VMM_ARENA_OK || s == VMM_ARENA_ERR_UNSUPPORTED);
+    if (s == VMM_ARENA_OK) {
+      vmm_arena_id id;
+      uint64_t p;
+      OK(vmm_arena_alloc(a, 1, &id, &p));
+      CHECK(p % 256 == 0);
+      OK(vmm_arena_free(a, id));
+      vmm_arena_destroy(a);
+      printf("  (a CUDA device is present: the CUDA backend was exercised)\n");
+    } else {
+      CHECK(a == sentinel);
+      CHECK(strlen(vmm_arena_last_error()) > 0);
+    }
+    a = sentinel;
+    const int32_t bad_devices[] = {-1, 1000};
+    for (size_t i = 0; i < 2; i++) {
+      b.device = bad_devices[i];
+      EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_UNSUPPORTED);
+      CHECK(a == sentinel);
+    }
+  }
+
+  /* A success leaves the last error as it was: same text, same pointer. */
+  {
+    vmm_arena_config b = h;
+    b.flags = 2;
+    EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    const char *before = vmm_arena_last_error();
+    char copy[512];
+    snprintf(copy, sizeof copy, "%s", before);
+    CHECK(strlen(copy) > 0);
+    OK(vmm_arena_create(&h, &a));
+    CHECK(a != sentinel && a != NULL);
+    vmm_arena_id id;
+    uint64_t p;
+    OK(vmm_arena_alloc(a, 1, &id, &p));
+    CHECK(vmm_arena_last_error() == before);
+    CHECK(strcmp(vmm_arena_last_error(), copy) == 0);
+    vmm_arena_destroy(a); /* with a live allocation: destroy releases it */
+    CHECK(strcmp(vmm_arena_last_error(), copy) == 0);
+  }
+
+  /* Defaults: chunk 2 MiB, addresses chunk-aligned. */
+  {
+    vmm_arena_config b = h;
+    b.chunk_bytes = 0;
+    b.capacity_bytes = 8ull << 20;
+    b.reserve_bytes = 0;
+    OK(vmm_arena_create(&b, &a));
+    vmm_arena_stats s = stats_of(a);
+    CHECK(s.capacity_bytes == (8ull << 20));
+    CHECK(s.reserved_va_bytes >= s.capacity_bytes);
+    vmm_arena_id id;
+    uint64_t p;
+    OK(vmm_arena_alloc(a, 3ull << 20, &id, &p));
+    CHECK(p % (2ull << 20) == 0);
+    vmm_arena_destroy(a);
+  }
+  /* A capacity that is not a multiple of the chunk is rounded down. */
+  {
+    vmm_arena_config b = h;
+    b.capacity_bytes = 3 * K + 5;
+    b.reserve_bytes = 5 * K - 3; /* rounded up */
+    OK(vmm_arena_create(&b, &a));
+    vmm_arena_stats s = stats_of(a);
+    CHECK(s.capacity_bytes == 3 * K);
+    CHECK(s.reserved_va_bytes == 5 * K);
+    vmm_arena_destroy(a);
+  }
+  vmm_arena_destroy(NULL);
+}
+
+static void test_bad_arguments(void) {
+  vmm_arena *a = make(16, 64, 0);
+  const vmm_arena_id ID0 = 0x5555;
+  const uint64_t P0 = 0x6666;
+  vmm_arena_id id = ID0;
+  uint64_t ptr = P0, size = P0;
+  size_t len = 77;
+  vmm_arena_stats st;
+  memset(&st, 0, sizeof st);
+  st.struct_size = sizeof st;
+  vmm_arena_compact_report rep;
+  char buf[16];
+
+  /* A NULL arena, for every function that takes one. */
+  const vmm_arena_status INV = VMM_ARENA_ERR_INVALID_ARGUMENT;
+  EXPECT(vmm_arena_alloc(NULL, K, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc_growable(NULL, K, 2 * K, &id, &ptr), INV);
+  EXPECT(vmm_arena_free(NULL, 1), INV);
+  EXPECT(vmm_arena_resize(NULL, 1, K, &ptr), INV);
+  EXPECT(vmm_arena_query(NULL, 1, &ptr, &size), INV);
+  EXPECT(vmm_arena_pin(NULL, 1), INV);
+  EXPECT(vmm_arena_unpin(NULL, 1), INV);
+  EXPECT(vmm_arena_compact(NULL, &rep), INV);
+  EXPECT(vmm_arena_release_retired(NULL), INV);
+  EXPECT(vmm_arena_trim(NULL, 0, &size), INV);
+  EXPECT(vmm_arena_stats_get(NULL, &st), INV);
+  EXPECT(vmm_arena_set_move_callback(NULL, record_move, NULL), INV);
+  EXPECT(vmm_arena_snapshot_json(NULL, buf, sizeof buf, &len), INV);
+  CHECK(strstr(vmm_arena_last_error(), "arena is NULL") != NULL);
+  CHECK(id == ID0 && ptr == P0 && size == P0 && len == 77);
+
+  /* NULL required out-parameters. */
+  EXPECT(vmm_arena_alloc(a, K, NULL, &ptr), INV);
+  EXPECT(vmm_arena_alloc(a, K, &id, NULL), INV);
+  EXPECT(vmm_arena_alloc(a, K, NULL, NULL), INV);
+  EXPECT(vmm_arena_alloc_growable(a, K, 2 * K, NULL, &ptr), INV);
+  EXPECT(vmm_arena_alloc_growable(a, K, 2 * K, &id, NULL), INV);
+  EXPECT(vmm_arena_stats_get(a, NULL), INV);
+  EXPECT(vmm_arena_snapshot_json(a, buf, sizeof buf, NULL), INV);
+  CHECK(id == ID0 && ptr == P0);
+  CHECK(stats_of(a).live_allocations == 0); /* none of them allocated */
+
+  /* Zero and overflowing sizes; max_size < size. */
+  EXPECT(vmm_arena_alloc(a, 0, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc(a, UINT64_MAX, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc(a, UINT64_MAX - K + 2, &id, &ptr), INV); /* overflows when rounded up */
+  EXPECT(vmm_arena_alloc(a, UINT64_MAX - K + 1, &id, &ptr), VMM_ARENA_ERR_OUT_OF_MEMORY); /* just does not */
+  EXPECT(vmm_arena_alloc_growable(a, 0, K, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc_growable(a, 0, 0, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc_growable(a, K, 0, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc_growable(a, 2 * K, K, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc_growable(a, K + 1, K, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc_growable(a, K, UINT64_MAX, &id, &ptr), INV);
+  EXPECT(vmm_arena_alloc_growable(a, UINT64_MAX, UINT64_MAX, &id, &ptr), INV);
+  CHECK(id == ID0 && ptr == P0);
+
+  /* Out of memory: more than the capacity, in one or in several. */
+  EXPECT(vmm_arena_alloc(a, 17 * K, &id, &ptr), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  EXPECT(vmm_arena_alloc_growable(a, 17 * K, 20 * K, &id, &ptr), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  CHECK(id == ID0 && ptr == P0);
+  vmm_arena_id big;
+  OK(vmm_arena_alloc(a, 16 * K, &big, &ptr));
+  EXPECT(vmm_arena_alloc(a, 1, &id, &ptr), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  OK(vmm_arena_free(a, big));
+  CHECK(stats_of(a).live_allocations == 0);
+
+  /* Made-up, stale and freed ids. */
+  vmm_arena_id v;
+  OK(vmm_arena_alloc(a, K, &v, &ptr));
+  const vmm_arena_id made_up[] = {0, 12345, UINT64_MAX, v + (1ull << 32), 1ull << 32, v + 1, v ^ 0xFFFF0000ull};
+  for (size_t i = 0; i < sizeof made_up / sizeof made_up[0]; i++) {
+    vmm_arena_id x = made_up[i];
+    uint64_t p2 = P0, s2 = P0;
+    EXPECT(vmm_arena_free(a, x), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+    EXPECT(vmm_arena_resize(a, x, K, &p2), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+    EXPECT(vmm_arena_query(a, x, &p2, &s2), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+    EXPECT(vmm_arena_query(a, x, NULL, NULL), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+    EXPECT(vmm_arena_pin(a, x), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+    EXPECT(vmm_arena_unpin(a, x), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+    CHECK(p2 == P0 && s2 == P0);
+  }
+  OK(vmm_arena_free(a, v)); /* v was alive until here */
+  EXPECT(vmm_arena_free(a, 0), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_free") != NULL);
+  CHECK(strstr(vmm_arena_last_error(), "0x0") != NULL); /* the id as the caller spelled it */
+  EXPECT(vmm_arena_free(a, v), VMM_ARENA_ERR_UNKNOWN_ALLOCATION); /* double free */
+  EXPECT(vmm_arena_query(a, v, &ptr, NULL), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  EXPECT(vmm_arena_resize(a, v, 2 * K, &ptr), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  EXPECT(vmm_arena_pin(a, v), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  EXPECT(vmm_arena_unpin(a, v), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  vmm_arena_id v2;
+  OK(vmm_arena_alloc(a, K, &v2, &ptr));
+  CHECK(v2 != v && v2 != 0); /* ids are never reused */
+  EXPECT(vmm_arena_query(a, v, NULL, NULL), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  OK(vmm_arena_query(a, v2, NULL, NULL));
+  OK(vmm_arena_free(a, v2));
+
+  /* Precedence: INVALID_ARGUMENT, UNKNOWN_ALLOCATION, PINNED, OUT_OF_MEMORY,
+   * OUT_OF_ADDRESS_SPACE. */
+  EXPECT(vmm_arena_resize(a, v, 0, &ptr), INV);           /* stale id, size 0 */
+  EXPECT(vmm_arena_resize(a, 0, 0, &ptr), INV);           /* id 0, size 0 */
+  EXPECT(vmm_arena_resize(a, v, UINT64_MAX, &ptr), INV);  /* stale id, overflow */
+  EXPECT(vmm_arena_resize(a, v, K, NULL), INV);           /* stale id, NULL out */
+  EXPECT(vmm_arena_resize(a, v, 100 * K, &ptr), VMM_ARENA_ERR_UNKNOWN_ALLOCATION); /* not OOM */
+  vmm_arena_id x, y;
+  uint64_t px, py;
+  OK(vmm_arena_alloc(a, K, &x, &px));
+  OK(vmm_arena_alloc(a, K, &y, &py));
+  CHECK(py == px + K); /* y sits right after x: x cannot grow in place */
+  OK(vmm_arena_pin(a, x));
+  EXPECT(vmm_arena_resize(a, x, 0, &ptr), INV);
+  EXPECT(vmm_arena_resize(a, x, 100 * K, &ptr), VMM_ARENA_ERR_PINNED); /* not OOM */
+  EXPECT(vmm_arena_resize(a, x, 2 * K, &ptr), VMM_ARENA_ERR_PINNED);
+  CHECK(ptr_of(a, x) == px);
+  OK(vmm_arena_unpin(a, x));
+  EXPECT(vmm_arena_resize(a, x, 100 * K, &ptr), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  OK(vmm_arena_free(a, x));
+  OK(vmm_arena_free(a, y));
+  vmm_arena_destroy(a);
+
+  /* OUT_OF_MEMORY before OUT_OF_ADDRESS_SPACE; OOAS alone when only the
+   * address space falls short. */
+  a = make(4, 2, 0);
+  EXPECT(vmm_arena_alloc_growable(a, 5 * K, 8 * K, &id, &ptr), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  EXPECT(vmm_arena_alloc(a, 5 * K, &id, &ptr), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  EXPECT(vmm_arena_alloc_growable(a, K, 4 * K, &id, &ptr), VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE);
+  EXPECT(vmm_arena_alloc(a, 3 * K, &id, &ptr), VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE);
+  CHECK(id == ID0);
+  vmm_arena_stats s = stats_of(a);
+  CHECK(s.live_allocations == 0 && s.mapped_bytes == 0);
+  vmm_arena_destroy(a);
+}
+
+static void test_resize_keeps_contents(void) {
+  vmm_arena *a = make(32, 128, 0);
+  moves_t mv;
+  memset(&mv, 0, sizeof mv);
+  OK(vmm_arena_set_move_callback(a, record_move, &mv));
+
+  /* Growable: growth within the reservation never moves. */
+  vmm_arena_id g;
+  uint64_t p, q, sz;
+  OK(vmm_arena_alloc_growable(a, K + 100, 4 * K, &g, &p));
+  CHECK(p % 256 == 0 && p % K == 0);
+  fill(p, K + 100, 1);
+  OK(vmm_arena_resize(a, g, 3 * K + 5, &q));
+  CHECK(q == p);
+  CHECK(intact(p, K + 100, 1));
+  fill(p + K + 100, 2 * K - 95, 2);
+  OK(vmm_arena_query(a, g, &q, &sz));
+  CHECK(q == p && sz == 3 * K + 5);
+  /* Shrinking keeps the first bytes and the reservation. */
+  OK(vmm_arena_resize(a, g, K / 2, &q));
+  CHECK(q == p && intact(p, K / 2, 1));
+  OK(vmm_arena_query(a, g, NULL, &sz));
+  CHECK(sz == K / 2);
+  CHECK(stats_of(a).mapped_bytes == K);
+  OK(vmm_arena_resize(a, g, 4 * K, &q));
+  CHECK(q == p && intact(p, K / 2, 1));
+  CHECK(stats_of(a).mapped_bytes == 4 * K);
+  CHECK(mv.count == 0);
+
+  /* Growth beyond the reservation with a neighbour right after: a move by
+   * remapping, reported once, contents intact at the new address and still
+   * readable at the old one until release_retired. */
+  fill(p, 4 * K, 3);
+  vmm_arena_id n;
+  uint64_t pn;
+  OK(vmm_arena_alloc(a, K, &n, &pn));
+  CHECK(pn == p + 4 * K);
+  fill(pn, K, 4);
+  vmm_arena_stats before = stats_of(a);
+  OK(vmm_arena_resize(a, g, 6 * K, &q));
+  CHECK(q != p);
+  CHECK(intact(q, 4 * K, 3));
+  CHECK(intact(p, 4 * K, 3)); /* the old range is retired, not unmapped */
+  CHECK(intact(pn, K, 4));
+  CHECK(mv.count == 1);
+  CHECK(mv.id[0] == g && mv.old_ptr[0] == p && mv.new_ptr[0] == q && mv.size[0] == 6 * K);
+  vmm_arena_stats after = stats_of(a);
+  CHECK(after.moves == before.moves + 1);
+  CHECK(after.retired_va_bytes == 4 * K);
+  CHECK(after.live_bytes == 6 * K + K);
+  CHECK(ptr_of(a, g) == q);
+  OK(vmm_arena_release_retired(a));
+  CHECK(stats_of(a).retired_va_bytes == 0);
+  OK(vmm_arena_release_retired(a)); /* nothing to do is fine */
+  fill(q + 4 * K, 2 * K, 5);
+  CHECK(intact(q, 4 * K, 3) && intact(q + 4 * K, 2 * K, 5));
+
+  CHECK(intact(ptr_of(a, g), 4 * K, 3));
+  OK(vmm_arena_free(a, g));
+  OK(vmm_arena_free(a, n));
+  CHECK(stats_of(a).live_allocations == 0 && stats_of(a).live_bytes == 0);
+  OK(vmm_arena_set_move_callback(a, NULL, NULL));
+  vmm_arena_destroy(a);
+
+  /* A plain allocation grows in place into free space after it, and moves
+   * when its neighbour is in the way. */
+  a = make(32, 128, 0);
+  memset(&mv, 0, sizeof mv);
+  OK(vmm_arena_set_move_callback(a, record_move, &mv));
+  vmm_arena_id x, y;
+  uint64_t px, py;
+  OK(vmm_arena_alloc(a, 2 * K, &x, &px));
+  fill(px, 2 * K, 6);
+  OK(vmm_arena_alloc(a, K, &y, &py));
+  CHECK(py == px + 2 * K);
+  fill(py, K, 7);
+  OK(vmm_arena_resize(a, y, 3 * K, &q)); /* free space after y */
+  CHECK(q == py && intact(py, K, 7));
+  CHECK(mv.count == 0);
+  OK(vmm_arena_resize(a, x, 5 * K, &q));
+  CHECK(q != px && intact(q, 2 * K, 6));
+  CHECK(mv.count == 1 && mv.id[0] == x && mv.old_ptr[0] == px && mv.new_ptr[0] == q && mv.size[0] == 5 * K);
+  px = q;
+  OK(vmm_arena_resize(a, x, K, &q)); /* shrink */
+  CHECK(q == px && intact(px, K, 6));
+  CHECK(intact(py, K, 7));
+  OK(vmm_arena_free(a, x));
+  OK(vmm_arena_free(a, y));
+  CHECK(stats_of(a).live_allocations == 0 && stats_of(a).live_bytes == 0);
+  OK(vmm_arena_set_move_callback(a, NULL, NULL));
+  vmm_arena_destroy(a);
+}
+
+static void test_compaction_keeps_contents(void) {
+  vmm_arena *a = make(32, 32, 0);
+  moves_t mv;
+  memset(&mv, 0, sizeof mv);
+  OK(vmm_arena_set_move_callback(a, record_move, &mv));
+  vmm_arena_id ids[12];
+  uint64_t ptrs[12];
+  for (uint32_t i = 0; i < 12; i++) {
+    OK(vmm_arena_alloc(a, (i % 3 + 1) * K - 7, &ids[i], &ptrs[i]));
+    fill(ptrs[i], (i % 3 + 1) * K - 7, 100 + i);
+  }
+  for (uint32_t i = 0; i < 12; i += 2) OK(vmm_arena_free(a, ids[i]));
+  OK(vmm_arena_pin(a, ids[9]));
+  vmm_arena_stats before = stats_of(a);
+  vmm_arena_compact_report r;
+  memset(&r, 0xEE, sizeof r);
+  OK(vmm_arena_compact(a, &r));
+  vmm_arena_stats after = stats_of(a);
+  CHECK(r.moved_allocations >= 1);
+  CHECK((int)r.moved_allocations == mv.count);
+  CHECK(after.moves == before.moves + r.moved_allocations);
+  CHECK(r.largest_free_va_before == before.largest_free_va_bytes);
+  CHECK(r.largest_free_va_after == after.largest_free_va_bytes);
+  CHECK(r.largest_free_va_after > r.largest_free_va_before);
+  CHECK(after.retired_va_bytes == 0);
+  uint64_t moved_bytes = 0;
+  for (int e = 0; e < mv.count; e++) {
+    CHECK(mv.id[e] != ids[9]); /* pinned: never moved */
+    moved_bytes += (mv.size[e] + K - 1) / K * K;
+  }
+  CHECK(r.moved_bytes == moved_bytes);
+  for (uint32_t i = 1; i < 12; i += 2) {
+    uint64_t p = ptr_of(a, ids[i]);
+    CHECK(intact(p, (i % 3 + 1) * K - 7, 100 + i));
+    for (int e = mv.count - 1; e >= 0; e--) /* the last event tells where it went */
+      if (mv.id[e] == ids[i]) {
+        CHECK(mv.new_ptr[e] == p);
+        break;
+      }
+  }
+  CHECK(ptr_of(a, ids[9]) == ptrs[9]);
+  OK(vmm_arena_compact(a, NULL)); /* report may be NULL */
+  for (uint32_t i = 1; i < 12; i += 2) OK(vmm_arena_free(a, ids[i]));
+  vmm_arena_destroy(a);
+}
+
+/* Fragments an arena whose address space equals its capacity: 16 one-chunk
+ * allocations, every other one freed. */
+static void fragment(vmm_arena *a, vmm_arena_id ids[16], uint64_t ptrs[16]) {
+  for (uint32_t i = 0; i < 16; i++) {
+    OK(vmm_arena_alloc(a, K, &ids[i], &ptrs[i]));
+    fill(ptrs[i], K, 200 + i);
+  }
+  for (uint32_t i = 0; i < 16; i += 2) OK(vmm_arena_free(a, ids[i]));
+  CHECK(stats_of(a).largest_free_va_bytes == K);
+}
+
+static void test_implicit_moves_and_address_space(void) {
+  vmm_arena_id ids[16], id;
+  uint64_t ptrs[16], p;
+  moves_t mv;
+
+  /* Implicit moves make room: the allocation succeeds. */
+  vmm_arena *a = make(16, 16, 0);
+  memset(&mv, 0, sizeof mv);
+  OK(vmm_arena_set_move_callback(a, record_move, &mv));
+  fragment(a, ids, ptrs);
+  OK(vmm_arena_alloc(a, 2 * K, &id, &p));
+  CHECK(mv.count >= 1);
+  fill(p, 2 * K, 1);
+  for (uint32_t i = 1; i < 16; i += 2) CHECK(intact(ptr_of(a, ids[i]), K, 200 + i));
+  CHECK(stats_of(a).moves == (uint64_t)mv.count);
+  vmm_arena_destroy(a);
+
+  /* With VMM_ARENA_FLAG_NO_IMPLICIT_MOVES: out of address space, the arena
+   * unchanged; compaction (explicit) makes room. */
+  a = make(16, 16, VMM_ARENA_FLAG_NO_IMPLICIT_MOVES);
+  memset(&mv, 0, sizeof mv);
+  OK(vmm_arena_set_move_callback(a, record_move, &mv));
+  fragment(a, ids, ptrs);
+  vmm_arena_stats before = stats_of(a);
+  id = 0x77;
+  EXPECT(vmm_arena_alloc(a, 2 * K, &id, &p), VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE);
+  EXPECT(vmm_arena_alloc_growable(a, K, 2 * K, &id, &p), VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE);
+  CHECK(id == 0x77);
+  vmm_arena_stats after = stats_of(a);
+  CHECK(memcmp(&before, &after, sizeof before) == 0);
+  CHECK(mv.count == 0);
+  /* The resized allocation itself may still move. */
+  uint64_t q;
+  OK(vmm_arena_resize(a, ids[15], K, &q));
+  CHECK(q == ptrs[15]);
+  OK(vmm_arena_compact(a, NULL));
+  CHECK(mv.count >= 1);
+  OK(vmm_arena_alloc(a, 2 * K, &id, &p));
+  for (uint32_t i = 1; i < 16; i += 2) CHECK(intact(ptr_of(a, ids[i]), K, 200 + i));
+  vmm_arena_destroy(a);
+
+  /* Pinned allocations in the way: out of address space; unpinned, fine. */
+  a = make(16, 16, 0);
+  for (uint32_t i = 0; i < 16; i++) {
+    OK(vmm_arena_alloc(a, K, &ids[i], &ptrs[i]));
+    fill(ptrs[i], K, 300 + i);
+    OK(vmm_arena_pin(a, ids[i]));
+  }
+  for (uint32_t i = 0; i < 16; i += 2) OK(vmm_arena_free(a, ids[i]));
+  before = stats_of(a);
+  EXPECT(vmm_arena_alloc(a, 2 * K, &id, &p), VMM_ARENA_ERR_OUT_OF_ADDRESS_SPACE);
+  after = stats_of(a);
+  CHECK(memcmp(&before, &after, sizeof before) == 0);
+  OK(vmm_arena_compact(a, NULL)); /* moves nothing: all pinned */
+  CHECK(stats_of(a).moves == 0);
+  for (uint32_t i = 1; i < 16; i += 2) OK(vmm_arena_unpin(a, ids[i]));
+  OK(vmm_arena_alloc(a, 2 * K, &id, &p));
+  for (uint32_t i = 1; i < 16; i += 2) CHECK(intact(ptr_of(a, ids[i]), K, 300 + i));
+  vmm_arena_destroy(a);
+}
+
+/* Small allocations share chunks (slabs); they move with their slab and
+ * are copied when they outgrow their size class. Every move is reported,
+ * every byte kept. */
+static void test_small_allocations(void) {
+  vmm_arena *a = make(32, 32, 0);
+  moves_t mv;
+  memset(&mv, 0, sizeof mv);
+  OK(vmm_arena_set_move_callback(a, record_move, &mv));
+  enum { N = 40 };
+  vmm_arena_id ids[N];
+  uint64_t ptrs[N], sizes[N];
+  vmm_arena_id big[8];
+  uint64_t bp;
+  for (uint32_t i = 0; i < N; i++) {
+    sizes[i] = 1 + (i * 977u) % 6000;
+    OK(vmm_arena_alloc(a, sizes[i], &ids[i], &ptrs[i]));
+    CHECK(ptrs[i] % 256 == 0);
+    fill(ptrs[i], sizes[i], 500 + i);
+    if (i % 5 == 0) OK(vmm_arena_alloc(a, K, &big[i / 5], &bp)); /* interleave whole chunks */
+  }
+  for (uint32_t i = 0; i < N; i++)
+    for (uint32_t j = i + 1; j < N; j++) /* no two objects overlap */
+      CHECK(ptrs[i] + sizes[i] <= ptrs[j] || ptrs[j] + sizes[j] <= ptrs[i]);
+  for (uint32_t b = 0; b < 8; b += 2) OK(vmm_arena_free(a, big[b]));
+  for (uint32_t i = 0; i < N; i += 3) OK(vmm_arena_free(a, ids[i]));
+  vmm_arena_stats before = stats_of(a);
+  OK(vmm_arena_compact(a, NULL));
+  vmm_arena_stats after = stats_of(a);
+  CHECK(after.moves - before.moves == (uint64_t)mv.count);
+  for (uint32_t i = 1; i < N; i++) {
+    if (i % 3 == 0) continue;
+    uint64_t p = ptr_of(a, ids[i]);
+    CHECK(intact(p, sizes[i], 500 + i));
+    uint64_t want = ptrs[i];
+    for (int e = 0; e < mv.count && e < 256; e++)
+      if (mv.id[e] == ids[i]) {
+        CHECK(mv.old_ptr[e] == want); /* events chain from the old address */
+        want = mv.new_ptr[e];
+      }
+    CHECK(want == p);
+  }
+
+  printf("  compaction moved %d objects and chunks\n", mv.count);
+  /* Outgrowing the size class: a move (copy) that keeps the bytes. */
+  vmm_arena_id s1;
+  uint64_t p1, q;
+  OK(vmm_arena_alloc(a, 100, &s1, &p1));
+  fill(p1, 100, 77);
+  OK(vmm_arena_resize(a, s1, 200, &q)); /* within its class: in place */
+  CHECK(q == p1 && intact(p1, 100, 77));
+  int events = mv.count;
+  uint64_t moves = stats_of(a).moves;
+  OK(vmm_arena_resize(a, s1, 5000, &q));
+  CHECK(q % 256 == 0 && intact(q, 100, 77));
+  CHECK(stats_of(a).moves - moves == (uint64_t)(mv.count - events));
+  if (q != p1) CHECK(mv.count > events && mv.id[mv.count - 1] == s1 && mv.new_ptr[mv.count - 1] == q);
+  /* Beyond every class: whole chunks, chunk-aligned once >= a chunk. */
+  OK(vmm_arena_resize(a, s1, 3 * K, &q));
+  CHECK(q % K == 0 && intact(q, 100, 77));
+  OK(vmm_arena_query(a, s1, &q, &bp));
+  CHECK(bp == 3 * K);
+  /* Pinned small objects stay; growing one out of its class is PINNED. */
+  vmm_arena_id s2;
+  uint64_t p2;
+  OK(vmm_arena_alloc(a, 300, &s2, &p2));
+  OK(vmm_arena_pin(a, s2));
+  EXPECT(vmm_arena_resize(a, s2, 20000, &q), VMM_ARENA_ERR_PINNED);
+  CHECK(ptr_of(a, s2) == p2);
+  OK(vmm_arena_unpin(a, s2));
+  OK(vmm_arena_resize(a, s2, 20000, &q));
+  EXPECT(vmm_arena_free(a, s2), VMM_ARENA_OK);
+  EXPECT(vmm_arena_free(a, s2), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  vmm_arena_destroy(a);
+}
+
+static void test_pin(void) {
+  vmm_arena *a = make(32, 64, 0);
+  vmm_arena_id g, n, last;
+  uint64_t p, pn, q, plast;
+  OK(vmm_arena_alloc_growable(a, K, 2 * K, &g, &p));
+  OK(vmm_arena_alloc(a, K, &n, &pn));
+  CHECK(pn == p + 2 * K);
+  fill(p, K, 9);
+  OK(vmm_arena_pin(a, g));
+  OK(vmm_arena_pin(a, g)); /* twice is fine */
+  OK(vmm_arena_resize(a, g, 2 * K, &q)); /* within its reservation: in place */
+  CHECK(q == p);
+  q = 0x99;
+  EXPECT(vmm_arena_resize(a, g, 3 * K, &q), VMM_ARENA_ERR_PINNED);
+  CHECK(q == 0x99 && ptr_of(a, g) == p && intact(p, K, 9));
+  CHECK(strstr(vmm_arena_last_error(), "pinned") != NULL);
+  OK(vmm_arena_compact(a, NULL));
+  CHECK(ptr_of(a, g) == p);
+  OK(vmm_arena_unpin(a, g));
+  OK(vmm_arena_unpin(a, g)); /* unpinning an unpinned allocation is fine */
+  OK(vmm_arena_resize(a, g, 3 * K, &q));
+  CHECK(q != p && intact(q, K, 9));
+  /* A pinned allocation with free space after it grows where it stands. */
+  OK(vmm_arena_alloc(a, K, &last, &plast));
+  OK(vmm_arena_pin(a, last));
+  OK(vmm_arena_resize(a, last, 3 * K, &q));
+  CHECK(q == plast);
+  vmm_arena_destroy(a);
+}
+
+static void test_stats_and_trim(void) {
+  vmm_arena *a = make(16, 64, 0);
+  /* Wrong struct_size: refused, nothing written. */
+  const uint32_t bad[] = {0, 4, sizeof(vmm_arena_stats) - 8, sizeof(vmm_arena_stats) + 8, 0xFFFFFFFFu};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    vmm_arena_stats s;
+    memset(&s, 0xAB, sizeof s);
+    s.struct_size = bad[i];
+    EXPECT(vmm_arena_stats_get(a, &s), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    CHECK(s.struct_size == bad[i]);
+    const unsigned char *bytes = (const unsigned char *)&s;
+    for (size_t b = sizeof s.struct_size; b < sizeof s; b++) CHECK(bytes[b] == 0xAB);
+  }
+  vmm_arena_stats s;
+  memset(&s, 0xAB, sizeof s);
+  s.struct_size = sizeof s;
+  OK(vmm_arena_stats_get(a, &s));
+  CHECK(s.struct_size == sizeof s && s.reserved0 == 0);
+  CHECK(s.capacity_bytes == 16 * K && s.reserved_va_bytes == 64 * K);
+  CHECK(s.live_allocations == 0 && s.live_bytes == 0 && s.mapped_bytes == 0 && s.pooled_bytes == 0);
+  CHECK(s.free_va_bytes == 64 * K && s.largest_free_va_bytes == 64 * K);
+  CHECK(s.retired_va_bytes == 0 && s.moves == 0 && s.driver_creates == 0 && s.peak_physical_bytes == 0);
+
+  vmm_arena_id x, y, g;
+  uint64_t p;
+  OK(vmm_arena_alloc(a, 100, &x, &p));
+  OK(vmm_arena_alloc(a, K + 1, &y, &p));
+  OK(vmm_arena_alloc_growable(a, K, 8 * K, &g, &p));
+  s = stats_of(a);
+  CHECK(s.live_allocations == 3);
+  CHECK(s.live_bytes == 100 + K + 1 + K);
+  CHECK(s.mapped_bytes == 4 * K);
+  CHECK(s.free_va_bytes == 64 * K - 11 * K); /* a growable's whole reservation counts */
+  CHECK(s.driver_creates == 4);
+  CHECK(s.driver_maps >= 1 && s.driver_access_calls >= 1);
+  CHECK(s.peak_physical_bytes == 4 * K);
+  OK(vmm_arena_free(a, x));
+  OK(vmm_arena_free(a, y));
+  OK(vmm_arena_free(a, g));
+  s = stats_of(a);
+  CHECK(s.live_allocations == 0 && s.mapped_bytes == 0 && s.pooled_bytes == 4 * K);
+  CHECK(s.peak_physical_bytes == 4 * K && s.driver_releases == 0);
+
+  uint64_t released = 0x1234;
+  OK(vmm_arena_trim(a, K + 5, &released));
+  CHECK(released == 3 * K);
+  CHECK(stats_of(a).pooled_bytes == K);
+  OK(vmm_arena_trim(a, 0, NULL)); /* out_released may be NULL */
+  s = stats_of(a);
+  CHECK(s.pooled_bytes == 0 && s.driver_releases == 4);
+  OK(vmm_arena_trim(a, 0, &released));
+  CHECK(released == 0);
+  OK(vmm_arena_trim(a, UINT64_MAX, &released));
+  CHECK(released == 0);
+  vmm_arena_destroy(a);
+
+  /* retain_bytes: the watermark of pooled memory kept on free. */
+  vmm_arena_config c = host_config(16, 64, 0);
+  c.retain_bytes = 0;
+  OK(vmm_arena_create(&c, &a));
+  OK(vmm_arena_alloc(a, 3 * K, &x, &p));
+  OK(vmm_arena_free(a, x));
+  s = stats_of(a);
+  CHECK(s.pooled_bytes == 0 && s.driver_releases == 3);
+  vmm_arena_destroy(a);
+  c.retain_bytes = K;
+  OK(vmm_arena_create(&c, &a));
+  OK(vmm_arena_alloc(a, 3 * K, &x, &p));
+  OK(vmm_arena_free(a, x));
+  CHECK(stats_of(a).pooled_bytes == K);
+  vmm_arena_destroy(a);
+}
+
+static void test_snapshot(void) {
+  vmm_arena *a = make(16, 64, 0);
+  vmm_arena_id g, n, x;
+  uint64_t p, q;
+  OK(vmm_arena_alloc_growable(a, K, 2 * K, &g, &p));
+  OK(vmm_arena_alloc(a, K, &n, &p));
+  OK(vmm_arena_alloc(a, K, &x, &p));
+  OK(vmm_arena_free(a, x));
+  OK(vmm_arena_resize(a, g, 4 * K, &q)); /* moves: leaves a retired range */
+
+  size_t need = 0;
+  OK(vmm_arena_snapshot_json(a, NULL, 0, &need)); /* the size query */
+  CHECK(need > 2);
+  size_t len = 0;
+  OK(vmm_arena_snapshot_json(a, NULL, need - 1, &len)); /* too small: buf may be NULL */
+  CHECK(len == need);
+  char *buf = (char *)malloc(need + 16);
+  CHECK(buf != NULL);
+  memset(buf, 'X', need + 16);
+  len = 0;
+  OK(vmm_arena_snapshot_json(a, buf, need - 1, &len)); /* too small: nothing written */
+  CHECK(len == need);
+  for (size_t i = 0; i < need + 16; i++) CHECK(buf[i] == 'X');
+  len = 0;
+  OK(vmm_arena_snapshot_json(a, buf, need, &len)); /* exactly enough */
+  CHECK(len == need);
+  CHECK(strlen(buf) == need - 1);
+  CHECK(buf[need] == 'X');
+  CHECK(buf[0] == '{' && buf[need - 2] == '}');
+  CHECK(strstr(buf, "\"ranges\"") && strstr(buf, "\"stats\"") && strstr(buf, "\"live\"") &&
+        strstr(buf, "\"free\"") && strstr(buf, "\"retired\""));
+  OK(vmm_arena_snapshot_json(a, buf, need + 16, &len)); /* more than enough */
+  CHECK(len == need && strlen(buf) == need - 1);
+  /* NULL where it is needed. */
+  len = 0x55;
+  EXPECT(vmm_arena_snapshot_json(a, NULL, need, &len), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_snapshot_json(a, NULL, SIZE_MAX, &len), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_snapshot_json(a, buf, need, NULL), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(len == 0x55);
+  free(buf);
+  vmm_arena_destroy(a);
+}
+
+/* A callback that calls back into its own arena. */
+typedef struct {
+  vmm_arena *arena, *other;
+  int calls;
+  vmm_arena_status alloc_status, query_status, stats_status, compact_status, other_status;
+  char last_error[512];
+  char destroy_error[512];
+} reentry_t;
+
+static void reenter(void *user, vmm_arena_id id, uint64_t old_ptr, uint64_t new_ptr, uint64_t size) {
+  (void)old_ptr;
+  (void)new_ptr;
+  (void)size;
+  reentry_t *r = (reentry_t *)user;
+  r->calls++;
+  vmm_arena_id nid;
+  uint64_t p;
+  vmm_arena_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  r->alloc_status = vmm_arena_alloc(r->arena, K, &nid, &p);
+  snprintf(r->last_error, sizeof r->last_error, "%s", vmm_arena_last_error());
+  r->query_status = vmm_arena_query(r->arena, id, &p, NULL);
+  r->stats_status = vmm_arena_stats_get(r->arena, &s);
+  r->compact_status = vmm_arena_compact(r->arena, NULL);
+  vmm_arena_destroy(r->arena); /* refused: the arena is in use */
+  snprintf(r->destroy_error, sizeof r->destroy_error, "%s", vmm_arena_last_error());
+  /* Another arena is fine. */
+  r->other_status = vmm_arena_alloc(r->other, K, &nid, &p);
+  if (r->other_status == VMM_ARENA_OK) r->other_status = vmm_arena_free(r->other, nid);
+}
+
+static void test_callbacks(void) {
+  vmm_arena *a = make(32, 64, 0);
+  vmm_arena *b = make(4, 8, 0);
+  reentry_t r;
+  memset(&r, 0, sizeof r);
+  r.arena = a;
+  r.other = b;
+  OK(vmm_arena_set_move_callback(a, reenter, &r));
+  vmm_arena_id g, n;
+  uint64_t p, pn, q;
+  OK(vmm_arena_alloc_growable(a, K, K, &g, &p));
+  OK(vmm_arena_alloc(a, K, &n, &pn));
+  CHECK(pn == p + K);
+  fill(p, K, 11);
+  OK(vmm_arena_resize(a, g, 2 * K, &q)); /* moves: the callback runs */
+  CHECK(r.calls == 1);
+  CHECK(r.alloc_status == VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(r.last_error, "callback") != NULL);
+  CHECK(r.query_status == VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(r.stats_status == VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(r.compact_status == VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(r.destroy_error, "callback") != NULL);
+  CHECK(r.other_status == VMM_ARENA_OK);
+  /* The arena survived its callback's destroy and its state is consistent. */
+  CHECK(ptr_of(a, g) == q && intact(q, K, 11));
+  CHECK(stats_of(a).live_allocations == 2);
+
+  /* Replacing the callback; removing it. */
+  moves_t mv;
+  memset(&mv, 0, sizeof mv);
+  OK(vmm_arena_set_move_callback(a, record_move, &mv));
+  vmm_arena_id h, m;
+  uint64_t ph, pm;
+  OK(vmm_arena_alloc_growable(a, K, K, &h, &ph));
+  OK(vmm_arena_alloc(a, K, &m, &pm));
+  CHECK(pm == ph + K);
+  OK(vmm_arena_resize(a, h, 2 * K, &q));
+  CHECK(q != ph && mv.count == 1 && mv.id[0] == h && r.calls == 1);
+  OK(vmm_arena_set_move_callback(a, NULL, NULL));
+  vmm_arena_stats before = stats_of(a);
+  OK(vmm_arena_alloc_growable(a, K, K, &h, &ph));
+  OK(vmm_arena_alloc(a, K, &m, &pm));
+  CHECK(pm == ph + K);
+  OK(vmm_arena_resize(a, h, 2 * K, &q));
+  CHECK(q != ph && mv.count == 1 && r.calls == 1);
+  CHECK(stats_of(a).moves == before.moves + 1);
+  vmm_arena_destroy(a);
+  vmm_arena_destroy(b);
+}
+
+static void test_poison(void) {
+  vmm_arena *a = make(16, 64, 0);
+  vmm_arena *b = make(16, 64, 0);
+  vmm_arena_id x, id = 0x42;
+  uint64_t p, v = 0x43;
+  size_t len = 0x44;
+  OK(vmm_arena_alloc(a, K, &x, &p));
+  EXPECT(vmm_arena_testing_panic(a), VMM_ARENA_ERR_INTERNAL);
+  CHECK(strstr(vmm_arena_last_error(), "panic") != NULL);
+  EXPECT(vmm_arena_testing_panic(NULL), VMM_ARENA_ERR_INTERNAL);
+
+  const vmm_arena_status I = VMM_ARENA_ERR_INTERNAL;
+  vmm_arena_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  EXPECT(vmm_arena_alloc(a, K, &id, &p), I);
+  EXPECT(vmm_arena_alloc_growable(a, K, 2 * K, &id, &p), I);
+  EXPECT(vmm_arena_free(a, x), I);
+  EXPECT(vmm_arena_resize(a, x, 2 * K, &v), I);
+  EXPECT(vmm_arena_query(a, x, &v, NULL), I);
+  EXPECT(vmm_arena_pin(a, x), I);
+  EXPECT(vmm_arena_unpin(a, x), I);
+  EXPECT(vmm_arena_compact(a, NULL), I);
+  EXPECT(vmm_arena_release_retired(a), I);
+  EXPECT(vmm_arena_trim(a, 0, &v), I);
+  EXPECT(vmm_arena_stats_get(a, &s), I);
+  EXPECT(vmm_arena_set_move_callback(a, record_move, NULL), I);
+  EXPECT(vmm_arena_snapshot_json(a, NULL, 0, &len), I);
+  CHECK(strstr(vmm_arena_last_error(), "poisoned") != NULL);
+  CHECK(id == 0x42 && v == 0x43 && len == 0x44 && s.live_allocations == 0);
+  /* The function's own argument checks come first. */
+  EXPECT(vmm_arena_alloc(a, K, NULL, &p), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_stats_get(a, NULL), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  /* Other arenas are not affected; destroy still releases everything. */
+  OK(vmm_arena_alloc(b, K, &id, &p));
+  vmm_arena_destroy(a);
+  OK(vmm_arena_free(b, id));
+  vmm_arena_destroy(b);
+}
+
+static void test_driver_failures(void) {
+  vmm_arena_config c = host_config(16, 32, 0);
+  vmm_arena *f = NULL;
+  OK(vmm_arena_testing_create_faulty(&c, &f));
+  uint64_t chunks0, maps0, chunks1, maps1;
+  vmm_arena_id id = 0x31, g, n;
+  uint64_t p = 0x32, pg, pn, q;
+
+  /* A failing create: DRIVER, nothing changed. */
+  vmm_arena_stats before = stats_of(f);
+  OK(vmm_arena_testing_driver_objects(f, &chunks0, &maps0));
+  OK(vmm_arena_testing_fail_nth(f, CALL_ANY, 1, FAULT_DRIVER));
+  EXPECT(vmm_arena_alloc(f, 2 * K, &id, &p), VMM_ARENA_ERR_DRIVER);
+  CHECK(strstr(vmm_arena_last_error(), "injected") != NULL);
+  CHECK(id == 0x31 && p == 0x32);
+  vmm_arena_stats after = stats_of(f);
+  OK(vmm_arena_testing_driver_objects(f, &chunks1, &maps1));
+  CHECK(after.live_allocations == before.live_allocations && after.mapped_bytes == before.mapped_bytes &&
+        after.pooled_bytes == before.pooled_bytes);
+  CHECK(chunks1 == chunks0 && maps1 == maps0);
+  /* The driver out of memory: OUT_OF_MEMORY. */
+  OK(vmm_arena_testing_fail_nth(f, CALL_CREATE, 2, FAULT_OOM));
+  EXPECT(vmm_arena_alloc(f, 2 * K, &id, &p), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  OK(vmm_arena_testing_driver_objects(f, &chunks1, &maps1));
+  CHECK(chunks1 == chunks0 && maps1 == maps0);
+  OK(vmm_arena_testing_fail_nth(f, CALL_ANY, 0, FAULT_DRIVER)); /* clear */
+
+  /* A failing move leaves the allocation where and as it was. */
+  OK(vmm_arena_alloc_growable(f, K, 2 * K, &g, &pg));
+  OK(vmm_arena_alloc(f, K, &n, &pn));
+  CHECK(pn == pg + 2 * K);
+  fill(pg, K, 21);
+  before = stats_of(f);
+  OK(vmm_arena_testing_driver_objects(f, &chunks0, &maps0));
+  for (uint64_t nth = 1; nth <= 3; nth++) {
+    OK(vmm_arena_testing_fail_nth(f, CALL_ANY, nth, FAULT_DRIVER));
+    q = 0x33;
+    EXPECT(vmm_arena_resize(f, g, 5 * K, &q), VMM_ARENA_ERR_DRIVER);
+    CHECK(q == 0x33 && ptr_of(f, g) == pg && intact(pg, K, 21));
+    after = stats_of(f);
+    CHECK(memcmp(&before.live_allocations, &after.live_allocations, 11 * sizeof(uint64_t)) == 0);
+    OK(vmm_arena_testing_driver_objects(f, &chunks1, &maps1));
+    CHECK(chunks1 == chunks0 && maps1 == maps0);
+  }
+  OK(vmm_arena_testing_fail_nth(f, CALL_ANY, 0, FAULT_DRIVER));
+  OK(vmm_arena_resize(f, g, 5 * K, &q));
+  CHECK(q != pg && intact(q, K, 21));
+
+  /* A failing unmap of the retired range: DRIVER, and a retry works. */
+  CHECK(stats_of(f).retired_va_bytes > 0);
+  OK(vmm_arena_testing_fail_nth(f, CALL_UNMAP, 1, FAULT_DRIVER));
+  EXPECT(vmm_arena_release_retired(f), VMM_ARENA_ERR_DRIVER);
+  CHECK(stats_of(f).retired_va_bytes > 0);
+  OK(vmm_arena_release_retired(f));
+  CHECK(stats_of(f).retired_va_bytes == 0);
+
+  /* A failing compaction keeps every allocation and its contents. */
+  vmm_arena_id ids[8];
+  uint64_t ptrs[8];
+  for (uint32_t i = 0; i < 8; i++) {
+    OK(vmm_arena_alloc(f, K, &ids[i], &ptrs[i]));
+    fill(ptrs[i], K, 40 + i);
+  }
+  for (uint32_t i = 0; i < 8; i += 2) OK(vmm_arena_free(f, ids[i]));
+  before = stats_of(f);
+  OK(vmm_arena_testing_fail_nth(f, CALL_MAP, 2, FAULT_DRIVER));
+  EXPECT(vmm_arena_compact(f, NULL), VMM_ARENA_ERR_DRIVER);
+  after = stats_of(f);
+  CHECK(after.moves == before.moves && after.live_allocations == before.live_allocations);
+  for (uint32_t i = 1; i < 8; i += 2) CHECK(ptr_of(f, ids[i]) == ptrs[i] && intact(ptrs[i], K, 40 + i));
+  OK(vmm_arena_compact(f, NULL));
+  for (uint32_t i = 1; i < 8; i += 2) CHECK(intact(ptr_of(f, ids[i]), K, 40 + i));
+
+  /* Hook arguments. */
+  vmm_arena *plain = make(4, 8, 0);
+  EXPECT(vmm_arena_testing_fail_nth(plain, CALL_ANY, 1, FAULT_DRIVER), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_testing_fail_nth(f, 99, 1, FAULT_DRIVER), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_testing_fail_nth(f, CALL_ANY, 1, 7), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  vmm_arena_destroy(plain);
+  vmm_arena_destroy(f);
+}
+
+int main(void) {
+  setvbuf(stdout, NULL, _IONBF, 0);
+  struct {
+    const char *name;
+    void (*run)(void);
+  } tests[] = {
+      {"meta", test_meta},
+      {"config_and_create", test_config_and_create},
+      {"bad_arguments", test_bad_arguments},
+      {"resize_keeps_contents", test_resize_keeps_contents},
+      {"compaction_keeps_contents", test_compaction_keeps_contents},
+      {"implicit_moves_and_address_space", test_implicit_moves_and_address_space},
+      {"small_allocations", test_small_allocations},
+      {"pin", test_pin},
+      {"stats_and_trim", test_stats_and_trim},
+      {"snapshot", test_snapshot},
+      {"callbacks", test_callbacks},
+      {"poison", test_poison},
+      {"driver_failures", test_driver_failures},
+  };
+  for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+    printf("test_api: %s\n", tests[i].name);
+    tests[i].run();
+  }
+  FINISH("test_api");
+}

@@ -1,0 +1,317 @@
+// The header-only C++17 wrapper (vmm_arena.hpp) on the host backend:
+// RAII, move semantics, exceptions and their non-throwing twins, the
+// std::function move callback, and use from several std::threads.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "vmm_arena.hpp"
+#include "check.h"
+
+namespace {
+
+constexpr uint64_t K = 64 << 10;
+
+static_assert(!std::is_copy_constructible<vmm::Arena>::value, "move-only");
+static_assert(!std::is_copy_assignable<vmm::Arena>::value, "move-only");
+static_assert(std::is_nothrow_move_constructible<vmm::Arena>::value, "movable");
+static_assert(!std::is_copy_constructible<vmm::Allocation>::value, "move-only");
+static_assert(std::is_nothrow_move_constructible<vmm::Allocation>::value, "movable");
+static_assert(std::is_nothrow_move_assignable<vmm::Allocation>::value, "movable");
+static_assert(static_cast<uint32_t>(vmm::Status::Pinned) == VMM_ARENA_ERR_PINNED, "same values");
+
+vmm::Config small(uint64_t cap_chunks = 32, uint64_t reserve_chunks = 128) {
+  return vmm::Config::host().capacity(cap_chunks * K).reserve(reserve_chunks * K).chunk(K);
+}
+
+template <class F>
+vmm::Status thrown_status(F &&f) {
+  try {
+    f();
+  } catch (const vmm::Error &e) {
+    CHECK(std::strlen(e.what()) > 0);
+    CHECK(std::string(e.what()).find(vmm::status_name(e.status())) != std::string::npos);
+    return e.status();
+  }
+  return vmm::Status::Ok;
+}
+
+void fill(uint64_t ptr, uint64_t len, uint8_t seed) {
+  auto *p = reinterpret_cast<uint8_t *>(static_cast<uintptr_t>(ptr));
+  for (uint64_t i = 0; i < len; i++) p[i] = static_cast<uint8_t>(seed + i * 13);
+}
+
+bool intact(uint64_t ptr, uint64_t len, uint8_t seed) {
+  const auto *p = reinterpret_cast<const uint8_t *>(static_cast<uintptr_t>(ptr));
+  for (uint64_t i = 0; i < len; i++)
+    if (p[i] != static_cast<uint8_t>(seed + i * 13)) return false;
+  return true;
+}
+
+void test_config_and_creation() {
+  vmm::Config d;
+  CHECK(d.raw().backend == VMM_ARENA_BACKEND_CUDA);
+  CHECK(d.raw().retain_bytes == UINT64_MAX);
+  CHECK(d.raw().struct_size == sizeof(vmm_arena_config));
+  vmm::Config c = small().no_implicit_moves().retain(3 * K);
+  CHECK(c.raw().flags == VMM_ARENA_FLAG_NO_IMPLICIT_MOVES);
+  CHECK(c.raw().retain_bytes == 3 * K);
+  CHECK(c.no_implicit_moves(false).raw().flags == 0);
+
+  // Throwing and non-throwing creation.
+  CHECK(thrown_status([] { vmm::Arena a(small().chunk(1000)); }) == vmm::Status::InvalidArgument);
+  auto bad = vmm::Arena::create(small().capacity(1));
+  CHECK(!bad && bad.status() == vmm::Status::InvalidArgument);
+  CHECK(bad.message().find("VMM_ARENA_ERR_INVALID_ARGUMENT") != std::string::npos);
+  CHECK(thrown_status([&] { (void)bad.value(); }) == vmm::Status::InvalidArgument);
+  auto good = vmm::Arena::create(small());
+  CHECK(good.ok() && good.message().empty());
+  vmm::Arena a = std::move(good).value();
+  CHECK(static_cast<bool>(a) && a.get() != nullptr);
+
+  // CUDA: unsupported here, or a real device.
+  auto cuda = vmm::Arena::create(vmm::Config::cuda(0, 64ull << 20));
+  CHECK(cuda.ok() || cuda.status() == vmm::Status::Unsupported);
+  CHECK(thrown_status([] { vmm::Arena x(vmm::Config::cuda(1000)); }) == vmm::Status::Unsupported);
+
+  // Arena move: the handle travels, the moved-from arena is empty.
+  vmm::Arena b = std::move(a);
+  CHECK(!a && b);
+  vmm::Arena c2(small());
+  c2 = std::move(b);
+  CHECK(!b && c2);
+  CHECK(c2.stats().capacity_bytes == 32 * K);
+}
+
+void test_allocations_raii() {
+  vmm::Arena arena(small());
+  {
+    vmm::Allocation x = arena.alloc(100);
+    CHECK(x && x.id() != 0);
+    CHECK(x.size() == 100);
+    CHECK(x.ptr() % 256 == 0);
+    std::memcpy(x.as<char>(), "hello", 6);
+    CHECK(std::strcmp(x.as<char>(), "hello") == 0);
+    CHECK(arena.stats().live_allocations == 1);
+    vmm::Allocation y = std::move(x);  // ownership moves
+    CHECK(!x && y);
+    CHECK(arena.stats().live_allocations == 1);
+    vmm::Allocation z = arena.alloc(K);
+    z = std::move(y);  // z's old allocation is freed
+    CHECK(arena.stats().live_allocations == 1);
+    CHECK(std::strcmp(z.as<char>(), "hello") == 0);
+  }
+  CHECK(arena.stats().live_allocations == 0);  // freed by the destructors
+
+  vmm::Allocation r = arena.alloc(K);
+  vmm::Id id = r.release();
+  CHECK(!r && id != 0);
+  CHECK(arena.stats().live_allocations == 1);
+  vmm::Allocation adopted = vmm::Allocation::adopt(arena.get(), id);
+  adopted.free();
+  CHECK(!adopted && arena.stats().live_allocations == 0);
+  adopted.reset();  // empty: nothing happens
+  // A freed or made-up id: UnknownAllocation.
+  vmm::Allocation stale = vmm::Allocation::adopt(arena.get(), id);
+  CHECK(thrown_status([&] { (void)stale.ptr(); }) == vmm::Status::UnknownAllocation);
+  CHECK(thrown_status([&] { stale.free(); }) == vmm::Status::UnknownAllocation);
+  CHECK(!stale);
+  vmm::Allocation bogus = vmm::Allocation::adopt(arena.get(), 0x123456789ull);
+  CHECK(bogus.try_resize(K).status() == vmm::Status::UnknownAllocation);
+  bogus.reset();  // errors ignored
+
+  // Bad sizes, out of memory.
+  CHECK(thrown_status([&] { arena.alloc(0); }) == vmm::Status::InvalidArgument);
+  CHECK(thrown_status([&] { arena.alloc_growable(2 * K, K); }) == vmm::Status::InvalidArgument);
+  CHECK(thrown_status([&] { arena.alloc(33 * K); }) == vmm::Status::OutOfMemory);
+  auto t = arena.try_alloc(33 * K);
+  CHECK(!t && t.status() == vmm::Status::OutOfMemory);
+  CHECK(t.message().find("VMM_ARENA_ERR_OUT_OF_MEMORY") != std::string::npos);
+  auto ok = arena.try_alloc_growable(K, 4 * K);
+  CHECK(ok.ok() && ok->size() == K);
+  CHECK(arena.try_alloc_growable(0, K).status() == vmm::Status::InvalidArgument);
+}
+
+void test_growth_moves_and_callback() {
+  vmm::Arena arena(small());
+  // Pointers refreshed by the move callback, as a runtime would.
+  std::map<vmm::Id, uint64_t> where;
+  int events = 0;
+  arena.set_move_callback([&](const vmm::MoveEvent &e) {
+    CHECK(where.count(e.id) == 1 && where[e.id] == e.old_ptr);
+    where[e.id] = e.new_ptr;
+    events++;
+  });
+  vmm::Allocation g = arena.alloc_growable(K, 2 * K);
+  vmm::Allocation n = arena.alloc(K);
+  where[g.id()] = g.ptr();
+  where[n.id()] = n.ptr();
+  CHECK(n.ptr() == g.ptr() + 2 * K);
+  fill(g.ptr(), K, 7);
+  uint64_t p0 = g.ptr();
+  CHECK(g.resize(2 * K) == p0);  // within the reservation
+  CHECK(events == 0);
+  uint64_t p1 = g.resize(5 * K);  // beyond: moves
+  CHECK(p1 != p0 && events == 1 && where[g.id()] == p1 && g.ptr() == p1);
+  CHECK(intact(p1, K, 7));
+  CHECK(arena.stats().retired_va_bytes > 0);
+  arena.release_retired();
+  CHECK(arena.stats().retired_va_bytes == 0);
+
+  // Pinned: no move, an exception carrying the status.
+  vmm::Allocation h = arena.alloc_growable(K, K);
+  vmm::Allocation m = arena.alloc(K);
+  where[h.id()] = h.ptr();
+  where[m.id()] = m.ptr();
+  CHECK(m.ptr() == h.ptr() + K);
+  {
+    vmm::PinGuard pin(h);
+    CHECK(thrown_status([&] { h.resize(4 * K); }) == vmm::Status::Pinned);
+    CHECK(h.try_resize(4 * K).status() == vmm::Status::Pinned);
+  }
+  CHECK(h.try_resize(4 * K).ok());
+  CHECK(where[h.id()] == h.ptr());
+
+  // Compaction, reported through the same callback.
+  std::vector<vmm::Allocation> many;
+  for (int i = 0; i < 10; i++) {
+    many.push_back(arena.alloc(K));
+    where[many.back().id()] = many.back().ptr();
+    fill(many.back().ptr(), K, static_cast<uint8_t>(i));
+  }
+  for (int i = 0; i < 10; i += 2) many[i].reset();
+  int before = events;
+  vmm::CompactReport r = arena.compact();
+  CHECK(static_cast<int>(r.moved_allocations) == events - before);
+  CHECK(r.largest_free_va_after >= r.largest_free_va_before);
+  for (int i = 1; i < 10; i += 2) {
+    CHECK(many[i].ptr() == where[many[i].id()]);
+    CHECK(intact(many[i].ptr(), K, static_cast<uint8_t>(i)));
+  }
+  auto tr = arena.try_compact();
+  CHECK(tr.ok());
+
+  // A callback that calls back into its arena gets InvalidArgument.
+  vmm_arena_status inner = VMM_ARENA_OK;
+  vmm_arena *raw = arena.get();
+  arena.set_move_callback([&](const vmm::MoveEvent &e) {
+    uint64_t p = 0;
+    inner = vmm_arena_query(raw, e.id, &p, nullptr);
+  });
+  vmm::Allocation q = arena.alloc_growable(K, K);
+  vmm::Allocation qn = arena.alloc(K);
+  CHECK(qn.ptr() == q.ptr() + K);
+  q.resize(3 * K);
+  CHECK(inner == VMM_ARENA_ERR_INVALID_ARGUMENT);
+
+  // Removing the callback.
+  arena.clear_move_callback();
+  uint64_t moves = arena.stats().moves;
+  vmm::Allocation s = arena.alloc_growable(K, K);
+  vmm::Allocation sn = arena.alloc(K);
+  CHECK(sn.ptr() == s.ptr() + K);
+  s.resize(3 * K);
+  CHECK(arena.stats().moves == moves + 1);
+
+  // Moving the arena keeps its callback alive.
+  int after_move = 0;
+  arena.set_move_callback([&](const vmm::MoveEvent &) { after_move++; });
+  g.reset();
+  n.reset();
+  h.reset();
+  m.reset();
+  many.clear();
+  q.reset();
+  qn.reset();
+  s.reset();
+  sn.reset();
+  vmm::Arena moved = std::move(arena);
+  vmm::Allocation u = moved.alloc_growable(K, K);
+  vmm::Allocation un = moved.alloc(K);
+  CHECK(un.ptr() == u.ptr() + K);
+  u.resize(3 * K);
+  CHECK(after_move == 1);
+}
+
+void test_stats_trim_snapshot() {
+  vmm::Arena arena(small());
+  {
+    vmm::Allocation a = arena.alloc(3 * K);
+    vmm::Stats s = arena.stats();
+    CHECK(s.live_allocations == 1 && s.mapped_bytes == 3 * K && s.live_bytes == 3 * K);
+    auto ts = arena.try_stats();
+    CHECK(ts.ok() && ts->mapped_bytes == 3 * K);
+  }
+  CHECK(arena.stats().pooled_bytes == 3 * K);
+  CHECK(arena.trim(K) == 2 * K);
+  CHECK(arena.trim() == K);
+  CHECK(arena.stats().pooled_bytes == 0);
+  vmm::Allocation keep = arena.alloc(K);
+  std::string json = arena.snapshot_json();
+  CHECK(!json.empty() && json.front() == '{' && json.back() == '}');
+  CHECK(json.find("\"ranges\"") != std::string::npos && json.find("\"live\"") != std::string::npos);
+  CHECK(json.find('\0') == std::string::npos);
+}
+
+void test_threads() {
+  vmm::Arena arena(small(96, 160));
+  std::atomic<uint64_t> moves{0};
+  arena.set_move_callback([&](const vmm::MoveEvent &) { moves++; });
+  std::vector<std::thread> threads;
+  std::atomic<int> soft_failures{0};
+  for (int t = 0; t < 6; t++) {
+    threads.emplace_back([&, t] {
+      for (int it = 0; it < 120; it++) {
+        auto r = (it % 2) ? arena.try_alloc(K + it) : arena.try_alloc_growable(K + it, 3 * K);
+        if (!r) {
+          CHECK(r.status() == vmm::Status::OutOfMemory || r.status() == vmm::Status::OutOfAddressSpace);
+          soft_failures++;
+          continue;
+        }
+        vmm::Allocation a = std::move(r).value();
+        uint8_t seed = static_cast<uint8_t>(t * 31 + it);
+        {
+          vmm::PinGuard pin(a);  // not moved while we touch it
+          fill(a.ptr(), K, seed);
+        }
+        auto grown = a.try_resize(4 * K + it);
+        if (!grown) {
+          CHECK(grown.status() == vmm::Status::OutOfMemory || grown.status() == vmm::Status::OutOfAddressSpace);
+          soft_failures++;
+        }
+        if (it % 20 == t) (void)arena.try_compact();
+        vmm::PinGuard pin(a);
+        CHECK(intact(a.ptr(), K, seed));
+      }
+    });
+  }
+  for (auto &th : threads) th.join();
+  vmm::Stats s = arena.stats();
+  CHECK(s.live_allocations == 0);
+  CHECK(s.moves == moves.load());
+  std::printf("test_wrapper: threads: %llu moves, %d soft failures\n", static_cast<unsigned long long>(s.moves),
+              soft_failures.load());
+}
+
+}  // namespace
+
+int main() {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);
+  std::printf("test_wrapper: config_and_creation\n");
+  test_config_and_creation();
+  std::printf("test_wrapper: allocations_raii\n");
+  test_allocations_raii();
+  std::printf("test_wrapper: growth_moves_and_callback\n");
+  test_growth_moves_and_callback();
+  std::printf("test_wrapper: stats_trim_snapshot\n");
+  test_stats_trim_snapshot();
+  std::printf("test_wrapper: threads\n");
+  test_threads();
+  FINISH("test_wrapper");
+}
