@@ -17,14 +17,13 @@ use crate::compact;
 use crate::driver::{Driver, Granularity};
 use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
-use crate::va::FreeRanges;
 use crate::Id;
 
 pub(crate) mod small;
 pub(crate) mod state;
 pub(crate) mod txn;
 
-use small::{SmallEntry, SmallTable};
+use small::SmallEntry;
 pub use state::MoveEvent;
 use state::{Alloc, Owner, Plan, State};
 use txn::{Counters, Txn};
@@ -184,7 +183,10 @@ impl std::fmt::Debug for Arena {
     }
 }
 
-static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+/// Issues each arena a key (for the re-entrancy check). Always std's atomic:
+/// loom's cannot be a static, and this counter is no part of the protocol
+/// under test (it only needs to hand out distinct values).
+static NEXT_KEY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 #[cfg(not(loom))]
 thread_local! {
@@ -274,35 +276,12 @@ impl Arena {
             }
         };
         let pages = reserve / chunk;
-        let st = State {
-            chunk,
-            base,
-            pages,
-            cap_pages: capacity / chunk,
-            retain_bytes: config.retain_bytes,
-            no_implicit_moves: config.no_implicit_moves,
-            mapped: vec![None; pages as usize],
-            free: FreeRanges::with_range(0, pages),
-            slots: Vec::new(),
-            free_slots: Vec::new(),
-            by_start: Default::default(),
-            retired: Default::default(),
-            retired_pages: 0,
-            cached: Default::default(),
-            pool: Vec::new(),
-            backed_pages: 0,
-            live_bytes: 0,
-            live_count: 0,
-            peak_held_pages: 0,
-            moves: 0,
-            small: SmallTable::new(chunk),
-            bytes_copied: 0,
-        };
+        let st = State::new(chunk, base, pages, capacity / chunk, config.retain_bytes, config.no_implicit_moves);
         Ok(Arena {
             driver: Box::new(driver),
             counts: Counters::default(),
             inner: Mutex::new(Inner { st, callback: None, release_failures: 0 }),
-            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            key: NEXT_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             base,
             reserved_bytes: reserve,
             chunk,

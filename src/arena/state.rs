@@ -100,6 +100,34 @@ pub struct MoveEvent {
 }
 
 impl State {
+    /// An empty arena's state: `pages` free pages, nothing held.
+    pub fn new(chunk: u64, base: u64, pages: u64, cap_pages: u64, retain_bytes: u64, no_implicit_moves: bool) -> State {
+        State {
+            chunk,
+            base,
+            pages,
+            cap_pages,
+            retain_bytes,
+            no_implicit_moves,
+            mapped: vec![None; pages as usize],
+            free: FreeRanges::with_range(0, pages),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            by_start: Default::default(),
+            retired: Default::default(),
+            retired_pages: 0,
+            cached: Default::default(),
+            pool: Vec::new(),
+            backed_pages: 0,
+            live_bytes: 0,
+            live_count: 0,
+            peak_held_pages: 0,
+            moves: 0,
+            small: SmallTable::new(chunk),
+            bytes_copied: 0,
+        }
+    }
+
     pub fn held_pages(&self) -> u64 {
         self.backed_pages + self.cached.len() as u64 + self.pool.len() as u64
     }
