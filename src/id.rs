@@ -1,38 +1,58 @@
-//! Allocation ids: a slot index and a generation, never reused.
+//! Allocation ids: never reused, and checked against the arena that made them.
 
 use std::num::NonZeroU64;
 
+/// Generations have this many bits; a slot whose generation would pass
+/// [`MAX_GENERATION`] is retired for good, so an id is never issued twice.
+pub(crate) const GENERATION_BITS: u32 = 15;
+pub(crate) const MAX_GENERATION: u32 = (1 << GENERATION_BITS) - 1;
+
 /// Names one allocation for the arena's lifetime.
 ///
-/// The low 32 bits are the slot index plus one (so an id is never 0), the
-/// high 32 bits the slot's generation (31 bits; the top bit tags the ids of
-/// small, slab-packed allocations, which have their own slots), bumped each time the slot is freed: a
-/// stale id names a generation that no longer lives and is rejected. A slot
-/// whose generation would wrap is retired, so an id is never issued twice.
+/// Layout, from the top bit down:
+/// - 1 bit: set for small (slab-packed) allocations, which have slots of their own;
+/// - 15 bits: the slot's generation, bumped each time the slot is freed, so
+///   a stale id names a generation that no longer lives;
+/// - 16 bits: a tag of the arena that issued the id, so an id of another
+///   arena is rejected (unless the two tags collide: 1 in 65,536);
+/// - 32 bits: the slot index plus one, so an id is never 0.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Id(NonZeroU64);
 
+/// The parts of an id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct IdParts {
+    pub small: bool,
+    pub generation: u32,
+    pub tag: u16,
+    pub slot: u32,
+}
+
 impl Id {
-    pub(crate) fn compose(slot: u32, generation: u32) -> Id {
-        let raw = ((generation as u64) << 32) | (slot as u64 + 1);
+    pub(crate) fn compose(p: IdParts) -> Id {
+        debug_assert!(p.generation <= MAX_GENERATION);
+        let raw = ((p.small as u64) << 63)
+            | ((p.generation as u64 & MAX_GENERATION as u64) << 48)
+            | ((p.tag as u64) << 32)
+            | (p.slot as u64 + 1);
         Id(NonZeroU64::new(raw).expect("low half is at least 1"))
     }
 
-    /// A small allocation's id: the top bit tags it, the generation keeps 31 bits.
-    pub(crate) fn compose_small(slot: u32, generation: u32) -> Id {
-        debug_assert!(generation < 1 << 31);
-        Id::compose(slot, generation | 1 << 31)
+    /// The parts; a made-up id whose low half is 0 decodes to slot `u32::MAX`,
+    /// which never exists.
+    pub(crate) fn parts(self) -> IdParts {
+        let raw = self.0.get();
+        IdParts {
+            small: raw >> 63 == 1,
+            generation: ((raw >> 48) as u32) & MAX_GENERATION,
+            tag: (raw >> 32) as u16,
+            slot: (raw as u32).wrapping_sub(1),
+        }
     }
 
     /// Whether this id names a small (slab-packed) allocation.
     pub(crate) fn is_small(self) -> bool {
-        self.0.get() >> 63 == 1
-    }
-
-    /// Slot and generation; for a small id the generation without its tag.
-    pub(crate) fn parts(self) -> (u32, u32) {
-        let raw = self.0.get();
-        (((raw & 0xffff_ffff) as u32).wrapping_sub(1), ((raw >> 32) as u32) & (u32::MAX >> 1))
+        self.parts().small
     }
 
     /// The raw value (as the C ABI's `vmm_arena_id`).
@@ -59,15 +79,16 @@ mod tests {
 
     #[test]
     fn round_trips() {
-        let id = Id::compose(7, 3);
-        assert_eq!(id.parts(), (7, 3));
+        let p = IdParts { small: false, generation: 3, tag: 0xbeef, slot: 7 };
+        let id = Id::compose(p);
+        assert_eq!(id.parts(), p);
         assert!(!id.is_small());
-        let small = Id::compose_small(7, 3);
+        let small = Id::compose(IdParts { small: true, ..p });
         assert!(small.is_small() && small != id);
-        assert_eq!(small.parts(), (7, 3));
         assert_eq!(Id::from_raw(id.get()), Some(id));
         assert_eq!(Id::from_raw(0), None);
-        // A made-up id whose low half is 0 decodes to a slot that cannot exist.
-        assert_eq!(Id::from_raw(1 << 32).unwrap().parts().0, u32::MAX);
+        assert_eq!(Id::from_raw(1 << 40).unwrap().parts().slot, u32::MAX);
+        let max = IdParts { small: true, generation: MAX_GENERATION, tag: u16::MAX, slot: u32::MAX - 1 };
+        assert_eq!(Id::compose(max).parts(), max);
     }
 }

@@ -41,12 +41,15 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                 let a = st.alloc(slot);
                 if let Owner::Slab(slab) = a.owner {
                     let sl = st.small.slab(slab);
+                    let live = sl.members.iter().filter(|m| m.is_some()).count() as u32;
+                    let class = st.small.classes.size(sl.class);
+                    // `used`: live objects; `retired_bytes`: old places of
+                    // copy-resized objects, held until retired memory is released.
                     let _ = write!(
                         s,
-                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{},\"objects\":{},\"used\":{},\"pinned\":{}}}",
-                        st.small.classes.size(sl.class),
+                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{class},\"objects\":{},\"used\":{live},\"retired_bytes\":{},\"pinned\":{}}}",
                         sl.members.len(),
-                        sl.used,
+                        (sl.used - live) as u64 * class,
                         a.pinned
                     );
                     continue;

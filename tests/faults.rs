@@ -408,7 +408,8 @@ fn live_part(s: &Snap) -> Vec<(Kind, u64, u64, u64, u64, u64)> {
     s.ranges
         .iter()
         .filter(|r| matches!(r.kind, Kind::Live | Kind::Slab))
-        .map(|r| (r.kind, r.id, r.addr, r.bytes, r.size, r.used))
+        // Ids carry a per-arena tag (bits 32..48); the twin is another arena.
+        .map(|r| (r.kind, r.id & !(0xffff << 32), r.addr, r.bytes, r.size, r.used))
         .collect()
 }
 

@@ -133,3 +133,20 @@ fn made_up_ids_are_rejected() {
         assert!(matches!(a.query(fake), Err(Error::UnknownAllocation(_))), "{raw:#x}");
     }
 }
+
+#[test]
+fn copy_resized_object_keeps_its_old_address_until_release_retired() {
+    let a = arena(8);
+    let (x, px) = a.alloc(100).unwrap();
+    let _keep = a.alloc(100).unwrap();
+    a.write(x, 0, b"old bytes").unwrap();
+    assert_ne!(a.resize(x, 5000).unwrap(), px);
+    let s = a.stats().unwrap();
+    assert_eq!(s.retired_va_bytes, 256, "the old object is retired");
+    let (_y, py) = a.alloc(100).unwrap();
+    assert_ne!(py, px, "a retired place is not handed out");
+    a.release_retired().unwrap();
+    assert_eq!(a.stats().unwrap().retired_va_bytes, 0);
+    let (_z, pz) = a.alloc(100).unwrap();
+    assert_eq!(pz, px, "released: reusable");
+}

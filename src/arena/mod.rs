@@ -198,6 +198,39 @@ loom::thread_local! {
     static IN_CALLBACK: RefCell<Vec<u64>> = RefCell::new(Vec::new());
 }
 
+/// The 16-bit tag this arena puts in its ids: a mix of its creation number
+/// and address, so two arenas' ids differ unless the tags collide (1 in 65,536).
+fn id_tag(key: u64, base: u64) -> u16 {
+    // splitmix64's finalizer.
+    let mut z = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ base;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) as u16
+}
+
+/// Marks this thread as running `key`'s callback until dropped, even if the
+/// callback panics.
+struct CallbackScope(u64);
+
+impl CallbackScope {
+    fn enter(key: u64) -> CallbackScope {
+        IN_CALLBACK.with(|v| v.borrow_mut().push(key));
+        CallbackScope(key)
+    }
+}
+
+impl Drop for CallbackScope {
+    fn drop(&mut self) {
+        let _ = IN_CALLBACK.try_with(|v| {
+            if let Ok(mut v) = v.try_borrow_mut() {
+                if let Some(i) = v.iter().rposition(|&k| k == self.0) {
+                    v.remove(i);
+                }
+            }
+        });
+    }
+}
+
 fn pages_for(bytes: u64, chunk: u64, what: &str) -> Result<u64> {
     if bytes == 0 {
         return Err(Error::invalid(format!("{what} is 0")));
@@ -276,12 +309,14 @@ impl Arena {
             }
         };
         let pages = reserve / chunk;
-        let st = State::new(chunk, base, pages, capacity / chunk, config.retain_bytes, config.no_implicit_moves);
+        let key = NEXT_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut st = State::new(chunk, base, pages, capacity / chunk, config.retain_bytes, config.no_implicit_moves);
+        st.tag = id_tag(key, base);
         Ok(Arena {
             driver: Box::new(driver),
             counts: Counters::default(),
             inner: Mutex::new(Inner { st, callback: None, release_failures: 0 }),
-            key: NEXT_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            key,
             base,
             reserved_bytes: reserve,
             chunk,
@@ -324,11 +359,10 @@ impl Arena {
         inner.st.note_peak();
         if !events.is_empty() {
             if let Some(cb) = inner.callback.as_mut() {
-                IN_CALLBACK.with(|v| v.borrow_mut().push(self.key));
+                let _scope = CallbackScope::enter(self.key);
                 for e in &events {
                     cb(e);
                 }
-                IN_CALLBACK.with(|v| v.borrow_mut().retain(|&k| k != self.key));
             }
         }
         Ok(out)
@@ -366,7 +400,7 @@ impl Arena {
             match placed {
                 Ok(Target::Small(ss)) => {
                     tx.commit();
-                    Ok((st.small.id_of(ss), small_ptr(st, ss)))
+                    Ok((st.small_id(ss), small_ptr(st, ss)))
                 }
                 Ok(Target::Chunks(slot)) => {
                     tx.commit();
@@ -626,7 +660,7 @@ impl Arena {
     pub fn release_retired(&self) -> Result<()> {
         self.run(|inner, ctx, _| {
             let st = &mut inner.st;
-            if st.retired.is_empty() {
+            if st.retired.is_empty() && st.small.nothing_retired() {
                 return Ok(());
             }
             let mut sim = st.clone();
@@ -688,7 +722,7 @@ impl Arena {
             reserved_va_bytes: st.pages * c,
             free_va_bytes: st.free.total() * c,
             largest_free_va_bytes: st.free.largest() * c,
-            retired_va_bytes: st.retired_pages * c,
+            retired_va_bytes: st.retired_pages * c + st.small.retired_bytes,
             moves: st.moves,
             driver_creates: load(&self.counts.creates),
             driver_releases: load(&self.counts.releases),
@@ -882,9 +916,8 @@ fn resize_small(
         };
         ctx.drv.copy(new_ptr, old_ptr, size.min(new_size))?;
         sim.bytes_copied += size.min(new_size);
-        if let Some(empty_slab) = sim.small.release(ss) {
-            sim.remove_alloc(empty_slab);
-        }
+        // The old place is retired, not freed: a kernel may still use it.
+        sim.small.retire(ss);
         match new_place {
             NewPlace::Small(tmp) => sim.small.adopt(ss, tmp),
             NewPlace::Chunks(slot) => sim.small.set_entry(ss, SmallEntry::Promoted { alloc_slot: slot }),
@@ -926,7 +959,10 @@ impl State {
         if !id.is_small() {
             return self.lookup(id).map(Target::Chunks);
         }
-        let (slot, generation) = id.parts();
+        let crate::id::IdParts { generation, tag, slot, .. } = id.parts();
+        if tag != self.tag {
+            return Err(Error::UnknownAllocation(id.get()));
+        }
         match self.small.entry(slot, generation) {
             Some(SmallEntry::InSlab { .. }) => Ok(Target::Small(slot)),
             Some(SmallEntry::Promoted { alloc_slot }) => Ok(Target::Chunks(*alloc_slot)),
@@ -937,7 +973,7 @@ impl State {
     /// The id a caller knows an allocation of whole chunks by.
     pub(crate) fn user_id(&self, slot: u32) -> Id {
         match self.alloc(slot).owner {
-            Owner::Promoted(ss) => self.small.id_of(ss),
+            Owner::Promoted(ss) => self.small_id(ss),
             _ => self.id_of(slot),
         }
     }
@@ -1022,7 +1058,7 @@ fn move_alloc(
             for (i, member) in s.members.iter().enumerate() {
                 if let Some(ss) = *member {
                     let off = i as u64 * class;
-                    let id = st.small.id_of(ss);
+                    let id = st.small_id(ss);
                     evs.push(MoveEvent { id, old_ptr: old + off, new_ptr: new + off, size: st.small.size_of(ss) });
                     st.moves += 1;
                 }
@@ -1051,6 +1087,11 @@ fn release_retired_into(st: &mut State, tx: &mut Txn<'_>) -> Result<()> {
     }
     st.retired.clear();
     st.retired_pages = 0;
+    // Copy-resized small objects: their old places become free, and a slab
+    // left empty goes back like any freed allocation.
+    for slab in st.small.release_retired() {
+        st.remove_alloc(slab);
+    }
     Ok(())
 }
 

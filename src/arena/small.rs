@@ -123,6 +123,10 @@ pub(crate) struct SmallTable {
     /// Live small allocations in slabs, and their requested bytes.
     pub live: u64,
     pub live_bytes: u64,
+    /// Old places of objects moved by a copy-resize: (slab, index). They
+    /// stay reserved, like a retired range, until retired memory is released.
+    retired: Vec<(u32, u32)>,
+    pub retired_bytes: u64,
 }
 
 impl SmallTable {
@@ -138,6 +142,8 @@ impl SmallTable {
             partial: vec![BTreeSet::new(); n],
             live: 0,
             live_bytes: 0,
+            retired: Vec::new(),
+            retired_bytes: 0,
         }
     }
 
@@ -212,13 +218,18 @@ impl SmallTable {
     /// Gives an object back. Returns the slab's arena slot if the slab is
     /// now empty and was dropped (the caller frees that allocation).
     pub fn give_back(&mut self, slab: u32, index: u32, size: u64) -> Option<u32> {
+        self.live -= 1;
+        self.live_bytes -= size;
+        self.free_object(slab, index)
+    }
+
+    /// Returns an object to its slab's free list (no live accounting).
+    fn free_object(&mut self, slab: u32, index: u32) -> Option<u32> {
         let s = self.slab_mut(slab);
         s.members[index as usize] = None;
         s.free.push(index);
         s.used -= 1;
         let (class, used, alloc_slot) = (s.class, s.used, s.alloc_slot);
-        self.live -= 1;
-        self.live_bytes -= size;
         if used == 0 {
             self.partial[class as usize].remove(&slab);
             self.slabs[slab as usize] = None;
@@ -232,11 +243,6 @@ impl SmallTable {
     /// The entry of a live small slot.
     pub fn entry_of(&self, slot: u32) -> &SmallEntry {
         self.slots[slot as usize].entry.as_ref().expect("live small slot")
-    }
-
-    /// The caller's id of a live small slot.
-    pub fn id_of(&self, slot: u32) -> crate::Id {
-        crate::Id::compose_small(slot, self.slots[slot as usize].generation)
     }
 
     /// Requested size of a small allocation (in a slab).
@@ -265,6 +271,34 @@ impl SmallTable {
         self.give_back(slab, index, size)
     }
 
+    /// Retires the object of small slot `slot` (the slot itself stays): its
+    /// old address keeps its bytes until [`SmallTable::release_retired`].
+    pub fn retire(&mut self, slot: u32) {
+        let SmallEntry::InSlab { slab, index, size, pinned } = *self.entry_of(slot) else {
+            return;
+        };
+        debug_assert!(!pinned, "a pinned object never moves");
+        let class = self.slab(slab).class;
+        self.slab_mut(slab).members[index as usize] = None;
+        self.retired.push((slab, index));
+        self.retired_bytes += self.classes.size(class);
+        self.live -= 1;
+        self.live_bytes -= size;
+    }
+
+    /// Whether no object is retired.
+    pub fn nothing_retired(&self) -> bool {
+        self.retired.is_empty()
+    }
+
+    /// Frees every retired object; returns the arena slots of slabs that
+    /// became empty (the caller frees those allocations).
+    pub fn release_retired(&mut self) -> Vec<u32> {
+        let retired = std::mem::take(&mut self.retired);
+        self.retired_bytes = 0;
+        retired.into_iter().filter_map(|(slab, index)| self.free_object(slab, index)).collect()
+    }
+
     /// Moves the object of `tmp` (a fresh slot) under the identity of `slot`
     /// and forgets `tmp`.
     pub fn adopt(&mut self, slot: u32, tmp: u32) {
@@ -280,8 +314,7 @@ impl SmallTable {
     pub fn drop_slot(&mut self, slot: u32) {
         let s = &mut self.slots[slot as usize];
         s.entry = None;
-        // Small ids keep one bit of the generation for the "small" tag.
-        if s.generation < (u32::MAX >> 1) {
+        if s.generation < crate::id::MAX_GENERATION {
             s.generation += 1;
             self.free_slots.push(slot);
         }

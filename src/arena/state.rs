@@ -20,6 +20,7 @@ use super::small::SmallTable;
 use super::txn::Txn;
 use crate::driver::ChunkHandle;
 use crate::error::{Error, Result};
+use crate::id::{IdParts, MAX_GENERATION};
 use crate::va::FreeRanges;
 
 /// One live allocation of whole chunks.
@@ -84,6 +85,8 @@ pub(crate) struct State {
     pub small: SmallTable,
     /// Bytes copied by resizes of small allocations beyond their class.
     pub bytes_copied: u64,
+    /// This arena's tag in its ids (see [`crate::Id`]).
+    pub tag: u16,
 }
 
 /// A relocation that happened, reported to the move callback.
@@ -125,7 +128,14 @@ impl State {
             moves: 0,
             small: SmallTable::new(chunk),
             bytes_copied: 0,
+            tag: 0,
         }
+    }
+
+    /// The id of small slot `ss`.
+    pub fn small_id(&self, ss: u32) -> crate::Id {
+        let generation = self.small.slots[ss as usize].generation;
+        crate::Id::compose(IdParts { small: true, generation, tag: self.tag, slot: ss })
     }
 
     pub fn held_pages(&self) -> u64 {
@@ -150,14 +160,15 @@ impl State {
     }
 
     pub fn id_of(&self, slot: u32) -> crate::Id {
-        crate::Id::compose(slot, self.slots[slot as usize].generation)
+        let generation = self.slots[slot as usize].generation;
+        crate::Id::compose(IdParts { small: false, generation, tag: self.tag, slot })
     }
 
     pub fn lookup(&self, id: crate::Id) -> Result<u32> {
-        let (slot, generation) = id.parts();
+        let IdParts { small, generation, tag, slot } = id.parts();
         match self.slots.get(slot as usize) {
             Some(Slot { generation: g, alloc: Some(a) })
-                if *g == generation && a.owner == Owner::User && !id.is_small() =>
+                if *g == generation && a.owner == Owner::User && !small && tag == self.tag =>
             {
                 Ok(slot)
             }
@@ -198,9 +209,9 @@ impl State {
     pub fn remove_alloc(&mut self, slot: u32) {
         let s = &mut self.slots[slot as usize];
         let a = s.alloc.take().expect("live slot");
-        // A generation that would wrap (31 bits: the top bit tags small ids)
-        // retires the slot forever: ids are never reused.
-        if s.generation < u32::MAX >> 1 {
+        // A generation that would wrap retires the slot forever: ids are
+        // never reused.
+        if s.generation < MAX_GENERATION {
             s.generation += 1;
             self.free_slots.push(slot);
         }
