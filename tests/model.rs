@@ -464,7 +464,9 @@ impl Harness {
             Op::BadId(i) => {
                 let bad = match self.freed.get(i % self.freed.len().max(1)) {
                     Some(&id) => id,
-                    None => Id::from_raw(0xdead_0000_0001 + i as u64 % 7).unwrap(),
+                    // Made-up ids: a plain one, and one tagged as a small allocation's.
+                    None if i % 2 == 0 => Id::from_raw(0xdead_0000_0001 + i as u64 % 7).unwrap(),
+                    None => Id::from_raw((1 << 63) | (0x0bad_0000_0001 + i as u64 % 7)).unwrap(),
                 };
                 if self.live.contains_key(&bad) {
                     return;
@@ -500,6 +502,7 @@ impl Harness {
             self.live.values().filter(|m| m.small).count() as u64,
             "{what}: objects in slabs"
         );
+        assert!(s["peak_physical_bytes"] >= self.snap.stats["peak_physical_bytes"], "{what}: the peak went down");
         if let Some(r) = self.cfg.retain_pages {
             assert!(s["pooled_bytes"] <= r * C, "{what}: pooled memory above the retain watermark");
         }
