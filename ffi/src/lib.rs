@@ -31,6 +31,7 @@ use arena::driver::host::HostDriver;
 use arena::{Arena, ArenaConfig, Backend, Error, Id, MoveEvent, Status};
 
 mod testing;
+mod torch;
 
 /// The ABI version; bumped on any incompatible change.
 pub const VMM_ARENA_ABI_VERSION: u32 = 1;
@@ -777,6 +778,30 @@ pub unsafe extern "C" fn vmm_arena_trim(
     })
 }
 
+/// The C view of the arena's stats (`struct_size` filled in).
+fn c_stats(s: &arena::Stats) -> vmm_arena_stats {
+    vmm_arena_stats {
+        struct_size: std::mem::size_of::<vmm_arena_stats>() as u32,
+        reserved0: 0,
+        live_allocations: s.live_allocations,
+        live_bytes: s.live_bytes,
+        mapped_bytes: s.mapped_bytes,
+        pooled_bytes: s.pooled_bytes,
+        peak_physical_bytes: s.peak_physical_bytes,
+        capacity_bytes: s.capacity_bytes,
+        reserved_va_bytes: s.reserved_va_bytes,
+        free_va_bytes: s.free_va_bytes,
+        largest_free_va_bytes: s.largest_free_va_bytes,
+        retired_va_bytes: s.retired_va_bytes,
+        moves: s.moves,
+        driver_creates: s.driver_creates,
+        driver_releases: s.driver_releases,
+        driver_maps: s.driver_maps,
+        driver_unmaps: s.driver_unmaps,
+        driver_access_calls: s.driver_access_calls,
+    }
+}
+
 /// stats->struct_size must be set by the caller.
 ///
 /// # Safety
@@ -797,27 +822,7 @@ pub unsafe extern "C" fn vmm_arena_stats_get(arena: *mut vmm_arena, stats: *mut 
                 std::mem::size_of::<vmm_arena_stats>()
             )));
         }
-        let s = h.live()?.stats()?;
-        let c = vmm_arena_stats {
-            struct_size: size,
-            reserved0: 0,
-            live_allocations: s.live_allocations,
-            live_bytes: s.live_bytes,
-            mapped_bytes: s.mapped_bytes,
-            pooled_bytes: s.pooled_bytes,
-            peak_physical_bytes: s.peak_physical_bytes,
-            capacity_bytes: s.capacity_bytes,
-            reserved_va_bytes: s.reserved_va_bytes,
-            free_va_bytes: s.free_va_bytes,
-            largest_free_va_bytes: s.largest_free_va_bytes,
-            retired_va_bytes: s.retired_va_bytes,
-            moves: s.moves,
-            driver_creates: s.driver_creates,
-            driver_releases: s.driver_releases,
-            driver_maps: s.driver_maps,
-            driver_unmaps: s.driver_unmaps,
-            driver_access_calls: s.driver_access_calls,
-        };
+        let c = c_stats(&h.live()?.stats()?);
         // SAFETY: the caller's struct is struct_size = sizeof(vmm_arena_stats)
         // writable bytes, per this function's contract.
         unsafe { put(out, c) };

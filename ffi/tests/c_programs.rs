@@ -226,6 +226,12 @@ fn c_threads_test() {
 }
 
 #[test]
+fn torch_entry_points_on_the_host_backend() {
+    let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
+#[test]
 fn cpp_wrapper_test() {
     let exe = compile("test_wrapper", Lang::Cxx, &[source("cpp/test_wrapper.cpp")], &our_include(), Link::Shared);
     run_and_expect_pass(&exe);

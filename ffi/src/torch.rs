@@ -1,0 +1,257 @@
+//! PyTorch's pluggable-allocator entry points.
+//!
+//! `torch.cuda.memory.CUDAPluggableAllocator(path, "vmm_arena_torch_malloc",
+//! "vmm_arena_torch_free")` loads these two functions. Behind them is one
+//! arena per device, created on first use and configured by the environment
+//! variable `VMM_ARENA_CONF` (`key:value` pairs separated by commas, like
+//! `PYTORCH_CUDA_ALLOC_CONF`):
+//!
+//! | key | value | default |
+//! |---|---|---|
+//! | `backend` | `cuda`, `host`, `host-sparse` | `cuda` |
+//! | `capacity` | bytes, with `KiB`/`MiB`/`GiB`/`TiB` suffixes | the device's memory |
+//! | `reserve` | bytes | 4 × capacity |
+//! | `retain` | bytes of freed memory kept pooled, or `all` | `all` |
+//! | `chunk` | bytes | 2 MiB |
+//!
+//! PyTorch keeps raw pointers, so every allocation made here is pinned: it
+//! never moves. Frees are stream-ordered, as with PyTorch's own caching
+//! allocator: a free records an event on its stream, and the memory goes
+//! back to the arena (where another request may get it) only once the event
+//! has completed. A free of a pointer this library did not hand out (or a
+//! second free) is counted (`vmm_arena_torch_bad_frees`) and reported in
+//! `vmm_arena_last_error`, and changes nothing.
+//!
+//! These functions are not declared in `vmm_arena.h` (PyTorch finds them by
+//! name); their prototypes are in `ffi/README.md`.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use arena::{Arena, ArenaConfig, Backend, Error, Id};
+
+use crate::{boundary, c_stats, guarded, required, set_last_error, vmm_arena_stats, vmm_arena_status};
+
+/// One device's arena and the pointers handed to PyTorch.
+struct TorchArena {
+    arena: Arena,
+    state: Mutex<Book>,
+}
+
+#[derive(Default)]
+struct Book {
+    /// Pointer -> id of every live allocation handed out.
+    live: HashMap<u64, Id>,
+    /// Frees waiting for their stream's event.
+    pending: Vec<(Id, u64)>,
+    bad_frees: u64,
+}
+
+type Registry = Mutex<HashMap<c_int, Arc<TorchArena>>>;
+
+fn registry() -> &'static Registry {
+    static ARENAS: OnceLock<Registry> = OnceLock::new();
+    ARENAS.get_or_init(Default::default)
+}
+
+fn parse_bytes(key: &str, v: &str) -> Result<u64, Error> {
+    let v = v.trim();
+    let (num, mult) = [("TiB", 1u64 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)]
+        .iter()
+        .find_map(|(suf, m)| v.strip_suffix(suf).map(|n| (n.trim(), *m)))
+        .unwrap_or((v, 1));
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| Error::InvalidArgument(format!("VMM_ARENA_CONF: {key}:{v} is not a byte size")))
+}
+
+/// Parses `VMM_ARENA_CONF` into an arena configuration for `device`.
+pub(crate) fn parse_conf(conf: &str, device: c_int) -> Result<ArenaConfig, Error> {
+    let mut c = ArenaConfig { backend: Backend::Cuda, device, ..ArenaConfig::default() };
+    for item in conf.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (k, v) = item
+            .split_once(':')
+            .ok_or_else(|| Error::InvalidArgument(format!("VMM_ARENA_CONF: {item:?} is not key:value")))?;
+        match k.trim() {
+            "backend" => {
+                c.backend = match v.trim() {
+                    "cuda" => Backend::Cuda,
+                    "host" => Backend::Host,
+                    "host-sparse" => Backend::HostSparse,
+                    other => return Err(Error::InvalidArgument(format!("VMM_ARENA_CONF: unknown backend {other:?}"))),
+                }
+            }
+            "capacity" => c.capacity_bytes = parse_bytes(k, v)?,
+            "reserve" => c.reserve_bytes = parse_bytes(k, v)?,
+            "chunk" => c.chunk_bytes = parse_bytes(k, v)?,
+            "retain" if v.trim() == "all" => c.retain_bytes = u64::MAX,
+            "retain" => c.retain_bytes = parse_bytes(k, v)?,
+            other => return Err(Error::InvalidArgument(format!("VMM_ARENA_CONF: unknown key {other:?}"))),
+        }
+    }
+    Ok(c)
+}
+
+/// The arena of `device`, created on first use.
+fn arena_for(device: c_int) -> Result<Arc<TorchArena>, Error> {
+    let mut reg = registry().lock().map_err(|_| Error::Internal("torch registry poisoned".into()))?;
+    if let Some(a) = reg.get(&device) {
+        return Ok(a.clone());
+    }
+    let conf = std::env::var("VMM_ARENA_CONF").unwrap_or_default();
+    let arena = Arena::new(parse_conf(&conf, device)?)?;
+    let a = Arc::new(TorchArena { arena, state: Mutex::new(Book::default()) });
+    reg.insert(device, a.clone());
+    Ok(a)
+}
+
+impl TorchArena {
+    fn book(&self) -> Result<std::sync::MutexGuard<'_, Book>, Error> {
+        self.state.lock().map_err(|_| Error::Internal("torch allocator state poisoned".into()))
+    }
+
+    /// Frees the pending allocations whose events have completed (all of
+    /// them when `wait`, synchronizing on each event in turn).
+    fn reap(&self, book: &mut Book, wait: bool) -> Result<(), Error> {
+        let mut i = 0;
+        while i < book.pending.len() {
+            let (id, ev) = book.pending[i];
+            let mut done = self.arena.event_complete(ev)?;
+            while wait && !done {
+                std::thread::yield_now();
+                done = self.arena.event_complete(ev)?;
+            }
+            if done {
+                let _ = self.arena.destroy_event(ev);
+                self.arena.free(id)?;
+                book.pending.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn malloc(&self, size: u64) -> Result<u64, Error> {
+        let mut book = self.book()?;
+        self.reap(&mut book, false)?;
+        let (id, ptr) = match self.arena.alloc(size) {
+            // Memory still waiting for a stream may be what is missing.
+            Err(Error::OutOfMemory(_) | Error::OutOfAddressSpace(_)) if !book.pending.is_empty() => {
+                self.reap(&mut book, true)?;
+                self.arena.alloc(size)?
+            }
+            other => other?,
+        };
+        if let Err(e) = self.arena.pin(id) {
+            let _ = self.arena.free(id);
+            return Err(e);
+        }
+        book.live.insert(ptr, id);
+        Ok(ptr)
+    }
+
+    fn free(&self, ptr: u64, stream: u64) -> Result<(), Error> {
+        let mut book = self.book()?;
+        let Some(id) = book.live.remove(&ptr) else {
+            book.bad_frees += 1;
+            return Err(Error::InvalidArgument(format!(
+                "vmm_arena_torch_free: {ptr:#x} was not allocated here, or was already freed"
+            )));
+        };
+        match self.arena.record_event(stream)? {
+            Some(ev) => book.pending.push((id, ev)),
+            None => self.arena.free(id)?,
+        }
+        self.reap(&mut book, false)
+    }
+}
+
+/// PyTorch's allocation hook: `size` bytes on `device`, for `stream`
+/// (a `cudaStream_t`). NULL on failure (PyTorch raises out-of-memory), with
+/// the reason in `vmm_arena_last_error`.
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    let _ = stream; // An allocation can be used on any stream; frees are what is ordered.
+    guarded(std::ptr::null_mut(), || {
+        if size <= 0 {
+            return std::ptr::null_mut();
+        }
+        match arena_for(device).and_then(|a| a.malloc(size as u64)) {
+            Ok(ptr) => ptr as *mut c_void,
+            Err(e) => {
+                set_last_error(format!("vmm_arena_torch_malloc({size}, device {device}): {e}"));
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// PyTorch's free hook. The memory is reused once `stream` has passed this point.
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_free(ptr: *mut c_void, size: isize, device: c_int, stream: *mut c_void) {
+    let _ = size;
+    guarded((), || {
+        if ptr.is_null() {
+            return;
+        }
+        let freed = arena_for(device).and_then(|a| a.free(ptr as u64, stream as u64));
+        if let Err(e) = freed {
+            set_last_error(format!("vmm_arena_torch_free({ptr:p}, device {device}): {e}"));
+        }
+    })
+}
+
+/// Stats of `device`'s arena (created if needed). `stats->struct_size` must
+/// be `sizeof(vmm_arena_stats)`.
+///
+/// # Safety
+/// `stats` is NULL or points to a writable `vmm_arena_stats`.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_torch_stats(device: c_int, stats: *mut vmm_arena_stats) -> vmm_arena_status {
+    boundary("vmm_arena_torch_stats", std::ptr::null(), || {
+        let out = required(stats, "stats")?;
+        // SAFETY: non-NULL; the caller's struct starts with its uint32_t struct_size.
+        let size = unsafe { out.as_ptr().cast::<u32>().read() };
+        if size as usize != std::mem::size_of::<vmm_arena_stats>() {
+            return Err(Error::InvalidArgument(format!("stats->struct_size is {size}")));
+        }
+        let c = c_stats(&arena_for(device)?.arena.stats()?);
+        // SAFETY: a whole writable vmm_arena_stats, per this function's contract.
+        unsafe { out.as_ptr().write(c) };
+        Ok(())
+    })
+}
+
+/// Frees of pointers that were not live (never allocated here, or freed
+/// twice) seen on `device`; 0 if its arena does not exist.
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_bad_frees(device: c_int) -> u64 {
+    guarded(0, || {
+        let reg = match registry().lock() {
+            Ok(r) => r,
+            Err(_) => return 0,
+        };
+        reg.get(&device).and_then(|a| a.book().ok().map(|b| b.bad_frees)).unwrap_or(0)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conf_parses_keys_sizes_and_rejects_nonsense() {
+        let c = parse_conf("backend:host, capacity:8GiB,retain:512MiB,chunk:2MiB,reserve:64GiB", 3).unwrap();
+        assert_eq!(c.backend, Backend::Host);
+        assert_eq!((c.capacity_bytes, c.retain_bytes, c.chunk_bytes), (8 << 30, 512 << 20, 2 << 20));
+        assert_eq!((c.reserve_bytes, c.device), (64 << 30, 3));
+        assert_eq!(parse_conf("", 0).unwrap().backend, Backend::Cuda);
+        assert_eq!(parse_conf("retain:all", 0).unwrap().retain_bytes, u64::MAX);
+        for bad in ["capacity", "capacity:lots", "backend:tpu", "colour:blue", "capacity:99999999999TiB"] {
+            assert!(matches!(parse_conf(bad, 0), Err(Error::InvalidArgument(_))), "{bad}");
+        }
+    }
+}
