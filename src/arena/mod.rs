@@ -351,11 +351,18 @@ impl Arena {
         Ctx { drv: &*self.driver, counts: &self.counts }
     }
 
-    /// Runs `op` under the lock, then reports its moves to the callback.
+    /// Runs `op` under the lock, applies the retain watermark, then reports
+    /// its moves to the callback.
+    ///
+    /// The watermark applies after every successful operation: frees and
+    /// shrinks add to the pool, and so does any release of retired ranges
+    /// (an alloc, resize or compaction may release them) that empties a slab.
     fn run<T>(&self, op: impl FnOnce(&mut Inner, &Ctx<'_>, &mut Vec<MoveEvent>) -> Result<T>) -> Result<T> {
         let mut inner = self.lock()?;
         let mut events = Vec::new();
-        let out = op(&mut inner, &self.ctx(), &mut events)?;
+        let ctx = self.ctx();
+        let out = op(&mut inner, &ctx, &mut events)?;
+        enforce_watermark(&mut inner, &ctx);
         inner.st.note_peak();
         if !events.is_empty() {
             if let Some(cb) = inner.callback.as_mut() {
@@ -417,7 +424,7 @@ impl Arena {
     /// Frees an allocation. Its chunks stay mapped in the pool (up to the
     /// retain watermark), ready for the next allocation without a driver call.
     pub fn free(&self, id: Id) -> Result<()> {
-        self.run(|inner, ctx, _| {
+        self.run(|inner, _, _| {
             let st = &mut inner.st;
             match st.resolve(id)? {
                 Target::Chunks(slot) => {
@@ -433,7 +440,6 @@ impl Arena {
                     st.small.drop_slot(ss);
                 }
             }
-            enforce_watermark(inner, ctx);
             Ok(())
         })
     }
@@ -448,13 +454,7 @@ impl Arena {
             let st = &mut inner.st;
             let slot = match st.resolve(id)? {
                 Target::Chunks(slot) => slot,
-                Target::Small(ss) => {
-                    // Moving out of a slab may empty it: its chunk joins the
-                    // pool, which the watermark applies to as after a free.
-                    let ptr = resize_small(st, ctx, ss, id, new_size, events)?;
-                    enforce_watermark(inner, ctx);
-                    return Ok(ptr);
-                }
+                Target::Small(ss) => return resize_small(st, ctx, ss, id, new_size, events),
             };
             let a = st.alloc(slot).clone();
             if np <= a.backed {
@@ -467,8 +467,7 @@ impl Arena {
                 }
                 st.live_bytes = st.live_bytes - a.size + new_size;
                 st.alloc_mut(slot).size = new_size;
-                enforce_watermark(inner, ctx);
-                return Ok(inner.st.addr(a.start));
+                return Ok(st.addr(a.start));
             }
             let extend_in_place = np > a.reserved && st.free.contains(a.start + a.reserved, np - a.reserved);
             if np > a.reserved && !extend_in_place && a.pinned {
@@ -1102,7 +1101,7 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     if pooled <= keep {
         return Ok(0);
     }
-    let mut k = (pooled - keep) as usize;
+    let k = (pooled - keep) as usize;
     let mut released = 0u64;
     // A chunk about to be given back may still be mapped at the retired
     // (old) address of a moved allocation. Its memory would outlive the
@@ -1123,6 +1122,8 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
         }
         tx.commit();
     }
+    // Releasing retired ranges may have emptied slabs, adding to the pool.
+    let mut k = st.pooled_pages().saturating_sub(keep) as usize;
     // Unmapped pooled chunks first: giving them back needs no unmap.
     while k > 0 {
         let Some(&h) = st.pool.last() else { break };
@@ -1162,9 +1163,10 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     Ok(released)
 }
 
-/// After a free or shrink: give back pooled memory beyond the retain
-/// watermark. Best effort: the free itself has succeeded, so a driver
-/// failure only keeps the memory pooled (counted in `release_failures`).
+/// After an operation (a free, a shrink, a release of retired ranges that
+/// emptied a slab): give back pooled memory beyond the retain watermark.
+/// Best effort: the operation itself has succeeded, so a driver failure
+/// only keeps the memory pooled (counted in `release_failures`).
 fn enforce_watermark(inner: &mut Inner, ctx: &Ctx<'_>) {
     let st = &mut inner.st;
     if st.retain_bytes == u64::MAX || st.pooled_pages() * st.chunk <= st.retain_bytes {

@@ -275,12 +275,18 @@ impl Snap {
 
     /// Free ranges, in pages: (start page, pages).
     pub fn free_pages(&self) -> Vec<(u64, u64)> {
-        self.pages_of(|k| k == Kind::Free)
+        self.pages_of(|r| r.kind == Kind::Free)
     }
 
-    /// Free ranges once every retired range is released, coalesced, in pages.
+    /// Free ranges once every retired range is released, coalesced, in
+    /// pages. Slabs holding only retired objects go then too.
     pub fn free_after_release(&self) -> Vec<(u64, u64)> {
-        self.pages_of(|k| k == Kind::Free || k == Kind::Retired)
+        self.pages_of(|r| r.kind == Kind::Free || r.kind == Kind::Retired || Self::retired_only(r))
+    }
+
+    /// A slab whose objects are all retired (released with the retired ranges).
+    fn retired_only(r: &Range) -> bool {
+        r.kind == Kind::Slab && r.used == 0
     }
 
     pub fn slabs(&self) -> impl Iterator<Item = &Range> {
@@ -292,9 +298,9 @@ impl Snap {
         self.slabs().find(|r| r.addr <= addr && addr < r.addr + r.bytes)
     }
 
-    fn pages_of(&self, want: impl Fn(Kind) -> bool) -> Vec<(u64, u64)> {
+    fn pages_of(&self, want: impl Fn(&Range) -> bool) -> Vec<(u64, u64)> {
         let mut out: Vec<(u64, u64)> = Vec::new();
-        for r in self.ranges.iter().filter(|r| want(r.kind)) {
+        for r in self.ranges.iter().filter(|r| want(r)) {
             let (s, l) = ((r.addr - self.base) / self.chunk, r.bytes / self.chunk);
             match out.last_mut() {
                 Some((ps, pl)) if *ps + *pl == s => *pl += l,
@@ -304,12 +310,13 @@ impl Snap {
         out
     }
 
-    /// Allocations of whole chunks and slabs, in pages: (id (0 for a slab),
-    /// start page, reserved pages, pinned).
+    /// Allocations of whole chunks and slabs (but those that go with the
+    /// retired ranges), in pages: (id (0 for a slab), start page, reserved
+    /// pages, pinned).
     pub fn live_pages(&self) -> Vec<(u64, u64, u64, bool)> {
         self.ranges
             .iter()
-            .filter(|r| r.kind == Kind::Live || r.kind == Kind::Slab)
+            .filter(|r| r.kind == Kind::Live || (r.kind == Kind::Slab && !Self::retired_only(r)))
             .map(|r| (r.id, (r.addr - self.base) / self.chunk, r.bytes / self.chunk, r.pinned))
             .collect()
     }
