@@ -11,8 +11,9 @@
 //! threads using one arena on the in-memory [`MockDriver`]:
 //! - thread A grows a growable allocation beyond its reservation, twice
 //!   (moves by remapping), with the move callback recording every event;
-//! - thread B allocates, frees and compacts (compaction may move A's
-//!   allocation again, or B's);
+//! - thread B allocates, moves a small allocation out of its slab by
+//!   copying, frees and compacts (compaction may move A's allocation again,
+//!   or B's, or a slab with the small one);
 //!
 //! and checks, for every interleaving: no deadlock (loom reports one), every
 //! operation returns, the callback's events per id form a chain (each starts
@@ -28,16 +29,16 @@ use vmm_arena::{Arena, ArenaConfig, MoveEvent};
 const C: u64 = 4096;
 
 fn arena() -> Arena {
-    let cfg = ArenaConfig { capacity_bytes: 8 * C, reserve_bytes: 8 * C, chunk_bytes: C, ..ArenaConfig::default() };
+    let cfg = ArenaConfig { capacity_bytes: 10 * C, reserve_bytes: 12 * C, chunk_bytes: C, ..ArenaConfig::default() };
     Arena::with_driver(MockDriver::new(C, 1 << 30), cfg).unwrap()
 }
 
 #[test]
 fn moves_and_callbacks_under_every_interleaving() {
     let mut builder = loom::model::Builder::new();
-    // Each arena call is a handful of lock operations; bound the search so
-    // the model stays within a few minutes while covering every ordering of
-    // the two threads' calls.
+    // Full exploration (no preemption bound): each arena call holds the
+    // arena's lock for its whole duration, so the interleavings are those
+    // of the two threads' calls, a few thousand.
     builder.preemption_bound = None;
     builder.max_branches = 100_000;
     static EXECUTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -50,10 +51,10 @@ fn moves_and_callbacks_under_every_interleaving() {
             let events = events.clone();
             arena.set_move_callback(Some(Box::new(move |e: &MoveEvent| events.lock().unwrap().push(*e)))).unwrap();
         }
-        // A placed before the threads start: pages [0, 1), reserved [0, 1).
+        // A placed before the threads start: page 0, reserved [0, 1).
         let (a_id, a_ptr) = arena.alloc_growable(C, C).unwrap();
         arena.write(a_id, 0, b"A").unwrap();
-        let (blocker, _) = arena.alloc(C).unwrap(); // [1, 2): A cannot grow in place
+        let (blocker, _) = arena.alloc(C).unwrap(); // page 1: A cannot grow in place
 
         let t_a = {
             let arena = arena.clone();
@@ -70,44 +71,42 @@ fn moves_and_callbacks_under_every_interleaving() {
         let t_b = {
             let arena = arena.clone();
             thread::spawn(move || {
-                let (b, _) = arena.alloc(C).unwrap();
+                let (b, b_ptr) = arena.alloc(C).unwrap();
                 arena.write(b, 0, b"B").unwrap();
+                // A small object, moved out of its slab by copying.
+                let (s, s_ptr) = arena.alloc(100).unwrap();
+                arena.write(s, 0, b"S").unwrap();
+                arena.resize(s, C / 4).unwrap();
                 arena.free(blocker).unwrap();
                 arena.compact().unwrap();
-                let mut out = [0u8; 1];
-                arena.read(b, 0, &mut out).unwrap();
-                assert_eq!(&out, b"B");
-                b
+                for (id, want) in [(b, b"B"), (s, b"S")] {
+                    let mut out = [0u8; 1];
+                    arena.read(id, 0, &mut out).unwrap();
+                    assert_eq!(&out, want);
+                }
+                [(b, b_ptr), (s, s_ptr)]
             })
         };
         t_a.join().unwrap();
-        let b_id = t_b.join().unwrap();
+        let placed = t_b.join().unwrap();
 
-        // The callback's events, per id, chain from the first known address
-        // to the current one, in the order the moves happened.
+        // The callback's events, per id, chain from where it was placed to
+        // where it is now, in the order the moves happened.
         let events = events.lock().unwrap();
-        let mut a_at = a_ptr;
-        let mut b_at = None;
+        let mut at: std::collections::HashMap<vmm_arena::Id, u64> = placed.into_iter().collect();
+        at.insert(a_id, a_ptr);
         for e in events.iter() {
             assert_ne!(e.old_ptr, e.new_ptr);
-            if e.id == a_id {
-                assert_eq!(e.old_ptr, a_at, "A's events out of order: {events:?}");
-                a_at = e.new_ptr;
-            } else {
-                assert_eq!(e.id, b_id, "only A and B can move: {events:?}");
-                if let Some(at) = b_at {
-                    assert_eq!(e.old_ptr, at, "B's events out of order: {events:?}");
-                }
-                b_at = Some(e.new_ptr);
-            }
+            let cur = at.get_mut(&e.id).unwrap_or_else(|| panic!("event for an unknown id: {events:?}"));
+            assert_eq!(e.old_ptr, *cur, "events out of order: {events:?}");
+            *cur = e.new_ptr;
         }
-        assert_eq!(arena.query(a_id).unwrap().ptr, a_at, "A is where its last event says");
-        if let Some(at) = b_at {
-            assert_eq!(arena.query(b_id).unwrap().ptr, at, "B is where its last event says");
+        for (&id, &ptr) in &at {
+            assert_eq!(arena.query(id).unwrap().ptr, ptr, "{id} is where its last event says");
         }
         let s = arena.stats().unwrap();
         assert_eq!(s.moves, events.len() as u64);
-        assert_eq!(s.live_allocations, 2);
+        assert_eq!(s.live_allocations, 3);
         let order = format!(
             "{:?}",
             events.iter().map(|e| (e.id == a_id, e.old_ptr - a_ptr, e.new_ptr - a_ptr)).collect::<Vec<_>>()
@@ -118,7 +117,7 @@ fn moves_and_callbacks_under_every_interleaving() {
         }
     });
     let n = EXECUTIONS.load(std::sync::atomic::Ordering::Relaxed);
-    println!("{n} interleavings explored; distinct move sequences: {:#?}", ORDERS.lock().unwrap());
+    println!("{n} interleavings explored, {} distinct sequences of moves", ORDERS.lock().unwrap().len());
     assert!(n > 1);
 }
 
