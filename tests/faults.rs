@@ -117,6 +117,20 @@ fn cases() -> Vec<Case> {
             expect: Expect::Atomic,
         },
         Case {
+            name: "alloc that reclaims a slab of retired small objects",
+            cap: 4,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| {
+                let x = alloc(a, 100);
+                a.resize(x, C / 4).unwrap(); // slab 1 now holds only x's retired old place
+                vec![x, alloc(a, C)]
+            },
+            // Two chunks: a new one and slab 1's, unmapped from where it was.
+            op: |a, ids| a.alloc(2 * C).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
             name: "alloc_growable",
             cap: 8,
             reserve: 16,
@@ -173,6 +187,19 @@ fn cases() -> Vec<Case> {
             retain: KEEP,
             setup: |a| vec![a.alloc_growable(C, 6 * C).unwrap().0, alloc(a, C)],
             op: |a, ids| a.resize(ids[0], 4 * C).map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "resize grow that reclaims a slab of retired small objects",
+            cap: 3,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a| {
+                let x = alloc(a, 100);
+                a.resize(x, C / 4).unwrap(); // slab 1 now holds only x's retired old place
+                vec![x, a.alloc_growable(C / 2 + 1, 2 * C).unwrap().0]
+            },
+            op: |a, ids| a.resize(ids[1], C + 1).map(drop),
             expect: Expect::Atomic,
         },
         Case {
@@ -512,7 +539,7 @@ fn every_driver_call_of_every_operation_fails_cleanly() {
     println!("fault matrix ({} operations x their driver calls x {} fault kinds):", rows.len(), FaultKind::ALL.len());
     for r in &rows {
         println!(
-            "  {:<55} {:>2} moves {:>3} calls {:?} -> {:>3} faults",
+            "  {:<58} {:>2} moves {:>3} calls {:?} -> {:>3} faults",
             r.name, r.moves, r.calls, r.by_kind, r.injected
         );
     }

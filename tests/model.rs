@@ -221,9 +221,11 @@ impl Harness {
     }
 
     /// Chunks a request may still obtain: the capacity minus the chunks
-    /// backing allocations and slabs (pooled ones are reusable), before the op.
+    /// backing allocations and slabs (pooled ones are reusable, and so are
+    /// the slabs of retired small objects only), before the op.
     fn obtainable(&self) -> u64 {
-        self.cfg.cap_pages - self.snap.stats["mapped_bytes"] / C
+        let reclaimable = self.snap.slabs().filter(|r| r.used == 0).count() as u64;
+        self.cfg.cap_pages - self.snap.stats["mapped_bytes"] / C + reclaimable
     }
 
     fn total_pages(&self) -> u64 {
@@ -781,4 +783,33 @@ fn regression_trim_counts_what_releasing_retired_ranges_adds_to_the_pool() {
     let s = a.stats().unwrap();
     assert_eq!((s.pooled_bytes, s.retired_va_bytes, s.small_slabs), (0, 0, 0));
     assert_eq!(d.live_chunks() as u64, s.mapped_bytes / C);
+}
+
+/// A slab holding only retired small objects (old places of copy-resized
+/// ones) kept its chunk from an alloc that needed it: out of memory while
+/// releasing retired memory, as the arena does for address space, would
+/// have covered the request.
+#[test]
+fn regression_alloc_reclaims_slabs_of_retired_small_objects() {
+    let (a, d) = arena(3, 8, false);
+    let (x, _) = a.alloc(100).unwrap(); // slab 1
+    a.write(x, 0, b"x").unwrap();
+    a.resize(x, C / 4).unwrap(); // copied into slab 2; slab 1 holds only x's retired old place
+    let (g, pg) = a.alloc_growable(C / 2 + 1, 2 * C).unwrap(); // the third chunk
+    assert_eq!(a.stats().unwrap().mapped_bytes, 3 * C);
+    // Growth needs slab 1's chunk back.
+    assert_eq!(a.resize(g, C + 1).unwrap(), pg);
+    let s = a.stats().unwrap();
+    assert_eq!((s.mapped_bytes, s.retired_va_bytes, s.small_slabs), (3 * C, 0, 1));
+    // So does an alloc.
+    a.free(g).unwrap(); // two chunks pooled
+    a.resize(x, C / 2).unwrap(); // copied into slab 3; slab 2 holds only a retired object
+    let (y, _) = a.alloc(3 * C / 2).unwrap(); // the pooled chunk and slab 2's
+    a.write(y, 0, b"y").unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.mapped_bytes, s.retired_va_bytes, s.small_slabs), (3 * C, 0, 1));
+    let mut out = [0u8; 1];
+    a.read(x, 0, &mut out).unwrap();
+    assert_eq!(&out, b"x");
+    assert_eq!(d.live_chunks() as u64, (s.mapped_bytes + s.pooled_bytes) / C);
 }

@@ -473,41 +473,44 @@ impl Arena {
             if np > a.reserved && !extend_in_place && a.pinned {
                 return Err(Error::Pinned(id.get()));
             }
-            if np - a.backed > st.obtainable_pages() {
+            // Chunks held only by retired small objects come back when the
+            // retired memory is released: growth may count on them.
+            let short = np - a.backed > st.obtainable_pages();
+            if short && np - a.backed > st.obtainable_pages() + st.small.reclaimable_slabs() {
                 return Err(Error::OutOfMemory(format!(
                     "growing to {new_size} bytes needs {} more chunks; {} are obtainable",
                     np - a.backed,
                     st.obtainable_pages()
                 )));
             }
-            if np <= a.reserved || extend_in_place {
-                let reserved = a.reserved.max(np);
+            let in_place = np <= a.reserved || extend_in_place;
+            if in_place && !short {
                 let mut tx = ctx.txn(st);
-                let mut plan = Plan::new(st, &[], a.start + a.backed..a.start + np, a.start..a.start + reserved)?;
-                if let Err(e) = plan.execute(st, &mut tx) {
-                    tx.rollback();
-                    return Err(e);
-                }
-                tx.commit();
-                plan.apply(st);
-                if reserved > a.reserved {
-                    st.free.remove(a.start + a.reserved, reserved - a.reserved);
-                }
-                st.backed_pages += np - a.backed;
-                st.live_bytes = st.live_bytes - a.size + new_size;
-                let m = st.alloc_mut(slot);
-                m.reserved = reserved;
-                m.backed = np;
-                m.size = new_size;
-                return Ok(st.addr(a.start));
+                return match grow_in_place(st, &mut tx, slot, np, new_size) {
+                    Ok(()) => {
+                        tx.commit();
+                        Ok(st.addr(a.start))
+                    }
+                    Err(e) => {
+                        tx.rollback();
+                        Err(e)
+                    }
+                };
             }
-            // Move by remapping. A growable allocation that outgrew its
-            // reservation gets twice the room, so repeated growth stays cheap.
+            // Move by remapping (or grow after releasing retired memory).
+            // A growable allocation that outgrew its reservation gets twice
+            // the room, so repeated growth stays cheap.
             let wanted = if a.growable { np.max(a.reserved.saturating_mul(2)).min(st.pages) } else { np };
             let mut sim = st.clone();
             let mut tx = ctx.txn(st);
             let mut evs = Vec::new();
             let moved = (|| {
+                if short {
+                    release_retired_into(&mut sim, &mut tx)?;
+                }
+                if in_place {
+                    return grow_in_place(&mut sim, &mut tx, slot, np, new_size);
+                }
                 let (t, reserved) = match sim.free.best_fit(wanted) {
                     Some(t) => (t, wanted),
                     None => (make_room(&mut sim, &mut tx, np, Some(slot), &mut evs)?, np),
@@ -793,6 +796,26 @@ impl Arena {
     }
 }
 
+/// Grows `slot` to `np` pages within its reservation, or into the free
+/// range right after it. Changes `st` only on success.
+fn grow_in_place(st: &mut State, tx: &mut Txn<'_>, slot: u32, np: u64, new_size: u64) -> Result<()> {
+    let a = st.alloc(slot).clone();
+    let reserved = a.reserved.max(np);
+    let mut plan = Plan::new(st, &[], a.start + a.backed..a.start + np, a.start..a.start + reserved)?;
+    plan.execute(st, tx)?;
+    plan.apply(st);
+    if reserved > a.reserved {
+        st.free.remove(a.start + a.reserved, reserved - a.reserved);
+    }
+    st.backed_pages += np - a.backed;
+    st.live_bytes = st.live_bytes - a.size + new_size;
+    let m = st.alloc_mut(slot);
+    m.reserved = reserved;
+    m.backed = np;
+    m.size = new_size;
+    Ok(())
+}
+
 /// Places a new allocation of whole chunks: best fit, else after releasing
 /// retired ranges and compacting. Returns its slot. On error the state is
 /// unchanged and the caller rolls `tx` back.
@@ -808,7 +831,10 @@ fn alloc_pages(
     events: &mut Vec<MoveEvent>,
 ) -> Result<u32> {
     let chunk = st.chunk;
-    if pages > st.obtainable_pages() {
+    // Chunks held only by retired small objects come back when the retired
+    // memory is released (below, on the slow path): count them.
+    let short = pages > st.obtainable_pages();
+    if short && pages > st.obtainable_pages() + st.small.reclaimable_slabs() {
         return Err(Error::OutOfMemory(format!(
             "{size} bytes need {pages} chunks; {} are obtainable under the capacity of {} bytes",
             st.obtainable_pages(),
@@ -822,7 +848,7 @@ fn alloc_pages(
         )));
     }
     let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false, owner };
-    if let Some(t) = st.free.best_fit(reserved) {
+    if let (false, Some(t)) = (short, st.free.best_fit(reserved)) {
         let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
         plan.execute(st, tx)?;
         plan.apply(st);
@@ -831,6 +857,9 @@ fn alloc_pages(
     // Several steps: work on a copy that replaces the state only on success.
     let mut sim = st.clone();
     let mut evs = Vec::new();
+    if short {
+        release_retired_into(&mut sim, tx)?;
+    }
     let t = make_room(&mut sim, tx, reserved, None, &mut evs)?;
     let mut plan = Plan::new(&sim, &[], t..t + pages, t..t + reserved)?;
     plan.execute(&sim, tx)?;

@@ -286,6 +286,15 @@ impl SmallTable {
         self.live_bytes -= size;
     }
 
+    /// Slabs holding only retired objects: releasing retired memory gives
+    /// their chunks back to the pool.
+    pub fn reclaimable_slabs(&self) -> u64 {
+        if self.retired.is_empty() {
+            return 0;
+        }
+        self.slabs.iter().flatten().filter(|s| s.members.iter().all(Option::is_none)).count() as u64
+    }
+
     /// Whether no object is retired.
     pub fn nothing_retired(&self) -> bool {
         self.retired.is_empty()
