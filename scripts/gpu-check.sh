@@ -48,6 +48,8 @@ cmd_build() {
     cargo test --release --lib --tests --no-run --message-format=json >"$msgs"
     echo "gpu-check build: measuring binary (examples/gpu_measure.rs)" >&2
     cargo build --release --example gpu_measure --message-format=json >>"$msgs"
+    echo "gpu-check build: C library for the PyTorch check (libvmm_arena.so)" >&2
+    cargo build --release -p vmm-arena-ffi
 
     # One JSON object per line; an artifact with an executable names its target.
     local n=0 line name exe kind
@@ -77,6 +79,9 @@ cmd_build() {
         strip --strip-debug "$dir"/bin/* 2>/dev/null || true
     fi
     cp "$root/scripts/gpu-check.sh" "$dir/gpu-check.sh"
+    mkdir -p "$dir/lib"
+    cp "$root/target/release/libvmm_arena.so" "$dir/lib/"
+    cp "$root/scripts/torch_check.py" "$dir/torch_check.py"
     chmod +x "$dir/gpu-check.sh"
     [[ -f $root/scripts/README-gpu-check.md ]] && cp "$root/scripts/README-gpu-check.md" "$dir/"
 
@@ -108,7 +113,8 @@ cmd_run() {
     out=$(cd "$out" && pwd)
     [[ -d $dir/bin ]] || { echo "gpu-check run: no bin/ beside $0: run 'gpu-check.sh build' first" >&2; exit 2; }
 
-    local budget=280 measure_reserve=100 start=$SECONDS
+    # Tests and measurements get 200 s; the PyTorch check the last 90 s.
+    local budget=200 measure_reserve=90 start=$SECONDS
     local gpu="none found"
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
@@ -174,6 +180,16 @@ cmd_run() {
     fi
     echo "gpu-check run: measurement: $mstatus (${msecs}s)" >&2
 
+    # PyTorch: native vs expandable segments vs vmm-arena (where torch is installed).
+    local tstatus="skipped (no python3 with torch)" trc=0
+    if command -v python3 >/dev/null && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+        echo "gpu-check run: PyTorch check" >&2
+        timeout -k 5 95 python3 "$dir/torch_check.py" --lib "$dir/lib/libvmm_arena.so" --out "$out" \
+            --timeout 30 --d-model 768 --layers 8 --tokens 200 --steps 5 >"$out/torch-check.log" 2>&1 || trc=$?
+        if ((trc == 0)); then tstatus=ok; else tstatus="failed (exit $trc)"; failed=1; fi
+    fi
+    echo "gpu-check run: PyTorch check: $tstatus" >&2
+
     local total=$((SECONDS - start)) when
     when=$(date -u +%Y-%m-%dT%H:%M:%SZ)
     {
@@ -186,7 +202,8 @@ cmd_run() {
         echo "  \"seconds\": $total,"
         echo "  \"tests\": [${tests_json}"
         echo "  ],"
-        echo "  \"measure\": {\"status\": \"$mstatus\", \"exit_code\": $mrc, \"seconds\": $msecs, \"json\": \"gpu-measure.json\", \"log\": \"gpu-measure.log\"}"
+        echo "  \"measure\": {\"status\": \"$mstatus\", \"exit_code\": $mrc, \"seconds\": $msecs, \"json\": \"gpu-measure.json\", \"log\": \"gpu-measure.log\"},"
+        echo "  \"torch\": {\"status\": \"$(json_escape "$tstatus")\", \"json\": \"torch-check.json\", \"log\": \"torch-check.log\"}"
         echo "}"
     } >"$out/gpu-check.json"
     {
@@ -204,6 +221,12 @@ cmd_run() {
         echo
         if [[ -f $out/gpu-measure.md ]]; then
             sed 's/^#/##/' "$out/gpu-measure.md"
+        fi
+        echo
+        echo "## PyTorch: $tstatus"
+        echo
+        if [[ -f $out/torch-check.md ]]; then
+            cat "$out/torch-check.md"
         fi
     } >"$out/gpu-check.md"
     echo "gpu-check run: results in $out (gpu-check.md, gpu-check.json); ${total}s" >&2
