@@ -135,7 +135,7 @@ mod tests {
                 Piece::Free(l) | Piece::Retired(l) | Piece::Alloc(l, _, _) => l,
             })
             .sum();
-        let mut st = State::new(1 << 16, 0x10_0000, pages, pages, u64::MAX, false);
+        let mut st = State::new(1 << 16, 0x10_0000, pages, pages, u64::MAX, false).unwrap();
         let mut slots = Vec::new();
         let mut at = 0;
         for p in pieces {

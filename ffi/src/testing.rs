@@ -106,3 +106,30 @@ pub unsafe extern "C" fn vmm_arena_testing_panic(arena: *mut vmm_arena) -> vmm_a
         panic!("vmm_arena_testing_panic was called");
     })
 }
+
+/// Driver calls made through a faulty arena's injector so far (every kind,
+/// counted whether they failed or not), and failures injected so far: a
+/// test counts the calls of an operation, then fails each in turn, and
+/// checks that the planned failure did fire.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_driver_calls(
+    arena: *mut vmm_arena,
+    out_calls: *mut u64,
+    out_injected: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_testing_driver_calls", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let (oc, oi) = (required(out_calls, "out_calls")?, required(out_injected, "out_injected")?);
+        let f = h.fault.as_ref().ok_or_else(|| invalid("not a faulty arena"))?;
+        // SAFETY: checked out-parameters, writable per this function's contract.
+        unsafe {
+            crate::put(oc, f.total_calls());
+            crate::put(oi, f.injected());
+        }
+        Ok(())
+    })
+}

@@ -225,6 +225,16 @@ fn c_threads_test() {
     run_and_expect_pass(&exe);
 }
 
+/// The C ABI fault matrix (see the program's header): prints its size.
+#[test]
+fn c_fault_matrix() {
+    let exe = compile("test_faults", Lang::C, &[source("c/test_faults.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI fault matrix size:"), "{out}");
+}
+
 #[test]
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);

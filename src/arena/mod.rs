@@ -310,7 +310,15 @@ impl Arena {
         };
         let pages = reserve / chunk;
         let key = NEXT_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut st = State::new(chunk, base, pages, capacity / chunk, config.retain_bytes, config.no_implicit_moves);
+        let mut st =
+            match State::new(chunk, base, pages, capacity / chunk, config.retain_bytes, config.no_implicit_moves) {
+                Ok(st) => st,
+                Err(e) => {
+                    // Nothing else was made yet: give the reservation back.
+                    let _ = driver.free_reservation(base, reserve);
+                    return Err(e);
+                }
+            };
         st.tag = id_tag(key, base);
         Ok(Arena {
             driver: Box::new(driver),

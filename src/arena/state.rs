@@ -104,15 +104,35 @@ pub struct MoveEvent {
 
 impl State {
     /// An empty arena's state: `pages` free pages, nothing held.
-    pub fn new(chunk: u64, base: u64, pages: u64, cap_pages: u64, retain_bytes: u64, no_implicit_moves: bool) -> State {
-        State {
+    ///
+    /// The page table has one entry per page: a reservation far larger than
+    /// the chunk size (a caller's `reserve_bytes` of terabytes with 4 KiB
+    /// chunks) may need more memory than the process can get, and that is
+    /// `Error::OutOfMemory`, not an abort on a failed allocation.
+    pub fn new(
+        chunk: u64,
+        base: u64,
+        pages: u64,
+        cap_pages: u64,
+        retain_bytes: u64,
+        no_implicit_moves: bool,
+    ) -> crate::error::Result<State> {
+        let too_big = || {
+            crate::error::Error::OutOfMemory(format!(
+                "the page table of a reservation of {pages} chunks cannot be allocated (use larger chunks or a smaller reserve)"
+            ))
+        };
+        let mut mapped = Vec::new();
+        mapped.try_reserve_exact(usize::try_from(pages).map_err(|_| too_big())?).map_err(|_| too_big())?;
+        mapped.resize(pages as usize, None);
+        Ok(State {
             chunk,
             base,
             pages,
             cap_pages,
             retain_bytes,
             no_implicit_moves,
-            mapped: vec![None; pages as usize],
+            mapped,
             free: FreeRanges::with_range(0, pages),
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -129,7 +149,7 @@ impl State {
             small: SmallTable::new(chunk),
             bytes_copied: 0,
             tag: 0,
-        }
+        })
     }
 
     /// The id of small slot `ss`.
