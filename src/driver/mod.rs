@@ -143,110 +143,64 @@ pub trait Driver: Send + Sync {
     }
 }
 
-impl<T: Driver + ?Sized> Driver for std::sync::Arc<T> {
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-    fn granularity(&self) -> Result<Granularity> {
-        (**self).granularity()
-    }
-    fn total_memory(&self) -> Result<u64> {
-        (**self).total_memory()
-    }
-    fn reserve(&self, size: u64, align: u64) -> Result<u64> {
-        (**self).reserve(size, align)
-    }
-    fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
-        (**self).free_reservation(base, size)
-    }
-    fn create(&self, size: u64) -> Result<ChunkHandle> {
-        (**self).create(size)
-    }
-    fn release(&self, chunk: ChunkHandle) -> Result<()> {
-        (**self).release(chunk)
-    }
-    fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
-        (**self).map(addr, size, chunk, offset)
-    }
-    fn set_access(&self, addr: u64, size: u64) -> Result<()> {
-        (**self).set_access(addr, size)
-    }
-    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        (**self).unmap(addr, size)
-    }
-    fn synchronize(&self) -> Result<()> {
-        (**self).synchronize()
-    }
-    fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
-        (**self).read(addr, dst)
-    }
-    fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
-        (**self).write(addr, src)
-    }
-    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
-        (**self).copy(dst, src, len)
-    }
-    fn record_event(&self, stream: u64) -> Result<Option<u64>> {
-        (**self).record_event(stream)
-    }
-    fn event_complete(&self, event: u64) -> Result<bool> {
-        (**self).event_complete(event)
-    }
-    fn destroy_event(&self, event: u64) -> Result<()> {
-        (**self).destroy_event(event)
-    }
+/// Forwards every driver method through a smart pointer.
+macro_rules! forward_driver {
+    ($($ptr:ident)::+) => {
+        impl<T: Driver + ?Sized> Driver for $($ptr)::+<T> {
+            fn name(&self) -> &'static str {
+                (**self).name()
+            }
+            fn granularity(&self) -> Result<Granularity> {
+                (**self).granularity()
+            }
+            fn total_memory(&self) -> Result<u64> {
+                (**self).total_memory()
+            }
+            fn reserve(&self, size: u64, align: u64) -> Result<u64> {
+                (**self).reserve(size, align)
+            }
+            fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
+                (**self).free_reservation(base, size)
+            }
+            fn create(&self, size: u64) -> Result<ChunkHandle> {
+                (**self).create(size)
+            }
+            fn release(&self, chunk: ChunkHandle) -> Result<()> {
+                (**self).release(chunk)
+            }
+            fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
+                (**self).map(addr, size, chunk, offset)
+            }
+            fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+                (**self).set_access(addr, size)
+            }
+            fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+                (**self).unmap(addr, size)
+            }
+            fn synchronize(&self) -> Result<()> {
+                (**self).synchronize()
+            }
+            fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+                (**self).read(addr, dst)
+            }
+            fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
+                (**self).write(addr, src)
+            }
+            fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+                (**self).copy(dst, src, len)
+            }
+            fn record_event(&self, stream: u64) -> Result<Option<u64>> {
+                (**self).record_event(stream)
+            }
+            fn event_complete(&self, event: u64) -> Result<bool> {
+                (**self).event_complete(event)
+            }
+            fn destroy_event(&self, event: u64) -> Result<()> {
+                (**self).destroy_event(event)
+            }
+        }
+    };
 }
 
-impl<T: Driver + ?Sized> Driver for Box<T> {
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-    fn granularity(&self) -> Result<Granularity> {
-        (**self).granularity()
-    }
-    fn total_memory(&self) -> Result<u64> {
-        (**self).total_memory()
-    }
-    fn reserve(&self, size: u64, align: u64) -> Result<u64> {
-        (**self).reserve(size, align)
-    }
-    fn free_reservation(&self, base: u64, size: u64) -> Result<()> {
-        (**self).free_reservation(base, size)
-    }
-    fn create(&self, size: u64) -> Result<ChunkHandle> {
-        (**self).create(size)
-    }
-    fn release(&self, chunk: ChunkHandle) -> Result<()> {
-        (**self).release(chunk)
-    }
-    fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
-        (**self).map(addr, size, chunk, offset)
-    }
-    fn set_access(&self, addr: u64, size: u64) -> Result<()> {
-        (**self).set_access(addr, size)
-    }
-    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        (**self).unmap(addr, size)
-    }
-    fn synchronize(&self) -> Result<()> {
-        (**self).synchronize()
-    }
-    fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
-        (**self).read(addr, dst)
-    }
-    fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
-        (**self).write(addr, src)
-    }
-    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
-        (**self).copy(dst, src, len)
-    }
-    fn record_event(&self, stream: u64) -> Result<Option<u64>> {
-        (**self).record_event(stream)
-    }
-    fn event_complete(&self, event: u64) -> Result<bool> {
-        (**self).event_complete(event)
-    }
-    fn destroy_event(&self, event: u64) -> Result<()> {
-        (**self).destroy_event(event)
-    }
-}
+forward_driver!(std::sync::Arc);
+forward_driver!(Box);
