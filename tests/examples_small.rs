@@ -1,0 +1,243 @@
+//! The examples' logic, shortened: `stress` (2 threads, about a second),
+//! `multi_tenant` (small synthetic load) and `snapshot_svg` on real snapshots.
+//! The example files are included as modules, so the test runs exactly
+//! their code.
+
+#[allow(dead_code)]
+#[path = "../examples/multi_tenant.rs"]
+mod multi_tenant;
+#[allow(dead_code)]
+#[path = "../examples/snapshot_svg.rs"]
+mod snapshot_svg;
+#[allow(dead_code)]
+#[path = "../examples/stress.rs"]
+mod stress;
+
+use std::path::{Path, PathBuf};
+
+use snapshot_svg::{render, Json, Options};
+use vmm_arena::{Arena, ArenaConfig, Backend};
+
+const C: u64 = 2 << 20;
+
+fn temp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("vmm-arena-examples-{}-{name}", std::process::id()))
+}
+
+/// Every range of the snapshot has at least one `<rect>` of its own.
+fn assert_rect_per_range(json: &str, svg: &str) -> usize {
+    let doc = Json::parse(json).expect("the snapshot is valid JSON");
+    let ranges = doc.get("ranges").and_then(Json::as_arr).expect("ranges").len();
+    assert!(ranges > 0);
+    for i in 0..ranges {
+        assert!(svg.contains(&format!("data-range=\"{i}\"")), "range {i} has no rect");
+    }
+    assert!(!svg.contains(&format!("data-range=\"{ranges}\"")));
+    ranges
+}
+
+/// The ranges of a snapshot tile the reserved range in address order.
+fn assert_ranges_tile(json: &str) {
+    let doc = Json::parse(json).unwrap();
+    let rs = snapshot_svg::ranges(&doc).unwrap();
+    let base = doc.get("base").and_then(Json::as_u64).unwrap();
+    let reserved = doc.get("stats").and_then(|s| s.get("reserved_va_bytes")).and_then(Json::as_u64).unwrap();
+    let mut at = base;
+    for r in &rs {
+        assert_eq!(r.addr, at, "ranges leave a gap or overlap at {at:#x}");
+        at += r.bytes;
+    }
+    assert_eq!(at, base + reserved);
+}
+
+#[test]
+fn stress_two_threads_for_a_second() {
+    let snap = temp("stress.json");
+    let cfg = stress::Config {
+        threads: 2,
+        seconds: 1.0,
+        capacity_bytes: 64 * C,
+        max_alloc_bytes: 8 * C,
+        snapshot: Some(snap.clone()),
+        ..Default::default()
+    };
+    let r = stress::run(&cfg).unwrap();
+    print!("{}", r.table());
+    assert_eq!(r.errors, 0, "{:?}", r.error_samples);
+    assert!(r.ops > 100, "only {} operations", r.ops);
+    for kind in ["alloc", "resize", "free", "verify"] {
+        let n = r.ops_by_kind.iter().find(|(k, _)| *k == kind).unwrap().1;
+        assert!(n > 0, "no {kind}");
+    }
+    assert!(r.bytes_verified > 0 && r.pointer_checks > 0);
+    assert_eq!(r.driver_creates, r.driver_releases);
+    let doc = Json::parse(&r.to_json()).expect("the report is valid JSON");
+    assert_eq!(doc.get("errors").and_then(Json::as_u64), Some(0));
+
+    let json = std::fs::read_to_string(&snap).unwrap();
+    let _ = std::fs::remove_file(&snap);
+    assert_ranges_tile(&json);
+    let svg = render(&json, &Options { full: true, ..Default::default() }).unwrap();
+    assert_rect_per_range(&json, &svg);
+}
+
+fn tiny(rate: f64, prompt: f64, output: f64) -> multi_tenant::Synthetic {
+    multi_tenant::Synthetic {
+        rate_per_s: rate,
+        prompt_median: prompt,
+        prompt_sigma: 0.5,
+        prompt_max: 4 * prompt as u64,
+        output_median: output,
+        output_sigma: 0.5,
+        output_max: 4 * output as u64,
+    }
+}
+
+#[test]
+fn multi_tenant_small_synthetic() {
+    use multi_tenant::{Source, TenantSpec};
+    let snap = temp("multi.json");
+    let cfg = multi_tenant::Config {
+        tenants: vec![
+            TenantSpec {
+                name: "A".into(),
+                kv_bytes_per_token: 64 << 10,
+                source: Source::Synthetic(tiny(20.0, 200.0, 10.0)),
+            },
+            TenantSpec {
+                name: "B".into(),
+                kv_bytes_per_token: 160 << 10,
+                source: Source::Synthetic(tiny(10.0, 300.0, 40.0)),
+            },
+        ],
+        limit: 40,
+        shift_s: Some(3.0),
+        capacity_bytes: 1 << 30,
+        trim_every_s: 1.0,
+        trim_keep_bytes: 16 * C,
+        phases: 4,
+        backend: Backend::HostSparse,
+        snapshot: Some(snap.clone()),
+        ..Default::default()
+    };
+    let r = multi_tenant::run(&cfg).unwrap();
+    print!("{}", r.table());
+    assert_eq!(r.integrity_errors, 0);
+    assert_eq!(r.accounting_errors, 0);
+    for t in &r.tenants {
+        assert_eq!(t.completed + t.skipped_too_large, t.requests, "{}", t.name);
+        assert!(t.peak_mapped_bytes > 0);
+    }
+    // Four phases, the drain and the idle row.
+    assert_eq!(r.phases.len(), 6);
+    // Load shifts: A is busy in the first phase and idle in the last, B the reverse.
+    let (first, last) = (&r.phases[0], &r.phases[3]);
+    assert!(first.mean_mapped[0] > 0.0 && first.peak_mapped[1] == 0, "{first:?}");
+    assert!(last.peak_mapped[0] == 0 && last.mean_mapped[1] > 0.0, "{last:?}");
+    // Idle after trim(0): nothing held, while static partitions hold every peak.
+    assert_eq!(r.idle_held_after_trim, 0);
+    assert_eq!(r.static_bytes, r.tenants.iter().map(|t| t.peak_mapped_bytes).sum::<u64>());
+    assert!(r.static_bytes > 0);
+    assert_eq!(r.driver_creates, r.driver_releases);
+    let doc = Json::parse(&r.to_json()).expect("the report is valid JSON");
+    assert_eq!(doc.get("tenants").and_then(Json::as_arr).map(|a| a.len()), Some(2));
+    assert_eq!(doc.get("integrity_errors").and_then(Json::as_u64), Some(0));
+
+    let json = std::fs::read_to_string(&snap).unwrap();
+    let _ = std::fs::remove_file(&snap);
+    assert_ranges_tile(&json);
+    let svg = render(&json, &Options::default()).unwrap();
+    assert_rect_per_range(&json, &svg);
+}
+
+#[test]
+fn multi_tenant_reads_both_trace_formats() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    let files = ["azure_conv_2023.csv", "mooncake_conversation.jsonl"];
+    if !files.iter().all(|f| dir.join(f).exists()) {
+        eprintln!("skipped: the shared traces are not in {}", dir.display());
+        return;
+    }
+    for f in files {
+        let reqs = multi_tenant::load_trace(&dir.join(f), 50).unwrap();
+        assert_eq!(reqs.len(), 50, "{f}");
+        assert_eq!(reqs[0].arrive_s, 0.0);
+        assert!(reqs.windows(2).all(|w| w[0].arrive_s <= w[1].arrive_s));
+        assert!(reqs.iter().all(|r| r.prompt > 0 && r.output > 0));
+    }
+}
+
+#[test]
+fn trace_parsing_accepts_both_formats_inline() {
+    let csv = temp("t.csv");
+    std::fs::write(&csv, "arrived_at,num_prefill_tokens,num_decode_tokens\n1.5,100,10\n2.0,200,20\n").unwrap();
+    let jsonl = temp("t.jsonl");
+    std::fs::write(
+        &jsonl,
+        "{\"timestamp\": 1000, \"input_length\": 300, \"output_length\": 30, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 3500, \"input_length\": 400, \"output_length\": 40}\n",
+    )
+    .unwrap();
+    let a = multi_tenant::load_trace(&csv, 10).unwrap();
+    let b = multi_tenant::load_trace(&jsonl, 10).unwrap();
+    let _ = (std::fs::remove_file(&csv), std::fs::remove_file(&jsonl));
+    assert_eq!(a.len(), 2);
+    assert_eq!((a[1].arrive_s, a[1].prompt, a[1].output), (0.5, 200, 20));
+    assert_eq!(b.len(), 2);
+    assert_eq!((b[1].arrive_s, b[1].prompt, b[1].output), (2.5, 400, 40));
+    assert_eq!(multi_tenant::parse_bytes("40GiB").unwrap(), 40 << 30);
+    assert_eq!(multi_tenant::parse_bytes("128k").unwrap(), 128 << 10);
+}
+
+#[test]
+fn svg_of_every_kind_of_range() {
+    let a = Arena::new(ArenaConfig { capacity_bytes: 64 * C, reserve_bytes: 32 * C, ..Default::default() }).unwrap();
+    let (x, _) = a.alloc(3 * C).unwrap();
+    let (y, _) = a.alloc_growable(C, 4 * C).unwrap();
+    let (z, _) = a.alloc(2 * C).unwrap();
+    a.pin(z).unwrap();
+    let (_small, _) = a.alloc(1000).unwrap();
+    a.write(y, 10, b"yy").unwrap();
+    a.free(x).unwrap(); // pooled chunks cached in a free range
+    a.resize(y, 4 * C).unwrap();
+    a.resize(y, 2 * C).unwrap(); // cached chunks in y's tail
+    let (w, _) = a.alloc_growable(C, 2 * C).unwrap();
+    a.resize(w, 5 * C).unwrap(); // outgrows its reservation: moves, leaves a retired range
+    let (v, _) = a.alloc(2 * C).unwrap();
+    a.free(v).unwrap(); // its chunks stay mapped (cached) in a free range
+    let json = a.snapshot_json().unwrap();
+    assert_ranges_tile(&json);
+    let doc = Json::parse(&json).unwrap();
+    let kinds: Vec<String> = snapshot_svg::ranges(&doc).unwrap().into_iter().map(|r| r.kind).collect();
+    for k in ["live", "free", "retired", "slab"] {
+        assert!(kinds.iter().any(|x| x == k), "no {k} range in {json}");
+    }
+    let svg = render(&json, &Options { full: true, ..Default::default() }).unwrap();
+    let n = assert_rect_per_range(&json, &svg);
+    assert_eq!(n, kinds.len());
+    for class in ["class=\"live\"", "class=\"mapped\"", "class=\"free\"", "class=\"retired\"", "class=\"slab\""] {
+        assert!(svg.contains(class), "no {class}");
+    }
+    assert!(svg.contains("class=\"pooled\""), "no pooled chunk drawn");
+    assert!(
+        svg.contains("stroke=\"#a00000\" stroke-width=\"2.5\"><title>live"),
+        "the pinned allocation is not outlined"
+    );
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+
+    // Cut short by default: the trailing free range still has its (clipped) rect.
+    let short = render(&json, &Options::default()).unwrap();
+    assert_rect_per_range(&json, &short);
+}
+
+#[test]
+fn json_parser_handles_the_basics_and_rejects_garbage() {
+    let v = Json::parse(r#"{"a": [1, 2.5, -3e2, true, false, null], "s": "q\"\u0041\n", "big": 18446744073709551615}"#)
+        .unwrap();
+    assert_eq!(v.get("a").and_then(Json::as_arr).map(|a| a.len()), Some(6));
+    assert_eq!(v.get("s").and_then(Json::as_str), Some("q\"A\n"));
+    assert_eq!(v.get("big").and_then(Json::as_u64), Some(u64::MAX));
+    for bad in ["", "{", "[1,]", "{\"a\" 1}", "tru", "[1] x", "\"open"] {
+        assert!(Json::parse(bad).is_err(), "{bad:?} parsed");
+    }
+}
