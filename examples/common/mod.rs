@@ -1,0 +1,21 @@
+//! Workload code shared by the examples (`kv_serving`, `fragmentation`) and
+//! by `tests/workloads.rs`, included with `#[path]`.
+//!
+//! - [`counted`]: the driver wrapper that counts every manager's calls and
+//!   models the device's capacity;
+//! - [`caching`]: a model of PyTorch's CUDA caching allocator (native and
+//!   expandable segments);
+//! - [`managers`]: KV-cache managers (vmm-arena and the baselines);
+//! - [`trace`]: trace files and the synthetic trace;
+//! - [`replay`]: the continuous-batching scheduler;
+//! - [`scenario`]: the textbook fragmentation failure;
+//! - [`util`]: sizes, RNG, JSON.
+#![allow(dead_code)]
+
+pub mod caching;
+pub mod counted;
+pub mod managers;
+pub mod replay;
+pub mod scenario;
+pub mod trace;
+pub mod util;

@@ -1,0 +1,238 @@
+//! The workload code of the examples (`examples/common/`), run small: the
+//! KV-serving replay for every manager and both layouts, the fragmentation
+//! scenario, the PyTorch caching-allocator model's rules, and the parsing of
+//! the shared traces (skipped with a message where `../shared` is missing).
+
+#[path = "../examples/common/mod.rs"]
+mod common;
+
+use std::sync::atomic::AtomicU64;
+
+use common::caching::CachingAllocator;
+use common::managers::{self, new_device, ArenaOptions, KvShape, Layout, ALL_MANAGERS};
+use common::replay::{replay, RunResult, SchedConfig};
+use common::{scenario, trace};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn shape(layout: Layout) -> KvShape {
+    // A small model: 16 KiB per token over 4 layers (per-layer: 8 allocations
+    // of 2 KiB per token), context 4096.
+    KvShape { kv_bytes_per_token: 16 << 10, layers: 4, layout, max_context: 4096 }
+}
+
+fn run(name: &str, layout: Layout, capacity: u64, requests: &[trace::Request]) -> RunResult {
+    let s = shape(layout);
+    let max_batch = 64;
+    let reserve = managers::arena_reserve(s, capacity, max_batch);
+    let opts = ArenaOptions { capacity, reserve, retain: u64::MAX, no_implicit_moves: false };
+    let mut m = managers::build(name, s, opts).expect("manager");
+    let cfg = SchedConfig { max_batch, step_s: 0.03, kv_bytes_per_token: s.kv_bytes_per_token };
+    replay(m.as_mut(), requests, cfg, &AtomicU64::new(0))
+}
+
+fn check_all(layout: Layout, capacity: u64, n: usize) -> Vec<RunResult> {
+    let t = trace::synthetic(n, 3);
+    let mut out = Vec::new();
+    for name in ALL_MANAGERS {
+        let r = run(name, layout, capacity, &t.requests);
+        println!(
+            "{layout:?} {name}: done {} rejected {} preempted {} frag {} peak phys {} copied {} moves {}",
+            r.completed_requests,
+            r.rejected_requests,
+            r.preemptions,
+            r.fragmentation_failures,
+            r.peak_physical_bytes,
+            r.bytes_copied,
+            r.moves
+        );
+        assert_eq!(r.integrity_errors, 0, "{name}: integrity errors");
+        assert_eq!(r.host_limit_failures, 0, "{name}: {:?}", r.first_host_limit);
+        assert!(r.aborted.is_none(), "{name}: {:?}", r.aborted);
+        assert_eq!(r.completed_requests + r.rejected_requests, n as u64, "{name}: every request ends");
+        assert!(r.peak_physical_bytes <= capacity, "{name}: physical memory above the device's capacity");
+        assert!(r.tags_written > 0);
+        out.push(r);
+    }
+    out
+}
+
+#[test]
+fn tiny_replay_token_major_keeps_every_tag() {
+    let rs = check_all(Layout::TokenMajor, 4 * GIB, 60);
+    for r in &rs {
+        assert_eq!(r.rejected_requests, 0, "{}: nothing is too large for 4 GiB", r.name);
+    }
+    let arena = &rs[0];
+    let torch = rs.iter().find(|r| r.name == "pytorch-caching").unwrap();
+    assert!(torch.bytes_copied > 0, "doubling copies");
+    assert_eq!(arena.bytes_copied, 0, "the arena never copies");
+    let vllm = rs.iter().find(|r| r.name == "vllm-paged").unwrap();
+    assert_eq!(vllm.peak_physical_bytes, 4 * GIB, "vLLM holds the whole capacity");
+}
+
+#[test]
+fn tiny_replay_per_layer_keeps_every_tag() {
+    check_all(Layout::PerLayer, 4 * GIB, 40);
+}
+
+#[test]
+fn replay_under_pressure_preempts_and_the_arena_never_fragments() {
+    // 160 MiB holds about 10,000 tokens of 16 KiB: the synthetic load needs more.
+    let rs = check_all(Layout::TokenMajor, 160 * MIB, 80);
+    let arena = &rs[0];
+    assert!(rs.iter().any(|r| r.preemptions > 0), "the capacity is small enough to preempt");
+    assert_eq!(arena.fragmentation_failures, 0, "arena: {:?}", arena.first_fragmentation);
+}
+
+#[test]
+fn fragmentation_scenario_fails_the_caching_model_and_not_the_arena() {
+    let out = scenario::run_all(256 * MIB, 32 * MIB);
+    for o in &out {
+        println!("{o:?}");
+        assert_eq!(o.integrity_errors, 0, "{}", o.name);
+        assert!(o.free_total > o.request, "{}: the free total covers the request", o.name);
+    }
+    let by = |n: &str| out.iter().find(|o| o.name == n).unwrap();
+    assert!(!by("pytorch-caching").succeeded, "the caching allocator fails");
+    assert!(by("pytorch-caching").largest_hole < 32 * MIB);
+    assert!(by("arena").succeeded);
+    let tight = by("arena (VA = capacity)");
+    assert!(tight.succeeded && tight.moves > 0, "succeeds by moving: {tight:?}");
+    assert!(tight.largest_hole < 32 * MIB);
+    assert!(!by("arena-no-moves (VA = capacity)").succeeded, "without moves the hole is too small");
+}
+
+#[test]
+fn caching_model_follows_pytorch_sizes_and_splits() {
+    let dev = new_device(GIB).unwrap();
+    let mut a = CachingAllocator::new(dev.clone(), GIB, false);
+    // 3 MiB: large pool, a 20 MiB segment (kLargeBuffer), split (17 MiB > 1 MiB remain).
+    let p1 = a.malloc(3 * MIB).unwrap();
+    assert_eq!(a.stats().reserved_bytes, 20 * MIB);
+    let p2 = a.malloc(3 * MIB).unwrap();
+    assert_eq!(p2, p1 + 3 * MIB, "best fit in the same segment, right after");
+    assert_eq!(a.stats().reserved_bytes, 20 * MIB);
+    // 16 MiB >= kMinLargeAlloc: no cached block fits (14 MiB remain in the
+    // first segment), so a segment of its own, rounded up to 2 MiB.
+    let p3 = a.malloc(15 * MIB + 1).unwrap();
+    assert_eq!(a.stats().reserved_bytes, 20 * MIB + 16 * MIB);
+    a.free(p3);
+    // 15.5 MiB: best fit is the cached 16 MiB block (not the 14 MiB one);
+    // 0.5 MiB would remain (not > 1 MiB), so no split.
+    let p4 = a.malloc(15 * MIB + MIB / 2).unwrap();
+    assert_eq!(p4, p3);
+    assert_eq!(a.stats().allocated_bytes, 6 * MIB + 16 * MIB);
+    // Small pool: 2 MiB segments, 512-byte rounding, split down to 512 bytes.
+    let s1 = a.malloc(100).unwrap();
+    assert_eq!(a.stats().reserved_bytes, 36 * MIB + 2 * MIB);
+    let s2 = a.malloc(600 << 10).unwrap();
+    assert_eq!(s2, s1 + 512);
+    a.free(p1);
+    a.free(p2);
+    a.free(s1);
+    a.free(s2);
+    a.check_invariants();
+    // Coalesced back into one free 20 MiB block, one free small segment.
+    assert_eq!(a.largest_free_block(), 20 * MIB);
+    a.empty_cache();
+    assert_eq!(a.stats().reserved_bytes, 16 * MIB, "only the segment in use stays");
+    a.free(p4);
+    a.empty_cache();
+    assert_eq!(dev.live_bytes(), 0);
+}
+
+#[test]
+fn caching_model_releases_cached_segments_and_retries_on_oom() {
+    let dev = new_device(100 * MIB).unwrap();
+    let mut a = CachingAllocator::new(dev.clone(), 100 * MIB, false);
+    let x = a.malloc(40 * MIB).unwrap();
+    let y = a.malloc(40 * MIB).unwrap();
+    a.free(x);
+    a.free(y);
+    // 60 MiB: no cached block fits, cudaMalloc fails (80 MiB held), the cache
+    // is released, the retry succeeds.
+    let z = a.malloc(60 * MIB).unwrap();
+    assert_eq!(a.stats().num_alloc_retries, 1);
+    assert_eq!(a.stats().reserved_bytes, 60 * MIB);
+    let err = a.malloc(50 * MIB).unwrap_err();
+    assert!(!err.is_fragmentation(), "40 MiB are free: a real out-of-memory");
+    a.free(z);
+}
+
+#[test]
+fn expandable_model_maps_20_mib_pages_and_unmaps_free_pages_on_oom() {
+    let dev = new_device(200 * MIB).unwrap();
+    let mut a = CachingAllocator::new(dev.clone(), 200 * MIB, true);
+    let p = a.malloc(3 * MIB).unwrap();
+    assert_eq!(a.stats().reserved_bytes, 20 * MIB, "one 20 MiB page");
+    assert_eq!(dev.calls().create, 1);
+    let q = a.malloc(30 * MIB).unwrap();
+    assert_eq!(q, p + 3 * MIB, "one segment, contiguous");
+    assert_eq!(a.stats().reserved_bytes, 40 * MIB, "17 MiB free + one more page");
+    a.free(q);
+    a.check_invariants();
+    // 199 MiB: 180 MiB more to map, only 160 MiB obtainable: the OOM retry
+    // unmaps the free page, then the retry still fails (two pages short).
+    assert!(a.malloc(199 * MIB).is_err());
+    assert_eq!(a.stats().reserved_bytes, 20 * MIB, "the fully free page was released");
+    a.check_invariants();
+    let r = a.malloc(150 * MIB).unwrap();
+    assert_eq!(r, p + 3 * MIB);
+    a.free(r);
+    a.free(p);
+    a.check_invariants();
+}
+
+#[test]
+fn caching_models_keep_their_invariants_under_random_churn() {
+    for expandable in [false, true] {
+        let dev = new_device(512 * MIB).unwrap();
+        let mut a = CachingAllocator::new(dev.clone(), 512 * MIB, expandable);
+        let mut rng = common::util::Rng::new(11);
+        let mut live: Vec<u64> = Vec::new();
+        for i in 0..4000 {
+            if live.is_empty() || rng.f64() < 0.55 {
+                let size = match rng.next_u64() % 3 {
+                    0 => rng.next_u64() % MIB + 1,
+                    1 => rng.next_u64() % (9 * MIB) + MIB,
+                    _ => rng.next_u64() % (40 * MIB) + 10 * MIB,
+                };
+                if let Ok(p) = a.malloc(size) {
+                    live.push(p);
+                }
+            } else {
+                let k = (rng.next_u64() % live.len() as u64) as usize;
+                a.free(live.swap_remove(k));
+            }
+            if i % 97 == 0 {
+                a.check_invariants();
+            }
+            assert!(dev.live_bytes() <= 512 * MIB);
+        }
+        for p in live {
+            a.free(p);
+        }
+        a.check_invariants();
+        a.empty_cache();
+        assert_eq!(dev.live_bytes(), 0, "expandable={expandable}: everything released");
+    }
+}
+
+#[test]
+fn shared_traces_parse() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    for (file, min_prompt_mean) in [("azure_conv_2023.csv", 500.0), ("mooncake_conversation.jsonl", 5000.0)] {
+        let path = dir.join(file);
+        if !path.exists() {
+            println!("skipped: {} is missing (the shared traces live beside the project)", path.display());
+            continue;
+        }
+        let t = trace::load(&path, Some(200)).expect("trace parses");
+        assert_eq!(t.requests.len(), 200, "{file}");
+        assert!(t.requests.windows(2).all(|w| w[0].arrival_s <= w[1].arrival_s), "{file}: arrival order");
+        let ((pm, _, _), (om, _, _)) = t.stats();
+        assert!(pm > min_prompt_mean && om > 10.0, "{file}: prompt mean {pm}, output mean {om}");
+    }
+}
