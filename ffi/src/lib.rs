@@ -893,6 +893,49 @@ pub unsafe extern "C" fn vmm_arena_snapshot_json(
     })
 }
 
+// The C ABI fuzz target's logic (fuzz/logic/c_abi.rs, shared with
+// fuzz/fuzz_targets/c_abi.rs), replayed over its committed corpus on stable
+// Rust by `fuzz_replay` below. It names this crate `ffi`.
+#[cfg(test)]
+use crate as ffi;
+#[cfg(test)]
+#[path = "../../fuzz/logic/c_abi.rs"]
+mod fuzz_c_abi;
+
+#[cfg(test)]
+mod fuzz_replay {
+    use std::path::{Path, PathBuf};
+
+    /// Every input of fuzz/corpus/c_abi (or only `$VMM_ARENA_FUZZ_INPUT`).
+    fn inputs() -> Vec<PathBuf> {
+        if let Some(one) = std::env::var_os("VMM_ARENA_FUZZ_INPUT") {
+            return vec![one.into()];
+        }
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/c_abi");
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_file())
+            .collect();
+        files.sort();
+        files
+    }
+
+    #[test]
+    fn c_abi_corpus_replays() {
+        let files = inputs();
+        assert!(!files.is_empty(), "the c_abi corpus is empty");
+        for f in &files {
+            let data = std::fs::read(f).unwrap();
+            if let Err(p) = std::panic::catch_unwind(|| super::fuzz_c_abi::run(&data)) {
+                eprintln!("corpus input {} fails", f.display());
+                std::panic::resume_unwind(p);
+            }
+        }
+        println!("replayed {} C ABI inputs", files.len());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1027,8 +1027,15 @@ fn make_room(
     if let Some(t) = sim.free.best_fit(n) {
         return Ok(t);
     }
-    release_retired_into(sim, tx)?;
-    if let Some(t) = sim.free.best_fit(n) {
+    // Decide whether room can be made before any driver call: a refusal
+    // after the retired ranges were unmapped would need a rollback, whose
+    // own driver calls (mapping them back) may fail and leave the arena
+    // unlike its books. The bookkeeping of the release is pure, so a copy
+    // shows what the state will be after it.
+    let mut released = sim.clone();
+    forget_retired(&mut released);
+    if let Some(t) = released.free.best_fit(n) {
+        release_retired_into(sim, tx)?;
         return Ok(t);
     }
     let bytes = n * sim.chunk;
@@ -1038,11 +1045,14 @@ fn make_room(
             sim.free.largest() * sim.chunk
         )));
     }
-    let plan = compact::plan_window(sim, n, |slot| Some(slot) == resizing || sim.alloc(slot).pinned).ok_or_else(|| {
-        Error::OutOfAddressSpace(format!(
-            "no window of {bytes} bytes can be evacuated: pinned allocations are in the way or there is nowhere to move them"
-        ))
-    })?;
+    let plan = compact::plan_window(&released, n, |slot| Some(slot) == resizing || released.alloc(slot).pinned)
+        .ok_or_else(|| {
+            Error::OutOfAddressSpace(format!(
+                "no window of {bytes} bytes can be evacuated: pinned allocations are in the way or there is nowhere to move them"
+            ))
+        })?;
+    drop(released);
+    release_retired_into(sim, tx)?;
     for (slot, dest) in plan.moves {
         let a = sim.alloc(slot).clone();
         move_alloc(sim, tx, slot, dest, a.backed, a.reserved, a.size, evs)?;
@@ -1115,6 +1125,14 @@ fn release_retired_into(st: &mut State, tx: &mut Txn<'_>) -> Result<()> {
         let chunks = (s..s + l).map(|p| st.mapped[p as usize].expect("retired page is mapped")).collect();
         tx.unmap(s, chunks)?;
     }
+    forget_retired(st);
+    Ok(())
+}
+
+/// The bookkeeping of releasing every retired range, once it is unmapped
+/// (pure: no driver call).
+fn forget_retired(st: &mut State) {
+    let ranges: Vec<(u64, u64)> = st.retired.iter().map(|(&s, &l)| (s, l)).collect();
     for (s, l) in ranges {
         for p in s..s + l {
             st.mapped[p as usize] = None;
@@ -1128,7 +1146,6 @@ fn release_retired_into(st: &mut State, tx: &mut Txn<'_>) -> Result<()> {
     for slab in st.small.release_retired() {
         st.remove_alloc(slab);
     }
-    Ok(())
 }
 
 /// Gives pooled chunks back until at most `keep_bytes` stay pooled.

@@ -810,6 +810,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(miri, ignore)] // system calls
     fn new_is_unsupported_without_libcuda_and_never_panics() {
         let result = std::panic::catch_unwind(|| CudaDriver::new(0));
         let result = result.expect("CudaDriver::new panicked");
@@ -828,6 +829,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // system calls
     fn absent_devices_are_unsupported() {
         for ordinal in [-1, i32::MAX] {
             let r = std::panic::catch_unwind(|| CudaDriver::new(ordinal)).expect("new panicked");

@@ -1,0 +1,879 @@
+//! Fuzz target logic: the C ABI with arbitrary ids, sizes, flags, NULLs,
+//! misaligned pointers, struct sizes and injected driver failures.
+//!
+//! The input bytes decode into an arena configuration (any `struct_size`,
+//! backend, flag bits, chunk size, capacity, reserve, retain; a NULL or
+//! misaligned config; a plain arena or one over the fault injector) and a
+//! sequence of calls of every exported function, each argument drawn from
+//! valid values and from bad ones (ids never issued, freed, 0, of another
+//! tag; sizes 0, huge, overflowing; NULL or misaligned out-parameters;
+//! `stats->struct_size` of any value; snapshot buffers too small or NULL;
+//! move callbacks that call back into the arena or try to destroy it;
+//! driver failures planned on any call kind).
+//!
+//! Checked after every call:
+//! - the status is one the call may return for those arguments (never
+//!   `VMM_ARENA_ERR_INTERNAL`: nothing panicked), and `vmm_arena_last_error`
+//!   is a valid string;
+//! - out-parameters are written only on success; a caller's struct is never
+//!   written when its `struct_size` is wrong, nor past it (the buffers are
+//!   exactly as large as the caller says: AddressSanitizer, on by default
+//!   in cargo-fuzz, sees any overrun);
+//! - every live allocation is where the model (fed by the move callback)
+//!   says, as large, and its bytes (written through its pointer) survive
+//!   resizes and moves; stats agree with the model;
+//! - a call whose injected failure fired returns it and leaves the stats and
+//!   the snapshot as they were (but `trim`, documented to keep what it
+//!   released);
+//! - at the end, freeing everything, releasing retired ranges and trimming
+//!   to 0 leaves the driver with no chunk and no mapping.
+//!
+//! Included with `#[path]` by the cargo-fuzz target `fuzz/fuzz_targets/c_abi.rs`
+//! and by the ffi crate's unit tests (which replay `fuzz/corpus/c_abi` on
+//! stable Rust); both name the C ABI crate `ffi` in the including module.
+
+use std::alloc::{alloc, dealloc, Layout};
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_void, CStr};
+use std::ptr::{null, null_mut};
+
+use super::ffi;
+use ffi::{vmm_arena, vmm_arena_compact_report, vmm_arena_config, vmm_arena_stats, vmm_arena_status};
+
+#[path = "bytes.rs"]
+mod bytes;
+use bytes::Bytes;
+
+// The handle is opaque to C callers: a pointer to it is FFI-safe in practice.
+#[allow(improper_ctypes)]
+extern "C" {
+    // The library's testing hooks (ffi/src/testing.rs): exported, but not
+    // part of its Rust paths.
+    fn vmm_arena_testing_create_faulty(config: *const vmm_arena_config, out: *mut *mut vmm_arena) -> vmm_arena_status;
+    fn vmm_arena_testing_fail_nth(arena: *mut vmm_arena, call_kind: u32, n: u64, fault: u32) -> vmm_arena_status;
+    fn vmm_arena_testing_driver_objects(arena: *mut vmm_arena, chunks: *mut u64, maps: *mut u64) -> vmm_arena_status;
+    fn vmm_arena_testing_driver_calls(arena: *mut vmm_arena, calls: *mut u64, injected: *mut u64) -> vmm_arena_status;
+    fn vmm_arena_testing_panic(arena: *mut vmm_arena) -> vmm_arena_status;
+}
+
+const OK: u32 = 0;
+const INVALID: u32 = 1;
+const OOM: u32 = 2;
+const OOAS: u32 = 3;
+const UNKNOWN: u32 = 4;
+const PINNED: u32 = 5;
+const UNSUPPORTED: u32 = 6;
+const DRIVER: u32 = 7;
+const INTERNAL: u32 = 8;
+
+/// Calls per input at most.
+pub const MAX_CALLS: usize = 128;
+/// Capacities stay small: every chunk of the host backend is committed memory.
+const MAX_CAPACITY: u64 = 64 << 20;
+/// Page tables stay small (one entry per chunk of the reservation).
+const MAX_PAGES: u64 = 1 << 16;
+
+/// A heap buffer of exactly `len` bytes (AddressSanitizer sees any access
+/// past it), 8-aligned, filled with 0xEE.
+struct Buf {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+impl Buf {
+    fn new(len: usize) -> Buf {
+        let layout = Layout::from_size_align(len.max(1), 8).expect("layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc(layout) };
+        assert!(!ptr.is_null(), "allocation of {len} bytes failed");
+        // SAFETY: `ptr` is a fresh allocation of `layout.size()` bytes.
+        unsafe { ptr.write_bytes(0xEE, layout.size()) };
+        Buf { ptr, layout }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` holds `layout.size()` initialized bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.layout.size()) }
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout, freed once.
+        unsafe { dealloc(self.ptr, self.layout) }
+    }
+}
+
+fn st(s: vmm_arena_status) -> u32 {
+    s as u32
+}
+
+fn last_error() -> String {
+    let p = ffi::vmm_arena_last_error();
+    assert!(!p.is_null(), "vmm_arena_last_error returned NULL");
+    // SAFETY: never NULL, NUL-terminated and valid until the next call on this thread.
+    unsafe { CStr::from_ptr(p) }.to_str().expect("last error is UTF-8").to_owned()
+}
+
+fn expect(what: &str, got: u32, allowed: &[u32]) {
+    assert!(got != INTERNAL, "{what}: VMM_ARENA_ERR_INTERNAL: {}", last_error());
+    assert!(allowed.contains(&got), "{what}: status {got}, expected one of {allowed:?}: {}", last_error());
+    if got != OK {
+        assert!(!last_error().is_empty(), "{what}: a failure without a last error");
+    }
+}
+
+/// What the move callback saw during one call.
+#[derive(Default)]
+struct Recorder {
+    arena: *mut vmm_arena,
+    moves: Vec<(u64, u64, u64, u64)>,
+    /// Call back into the arena from the callback (query and destroy).
+    reenter: bool,
+    reentry: Vec<u32>,
+}
+
+unsafe extern "C" fn on_move(user: *mut c_void, id: u64, old_ptr: u64, new_ptr: u64, size: u64) {
+    // SAFETY: `user` is the harness's boxed Recorder, installed with this
+    // callback and alive until the arena is destroyed; nothing else refers
+    // to it while the arena runs the callback.
+    let r = unsafe { &mut *user.cast::<Recorder>() };
+    r.moves.push((id, old_ptr, new_ptr, size));
+    if r.reenter {
+        let mut p = 0u64;
+        // SAFETY: the arena is live (it is calling us); the out-parameter is ours.
+        r.reentry.push(st(unsafe { ffi::vmm_arena_query(r.arena, id, &mut p, null_mut()) }));
+        // Refused from inside the callback: the arena must stay.
+        // SAFETY: as above; destroy refuses a call from the arena's own callback.
+        unsafe { ffi::vmm_arena_destroy(r.arena) };
+        r.reentry.push(if last_error().contains("not destroyed") { INVALID } else { OK });
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Live {
+    id: u64,
+    ptr: u64,
+    size: u64,
+    pinned: bool,
+    /// The byte written at offset 0 and at the last offset.
+    tag: Option<u8>,
+}
+
+struct Harness {
+    a: *mut vmm_arena,
+    faulty: bool,
+    chunk: u64,
+    base: u64,
+    reserved: u64,
+    capacity: u64,
+    live: BTreeMap<u64, Live>,
+    issued: Vec<u64>,
+    freed: Vec<u64>,
+    rec: Box<Recorder>,
+    /// The recording callback is installed (else moves are seen only by query).
+    callback: bool,
+    /// A failure is planned and has not fired yet.
+    planned: bool,
+    /// After a resize: (id, its tag, the address it returned), checked
+    /// once the move events are applied.
+    resized: Option<(u64, u8, u64)>,
+}
+
+fn size_of_stats() -> u32 {
+    std::mem::size_of::<vmm_arena_stats>() as u32
+}
+
+impl Harness {
+    fn stats(&self) -> vmm_arena_stats {
+        let buf = Buf::new(std::mem::size_of::<vmm_arena_stats>());
+        // SAFETY: the buffer is as large as a vmm_arena_stats and 8-aligned.
+        unsafe { buf.ptr.cast::<u32>().write(size_of_stats()) };
+        // SAFETY: live handle; the buffer holds struct_size writable bytes.
+        expect("stats", st(unsafe { ffi::vmm_arena_stats_get(self.a, buf.ptr.cast()) }), &[OK]);
+        // SAFETY: written in full by the successful call.
+        unsafe { buf.ptr.cast::<vmm_arena_stats>().read() }
+    }
+
+    fn snapshot(&self) -> String {
+        let mut len = 0usize;
+        // SAFETY: live handle; cap 0 with a NULL buffer only asks the length.
+        expect("snapshot length", st(unsafe { ffi::vmm_arena_snapshot_json(self.a, null_mut(), 0, &mut len) }), &[OK]);
+        let buf = Buf::new(len);
+        let mut len2 = 0usize;
+        // SAFETY: the buffer has `len` writable bytes.
+        let s = unsafe { ffi::vmm_arena_snapshot_json(self.a, buf.ptr.cast::<c_char>(), len, &mut len2) };
+        expect("snapshot", st(s), &[OK]);
+        assert_eq!(len2, len);
+        let b = buf.bytes();
+        assert_eq!(b[len - 1], 0, "the snapshot is NUL-terminated");
+        String::from_utf8(b[..len - 1].to_vec()).expect("the snapshot is UTF-8")
+    }
+
+    fn calls(&self) -> (u64, u64) {
+        let (mut c, mut i) = (0, 0);
+        // SAFETY: live handle; out-parameters are ours.
+        let s = unsafe { vmm_arena_testing_driver_calls(self.a, &mut c, &mut i) };
+        expect("driver calls", st(s), &[OK]);
+        (c, i)
+    }
+
+    fn driver_objects(&self) -> (u64, u64) {
+        let (mut c, mut m) = (0, 0);
+        // SAFETY: live handle; out-parameters are ours.
+        let s = unsafe { vmm_arena_testing_driver_objects(self.a, &mut c, &mut m) };
+        expect("driver objects", st(s), &[OK]);
+        (c, m)
+    }
+
+    fn pick_id(&self, b: &mut Bytes<'_>) -> u64 {
+        let live: Vec<u64> = self.live.keys().copied().collect();
+        match b.below(8) {
+            0..=3 if !live.is_empty() => live[b.below(live.len() as u64) as usize],
+            4 if !self.freed.is_empty() => self.freed[b.below(self.freed.len() as u64) as usize],
+            5 => 0,
+            6 if !live.is_empty() => live[b.below(live.len() as u64) as usize] ^ (1 << (32 + b.below(32))),
+            _ => b.u64(),
+        }
+    }
+
+    fn pick_size(&self, b: &mut Bytes<'_>) -> u64 {
+        let c = self.chunk;
+        match b.below(10) {
+            0 => 0,
+            1 => b.u64(),
+            2 => u64::MAX - b.below(2 * c),
+            3 | 4 => 1 + b.below(c / 2),
+            5 | 6 => 1 + b.below(8 * c),
+            7 => 1 + b.below(40 * c),
+            _ => c * (1 + b.below(8)),
+        }
+    }
+
+    /// Checks the model against the arena: addresses (after the moves the
+    /// callback reported), sizes, bytes, counts.
+    fn check(&mut self, what: &str) {
+        for (id, old, new, _size) in std::mem::take(&mut self.rec.moves) {
+            let l = self.live.get_mut(&id).unwrap_or_else(|| panic!("{what}: a move of unknown id {id:#x}"));
+            assert_eq!(l.ptr, old, "{what}: move of {id:#x} from an address it was not at");
+            assert!(!l.pinned, "{what}: pinned {id:#x} moved");
+            l.ptr = new;
+        }
+        for r in std::mem::take(&mut self.rec.reentry) {
+            assert_eq!(r, INVALID, "{what}: a call from inside the move callback was not refused");
+        }
+        for l in self.live.values_mut() {
+            let (mut p, mut n) = (0u64, 0u64);
+            // SAFETY: live handle; out-parameters are ours.
+            let s = unsafe { ffi::vmm_arena_query(self.a, l.id, &mut p, &mut n) };
+            expect("query of a live id", st(s), &[OK]);
+            if !self.callback {
+                assert!(!l.pinned || p == l.ptr, "{what}: pinned {:#x} moved", l.id);
+                l.ptr = p;
+            }
+            assert_eq!((p, n), (l.ptr, l.size), "{what}: {:#x} is not where and as large as the model says", l.id);
+            assert!(p % 256 == 0 && p >= self.base && p + n <= self.base + self.reserved, "{what}: {p:#x}+{n}");
+            if let Some(t) = l.tag {
+                // SAFETY: a live allocation of the host backend: `size`
+                // bytes of process memory mapped readable at `ptr`.
+                let (first, last) = unsafe { ((p as *const u8).read(), ((p + n - 1) as *const u8).read()) };
+                assert_eq!((first, last), (t, t), "{what}: the bytes of {:#x} changed", l.id);
+            }
+        }
+        let s = self.stats();
+        assert_eq!(s.struct_size, size_of_stats());
+        assert_eq!(s.live_allocations, self.live.len() as u64, "{what}: live_allocations");
+        assert_eq!(s.live_bytes, self.live.values().map(|l| l.size).sum::<u64>(), "{what}: live_bytes");
+        assert!(s.mapped_bytes + s.pooled_bytes <= s.capacity_bytes, "{what}: held memory beyond the capacity");
+        assert_eq!(s.capacity_bytes, self.capacity);
+        if self.faulty {
+            let (chunks, _) = self.driver_objects();
+            assert_eq!(chunks * self.chunk, s.mapped_bytes + s.pooled_bytes, "{what}: driver chunks vs held memory");
+        }
+    }
+
+    /// Writes the tag bytes of a live allocation through its pointer.
+    fn touch(&mut self, id: u64, tag: u8) {
+        let l = self.live.get_mut(&id).expect("live");
+        // SAFETY: a live allocation of the host backend: `size` bytes of
+        // process memory mapped writable at `ptr`, owned by this harness.
+        unsafe {
+            (l.ptr as *mut u8).write(tag);
+            ((l.ptr + l.size - 1) as *mut u8).write(tag);
+        }
+        l.tag = Some(tag);
+    }
+
+    fn new_id(&mut self, what: &str, id: u64, ptr: u64, size: u64) {
+        assert!(id != 0 && !self.issued.contains(&id), "{what}: id {id:#x} issued twice");
+        self.issued.push(id);
+        self.live.insert(id, Live { id, ptr, size, pinned: false, tag: None });
+    }
+
+    /// One call; returns false when the input asked to stop.
+    fn step(&mut self, b: &mut Bytes<'_>) {
+        let a = self.a;
+        let fault_ok: &[u32] = &[OOM, DRIVER];
+        let before = if self.planned { Some((self.stats(), strip_driver(&self.snapshot()))) } else { None };
+        let injected0 = if self.faulty { self.calls().1 } else { 0 };
+        let null_sometimes = |b: &mut Bytes<'_>| b.below(16) == 0;
+        let kind = b.below(26);
+        let mut trim = false;
+        let what: &str;
+        let status: u32;
+        let mut allowed: Vec<u32>;
+        match kind {
+            0..=4 => {
+                what = "alloc";
+                let size = self.pick_size(b);
+                let (mut id, mut p) = (0xA5A5u64, 0xA5A5u64);
+                let (oid, optr) = (null_sometimes(b), null_sometimes(b));
+                // SAFETY: live handle; out-parameters are ours or NULL.
+                status = st(unsafe {
+                    ffi::vmm_arena_alloc(
+                        a,
+                        size,
+                        if oid { null_mut() } else { &mut id },
+                        if optr { null_mut() } else { &mut p },
+                    )
+                });
+                allowed = if oid || optr || size == 0 { vec![INVALID] } else { vec![OK, INVALID, OOM, OOAS] };
+                if status == OK {
+                    self.new_id(what, id, p, size);
+                    self.touch(id, b.u8());
+                } else {
+                    assert_eq!((id, p), (0xA5A5, 0xA5A5), "{what}: out-parameters written on failure");
+                }
+            }
+            5 | 6 => {
+                what = "alloc_growable";
+                let size = self.pick_size(b);
+                let max = if b.bool() { size.saturating_add(b.below(16 * self.chunk)) } else { self.pick_size(b) };
+                let (mut id, mut p) = (0xA5A5u64, 0xA5A5u64);
+                let bad = null_sometimes(b);
+                // SAFETY: live handle; out-parameters are ours or NULL.
+                status = st(unsafe {
+                    ffi::vmm_arena_alloc_growable(a, size, max, &mut id, if bad { null_mut() } else { &mut p })
+                });
+                allowed = if bad || size == 0 || max < size { vec![INVALID] } else { vec![OK, INVALID, OOM, OOAS] };
+                if status == OK {
+                    self.new_id(what, id, p, size);
+                    self.touch(id, b.u8());
+                } else {
+                    assert_eq!((id, p), (0xA5A5, 0xA5A5), "{what}: out-parameters written on failure");
+                }
+            }
+            7 | 8 => {
+                what = "free";
+                let id = self.pick_id(b);
+                // SAFETY: live handle.
+                status = st(unsafe { ffi::vmm_arena_free(a, id) });
+                allowed = if self.live.contains_key(&id) { vec![OK] } else { vec![UNKNOWN] };
+                if status == OK {
+                    self.live.remove(&id);
+                    self.freed.push(id);
+                }
+            }
+            9..=11 => {
+                what = "resize";
+                let id = self.pick_id(b);
+                let size = self.pick_size(b);
+                let bad = null_sometimes(b);
+                let mut p = 0xA5A5u64;
+                // SAFETY: live handle; the out-parameter is ours or NULL.
+                status = st(unsafe { ffi::vmm_arena_resize(a, id, size, if bad { null_mut() } else { &mut p }) });
+                allowed = match (bad, self.live.get(&id)) {
+                    (true, _) => vec![INVALID],
+                    (false, None) => vec![UNKNOWN, INVALID],
+                    (false, Some(_)) if size == 0 => vec![INVALID],
+                    (false, Some(l)) if l.pinned => vec![OK, INVALID, OOM, OOAS, PINNED],
+                    (false, Some(_)) => vec![OK, INVALID, OOM, OOAS],
+                };
+                if status == OK {
+                    // The address follows from the move events (checked below).
+                    let l = self.live.get_mut(&id).unwrap();
+                    l.size = size;
+                    if let Some(t) = l.tag.take() {
+                        self.resized = Some((id, t, p));
+                    }
+                } else {
+                    assert_eq!(p, 0xA5A5, "{what}: out-parameter written on failure");
+                }
+            }
+            12 => {
+                what = "query";
+                let id = self.pick_id(b);
+                let (mut p, mut n) = (0xA5A5u64, 0xA5A5u64);
+                let (np, nn) = (b.bool(), b.bool());
+                // SAFETY: live handle; out-parameters are ours or NULL.
+                status = st(unsafe {
+                    ffi::vmm_arena_query(
+                        a,
+                        id,
+                        if np { null_mut() } else { &mut p },
+                        if nn { null_mut() } else { &mut n },
+                    )
+                });
+                allowed = if self.live.contains_key(&id) { vec![OK] } else { vec![UNKNOWN] };
+                if status == OK {
+                    let l = self.live[&id];
+                    assert_eq!((p, n), (if np { 0xA5A5 } else { l.ptr }, if nn { 0xA5A5 } else { l.size }));
+                }
+            }
+            13 | 14 => {
+                let pin = kind == 13;
+                what = if pin { "pin" } else { "unpin" };
+                let id = self.pick_id(b);
+                // SAFETY: live handle.
+                status = st(unsafe {
+                    if pin {
+                        ffi::vmm_arena_pin(a, id)
+                    } else {
+                        ffi::vmm_arena_unpin(a, id)
+                    }
+                });
+                allowed = if self.live.contains_key(&id) { vec![OK] } else { vec![UNKNOWN] };
+                if status == OK {
+                    self.live.get_mut(&id).unwrap().pinned = pin;
+                }
+            }
+            15 => {
+                what = "compact";
+                let mut r = vmm_arena_compact_report::default();
+                let null = b.bool();
+                // SAFETY: live handle; the report is ours or NULL.
+                status = st(unsafe { ffi::vmm_arena_compact(a, if null { null_mut() } else { &mut r }) });
+                allowed = vec![OK];
+                if status == OK && !null {
+                    assert!(r.largest_free_va_after >= r.largest_free_va_before, "{what}: {r:?}");
+                }
+            }
+            16 => {
+                what = "release_retired";
+                // SAFETY: live handle.
+                status = st(unsafe { ffi::vmm_arena_release_retired(a) });
+                allowed = vec![OK];
+            }
+            17 => {
+                what = "trim";
+                trim = true;
+                let keep = match b.below(3) {
+                    0 => 0,
+                    1 => self.chunk * b.below(8),
+                    _ => b.u64(),
+                };
+                let mut released = 0xA5A5u64;
+                let null = b.bool();
+                // SAFETY: live handle; the out-parameter is ours or NULL.
+                status = st(unsafe { ffi::vmm_arena_trim(a, keep, if null { null_mut() } else { &mut released }) });
+                allowed = vec![OK];
+                if status == OK && !null {
+                    assert_eq!(released % self.chunk, 0, "{what}: released {released}");
+                    assert!(self.stats().pooled_bytes <= keep, "{what}: more than keep_bytes stays pooled");
+                } else if status != OK {
+                    assert_eq!(released, 0xA5A5, "{what}: out-parameter written on failure");
+                }
+            }
+            18 => {
+                what = "stats_get with any struct_size";
+                let real = size_of_stats();
+                let size = match b.below(4) {
+                    0 => real,
+                    1 => real.wrapping_add(b.below(17) as u32).wrapping_sub(8),
+                    2 => b.below(256) as u32,
+                    _ => b.u32(),
+                };
+                let how = b.below(8);
+                // The caller's struct is as large as its struct_size says
+                // (at least the u32 itself, at most 256 bytes).
+                let len = (size as usize).clamp(4, 256);
+                let buf = Buf::new(len + 1);
+                let p = if how == 0 { buf.ptr.wrapping_add(1) } else { buf.ptr };
+                // SAFETY: `p` has at least 4 writable bytes inside the buffer.
+                unsafe { p.cast::<u32>().write_unaligned(size) };
+                let arg = if how == 1 { null_mut() } else { p.cast::<vmm_arena_stats>() };
+                // SAFETY: live handle; `arg` is NULL, misaligned (refused
+                // before any read), or a buffer of `len` >= struct_size bytes
+                // (capped at 256, but the library reads only the u32 of a
+                // wrong struct_size).
+                status = st(unsafe { ffi::vmm_arena_stats_get(a, arg) });
+                allowed = if how <= 1 || size != real { vec![INVALID] } else { vec![OK] };
+                let after = &buf.bytes()[if how == 0 { 1 } else { 0 }..];
+                if status != OK {
+                    assert!(after[4..len].iter().all(|&x| x == 0xEE), "{what}: a refused struct was written");
+                }
+            }
+            19 => {
+                what = "snapshot_json with any buffer";
+                let mut need = 0usize;
+                // SAFETY: live handle; asks only the length.
+                expect(what, st(unsafe { ffi::vmm_arena_snapshot_json(a, null_mut(), 0, &mut need) }), &[OK]);
+                let cap = match b.below(6) {
+                    0 => 0,
+                    1 => need - 1,
+                    2 => need,
+                    3 => need + 1 + b.below(64) as usize,
+                    _ => b.below(4096) as usize,
+                };
+                let (null_buf, null_len) = (b.below(4) == 0, b.below(8) == 0);
+                let buf = Buf::new(cap);
+                let mut len = 0xA5A5usize;
+                // SAFETY: live handle; the buffer has `cap` writable bytes (or is NULL).
+                status = st(unsafe {
+                    ffi::vmm_arena_snapshot_json(
+                        a,
+                        if null_buf { null_mut() } else { buf.ptr.cast() },
+                        cap,
+                        if null_len { null_mut() } else { &mut len },
+                    )
+                });
+                allowed = if null_len || (null_buf && cap >= need) { vec![INVALID] } else { vec![OK] };
+                if status == OK {
+                    assert_eq!(len, need);
+                    if cap >= need {
+                        assert_eq!(buf.bytes()[need - 1], 0);
+                        assert!(buf.bytes()[need..cap].iter().all(|&x| x == 0xEE), "{what}: wrote past the JSON");
+                    }
+                }
+                if status != OK || cap < need {
+                    assert!(buf.bytes()[..cap].iter().all(|&x| x == 0xEE), "{what}: wrote a buffer it refused");
+                }
+            }
+            20 => {
+                what = "set_move_callback";
+                let mode = b.below(3);
+                self.rec.reenter = mode == 2;
+                let user: *mut Recorder = &mut *self.rec;
+                let f: ffi::vmm_arena_move_fn = if mode == 0 { None } else { Some(on_move) };
+                // SAFETY: live handle; `on_move` follows the callback rules
+                // and `user` (the boxed Recorder) outlives the arena.
+                status = st(unsafe { ffi::vmm_arena_set_move_callback(a, f, user.cast()) });
+                allowed = vec![OK];
+                self.callback = mode != 0;
+            }
+            21 => {
+                what = "testing_fail_nth";
+                let call_kind = if b.below(8) == 0 { b.u32() } else { b.below(10) as u32 };
+                let n = b.below(10);
+                let fault = if b.below(8) == 0 { b.u32() } else { b.below(2) as u32 };
+                // SAFETY: live handle.
+                status = st(unsafe { vmm_arena_testing_fail_nth(a, call_kind, n, fault) });
+                allowed = if !self.faulty || call_kind > 9 || fault > 1 { vec![INVALID] } else { vec![OK] };
+                if status == OK {
+                    self.planned = n > 0;
+                }
+            }
+            22 => {
+                what = "write and check bytes";
+                status = OK;
+                allowed = vec![OK];
+                if !self.live.is_empty() {
+                    let id = *self.live.keys().nth(b.below(self.live.len() as u64) as usize).unwrap();
+                    self.touch(id, b.u8());
+                }
+            }
+            23 => {
+                what = "functions without an arena";
+                let (mut x, mut y) = (0u64, 0u64);
+                let mut len = 0usize;
+                // SAFETY: NULL handles are allowed and refused; out-parameters are ours.
+                let all = unsafe {
+                    [
+                        st(ffi::vmm_arena_alloc(null_mut(), 1, &mut x, &mut y)),
+                        st(ffi::vmm_arena_free(null_mut(), b.u64())),
+                        st(ffi::vmm_arena_query(null_mut(), b.u64(), &mut x, null_mut())),
+                        st(ffi::vmm_arena_compact(null_mut(), null_mut())),
+                        st(ffi::vmm_arena_trim(null_mut(), 0, null_mut())),
+                        st(ffi::vmm_arena_snapshot_json(null_mut(), null_mut(), 0, &mut len)),
+                        st(vmm_arena_testing_driver_calls(null_mut(), &mut x, &mut y)),
+                    ]
+                };
+                for s in all {
+                    expect(what, s, &[INVALID]);
+                }
+                // SAFETY: NULL is ignored.
+                unsafe { ffi::vmm_arena_config_default(null_mut()) };
+                // SAFETY: NULL is a no-op.
+                unsafe { ffi::vmm_arena_destroy(null_mut()) };
+                let name = ffi::vmm_arena_status_name(b.u32());
+                // SAFETY: status names are static NUL-terminated strings.
+                assert!(!unsafe { CStr::from_ptr(name) }.to_bytes().is_empty());
+                assert_eq!(ffi::vmm_arena_abi_version(), ffi::VMM_ARENA_ABI_VERSION);
+                status = OK;
+                allowed = vec![OK];
+            }
+            _ => {
+                what = "testing hooks with NULL out-parameters";
+                let mut x = 0u64;
+                let (nc, nm) = (b.bool(), b.bool());
+                let px: *mut u64 = &mut x;
+                // SAFETY: live handle; out-parameters are ours or NULL.
+                status = st(unsafe {
+                    vmm_arena_testing_driver_objects(
+                        a,
+                        if nc { null_mut() } else { px },
+                        if nm { null_mut() } else { px },
+                    )
+                });
+                allowed = if nc || nm || !self.faulty { vec![INVALID] } else { vec![OK] };
+            }
+        }
+        // A planned failure that fired during this call may be its status.
+        let fired = self.faulty && self.calls().1 > injected0;
+        if fired {
+            self.planned = false;
+            allowed.extend_from_slice(fault_ok);
+            if status != OK {
+                if let Some((stats, snap)) = &before {
+                    let now = self.stats();
+                    if trim {
+                        assert_eq!(
+                            (now.live_allocations, now.mapped_bytes),
+                            (stats.live_allocations, stats.mapped_bytes)
+                        );
+                    } else {
+                        let fields = |s: &vmm_arena_stats| {
+                            [s.live_allocations, s.live_bytes, s.mapped_bytes, s.pooled_bytes, s.peak_physical_bytes]
+                                .into_iter()
+                                .chain([s.free_va_bytes, s.largest_free_va_bytes, s.retired_va_bytes, s.moves])
+                                .collect::<Vec<_>>()
+                        };
+                        assert_eq!(fields(&now), fields(stats), "{what}: a failed call changed the stats");
+                        assert_eq!(&strip_driver(&self.snapshot()), snap, "{what}: a failed call changed the arena");
+                    }
+                }
+            }
+        }
+        expect(what, status, &allowed);
+        self.check(what);
+        if let Some((id, t, p)) = self.resized.take() {
+            assert_eq!(self.live[&id].ptr, p, "{what}: the returned address is not where the moves lead");
+            // SAFETY: live allocation of the host backend, at least 1 byte at `p`.
+            let first = unsafe { (p as *const u8).read() };
+            assert_eq!(first, t, "{what}: the first byte did not survive the resize");
+            self.touch(id, t);
+        }
+    }
+}
+
+/// The snapshot without the driver counters' values (a rolled-back call
+/// changes them: its calls and their undoing).
+fn strip_driver(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    let mut rest = json;
+    while let Some(i) = rest.find("\"driver_") {
+        let colon = i + rest[i..].find(':').expect("a key's colon");
+        out.push_str(&rest[..=colon]);
+        rest = rest[colon + 1..].trim_start_matches(|c: char| c.is_ascii_digit());
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The JSON number after `"key":`.
+fn json_u64(json: &str, key: &str) -> u64 {
+    let pat = format!("\"{key}\":");
+    let at = json.find(&pat).unwrap_or_else(|| panic!("no {key} in the snapshot")) + pat.len();
+    json[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+}
+
+/// A configuration drawn from the input: valid values mostly, any value
+/// sometimes, within memory bounds (see MAX_CAPACITY, MAX_PAGES).
+fn config(b: &mut Bytes<'_>) -> vmm_arena_config {
+    let mut c = vmm_arena_config {
+        struct_size: 0,
+        backend: 0,
+        device: 0,
+        flags: 0,
+        capacity_bytes: 0,
+        reserve_bytes: 0,
+        chunk_bytes: 0,
+        retain_bytes: 0,
+    };
+    // SAFETY: a writable config.
+    unsafe { ffi::vmm_arena_config_default(&mut c) };
+    assert_eq!(c.struct_size as usize, std::mem::size_of::<vmm_arena_config>());
+    c.struct_size = match b.below(12) {
+        0 => b.u32(),
+        1 => c.struct_size.wrapping_add(b.below(9) as u32).wrapping_sub(4),
+        _ => c.struct_size,
+    };
+    c.backend = match b.below(16) {
+        0 => 1,
+        1 => b.u32(),
+        _ => 0,
+    };
+    c.device = b.below(3) as i32 - 1;
+    c.flags = match b.below(8) {
+        0 => b.u32(),
+        1 | 2 => ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES,
+        _ => 0,
+    };
+    c.chunk_bytes = match b.below(10) {
+        0 => 0,
+        1 => 4096,
+        2 => 4096 * (1 + b.below(64)),
+        3 => b.u64(),
+        _ => 64 << 10,
+    };
+    let chunk = if c.chunk_bytes == 0 { 2 << 20 } else { c.chunk_bytes };
+    c.capacity_bytes = match b.below(8) {
+        0 => b.u64() % (MAX_CAPACITY + 1),
+        1 => 1 + b.below(chunk.min(MAX_CAPACITY)),
+        _ => chunk.saturating_mul(1 + b.below(32)),
+    };
+    if c.capacity_bytes == 0 || c.capacity_bytes > MAX_CAPACITY {
+        c.capacity_bytes = MAX_CAPACITY / 2;
+    }
+    c.reserve_bytes = match b.below(8) {
+        0..=2 => 0,
+        3 => b.u64(),
+        4 => 1 + b.below(2 * c.capacity_bytes),
+        _ => chunk.saturating_mul(1 + b.below(64)),
+    };
+    let reserve = if c.reserve_bytes == 0 { c.capacity_bytes.saturating_mul(4) } else { c.reserve_bytes };
+    // (A reserve that overflows when rounded up is refused before any page table.)
+    if reserve / chunk > MAX_PAGES && reserve <= u64::MAX - chunk {
+        c.reserve_bytes = chunk.saturating_mul(MAX_PAGES / 2);
+    }
+    c.retain_bytes = match b.below(4) {
+        0 => 0,
+        1 => chunk.saturating_mul(b.below(8)),
+        2 => b.u64(),
+        _ => u64::MAX,
+    };
+    c
+}
+
+/// Runs one input (the replay test's body): everything, including a caught
+/// panic that poisons the arena at the end of some inputs.
+pub fn run(data: &[u8]) {
+    run_with(data, true)
+}
+
+/// Runs one input under libFuzzer (the fuzz target's body), whose panic
+/// hook aborts on any panic, even one the library's boundary catches: the
+/// poisoning step (`vmm_arena_testing_panic`) is left to the replay.
+#[allow(dead_code)] // the replay test uses `run`
+pub fn run_fuzzing(data: &[u8]) {
+    run_with(data, false)
+}
+
+fn run_with(data: &[u8], may_panic: bool) {
+    let mut b = Bytes::new(data);
+    let cfg = config(&mut b);
+    // VMM_ARENA_FUZZ_DEBUG=1: print what the input decodes to (to study a crash).
+    let debug = std::env::var_os("VMM_ARENA_FUZZ_DEBUG").is_some();
+    if debug {
+        eprintln!("{cfg:?}");
+    }
+    let faulty = b.bool();
+    let how = b.below(16);
+    let poison_at_end = b.below(8) == 0;
+    // The config exactly as large as its struct_size says (at least the
+    // u32), or misaligned, or NULL.
+    let len = (cfg.struct_size as usize).clamp(4, std::mem::size_of::<vmm_arena_config>());
+    let buf = Buf::new(len + 1);
+    let p = if how == 1 { buf.ptr.wrapping_add(1) } else { buf.ptr };
+    // SAFETY: `p` has `len` writable bytes inside the buffer; the config's
+    // fields are plain integers.
+    unsafe { std::ptr::copy_nonoverlapping((&cfg as *const vmm_arena_config).cast::<u8>(), p, len) };
+    let cfg_ptr: *const vmm_arena_config = if how == 0 { null() } else { p.cast() };
+    let null_out = how == 2;
+    let mut a: *mut vmm_arena = 0xA5A5 as *mut vmm_arena;
+    let out: *mut *mut vmm_arena = if null_out { null_mut() } else { &mut a };
+    // SAFETY: the config is NULL, misaligned (refused before any read) or
+    // `len` readable bytes, where `len` covers struct_size whenever the
+    // library reads past the u32 (struct_size == sizeof); `out` is ours or NULL.
+    let status = st(unsafe {
+        if faulty {
+            vmm_arena_testing_create_faulty(cfg_ptr, out)
+        } else {
+            ffi::vmm_arena_create(cfg_ptr, out)
+        }
+    });
+    if status != OK {
+        expect("create", status, &[INVALID, OOM, UNSUPPORTED]);
+        assert_eq!(a, 0xA5A5 as *mut vmm_arena, "create wrote its out-parameter on failure");
+        return;
+    }
+    assert!(!a.is_null() && !null_out && cfg_ptr == p.cast::<vmm_arena_config>().cast_const());
+    if cfg.backend != 0 {
+        // A CUDA arena (on a machine with a GPU): not what this target tests.
+        assert_eq!(cfg.backend, 1, "an unknown backend was accepted");
+        // SAFETY: a live handle, given up here.
+        unsafe { ffi::vmm_arena_destroy(a) };
+        return;
+    }
+    assert_eq!(cfg.flags & !ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES, 0, "unknown flag bits accepted");
+    let mut h = Harness {
+        a,
+        faulty,
+        chunk: 0,
+        base: 0,
+        reserved: 0,
+        capacity: 0,
+        live: BTreeMap::new(),
+        issued: Vec::new(),
+        freed: Vec::new(),
+        rec: Box::new(Recorder { arena: a, ..Recorder::default() }),
+        callback: false,
+        planned: false,
+        resized: None,
+    };
+    if b.below(4) != 0 {
+        let user: *mut Recorder = &mut *h.rec;
+        // SAFETY: live handle; `on_move` follows the callback rules and the
+        // boxed Recorder outlives the arena.
+        expect(
+            "set_move_callback",
+            st(unsafe { ffi::vmm_arena_set_move_callback(a, Some(on_move), user.cast()) }),
+            &[OK],
+        );
+        h.callback = true;
+    }
+    let snap = h.snapshot();
+    h.chunk = json_u64(&snap, "chunk_bytes");
+    h.base = json_u64(&snap, "base");
+    let s = h.stats();
+    (h.reserved, h.capacity) = (s.reserved_va_bytes, s.capacity_bytes);
+    assert!(h.capacity <= cfg.capacity_bytes && h.capacity % h.chunk == 0 && h.capacity > 0);
+    let mut calls = 0;
+    while !b.is_empty() && calls < MAX_CALLS {
+        h.step(&mut b);
+        calls += 1;
+    }
+    // Tear down: the arena gives everything back.
+    if h.faulty {
+        // SAFETY: live handle.
+        expect("clear", st(unsafe { vmm_arena_testing_fail_nth(a, 0, 0, 0) }), &[OK]);
+    }
+    for id in h.live.keys().copied().collect::<Vec<_>>() {
+        // SAFETY: live handle.
+        expect("free at the end", st(unsafe { ffi::vmm_arena_free(a, id) }), &[OK]);
+        h.live.remove(&id);
+    }
+    // SAFETY: live handle.
+    expect("release_retired at the end", st(unsafe { ffi::vmm_arena_release_retired(a) }), &[OK]);
+    // SAFETY: live handle.
+    expect("trim at the end", st(unsafe { ffi::vmm_arena_trim(a, 0, null_mut()) }), &[OK]);
+    h.check("teardown");
+    let s = h.stats();
+    assert_eq!((s.mapped_bytes, s.pooled_bytes, s.retired_va_bytes), (0, 0, 0));
+    assert_eq!(s.free_va_bytes, s.reserved_va_bytes);
+    if h.faulty {
+        assert_eq!(h.driver_objects(), (0, 0), "the driver still holds chunks or mappings");
+    }
+    if poison_at_end && may_panic {
+        // A caught panic poisons the arena: every call refuses, destroy still works.
+        // SAFETY: live handle.
+        assert_eq!(st(unsafe { vmm_arena_testing_panic(a) }), INTERNAL);
+        let (mut x, mut y) = (0xA5A5u64, 0xA5A5u64);
+        // SAFETY: live (poisoned) handle; out-parameters are ours.
+        assert_eq!(st(unsafe { ffi::vmm_arena_alloc(a, 1, &mut x, &mut y) }), INTERNAL);
+        assert!(last_error().contains("poisoned") && (x, y) == (0xA5A5, 0xA5A5));
+    }
+    // SAFETY: live handle, given up here; the Recorder outlives it.
+    unsafe { ffi::vmm_arena_destroy(a) };
+    drop(h);
+}

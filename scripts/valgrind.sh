@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The C and C++ test programs of ffi/tests (the same sources that
+# ffi/tests/c_programs.rs builds with AddressSanitizer and UBSan), built
+# here WITHOUT sanitizers and run under Valgrind's memcheck:
+#
+#   valgrind --error-exitcode=1 --leak-check=full
+#
+# Any invalid read or write, use of uninitialised memory, or leaked block
+# (definite or possible) fails the run.
+#
+#   scripts/valgrind.sh [PROGRAM...]     default: all of them
+#
+# Installs valgrind with apt-get when it is missing. Uses $CARGO_TARGET_DIR
+# (default target/) for the release build of libvmm_arena; programs and logs
+# go to <target>/valgrind/. Exits non-zero if any program fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v valgrind >/dev/null 2>&1; then
+    echo "valgrind.sh: installing valgrind (apt-get)"
+    if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq valgrind >/dev/null
+fi
+valgrind --version
+
+target=${CARGO_TARGET_DIR:-target}
+case $target in /*) ;; *) target=$PWD/$target ;; esac
+cargo build --release -p vmm-arena-ffi --lib --target-dir "$target"
+lib=$target/release
+work=$target/valgrind
+mkdir -p "$work"
+
+cc=${CC:-cc}
+cxx=${CXX:-c++}
+common=(-Wall -Wextra -Werror -g -O1 -pthread -I ffi/include -I ffi/tests/c)
+link=(-L "$lib" -lvmm_arena "-Wl,-rpath,$lib")
+
+# name:language:source
+programs=(
+    test_api:c:ffi/tests/c/test_api.c
+    test_threads:c:ffi/tests/c/test_threads.c
+    test_torch:c:ffi/tests/c/test_torch.c
+    test_faults:c:ffi/tests/c/test_faults.c
+    test_wrapper:cpp:ffi/tests/cpp/test_wrapper.cpp
+    contract_program:cpp:ffi/tests/cpp/contract_program.cpp
+    kv_cache:cpp:ffi/examples/kv_cache_cpp/main.cpp
+)
+wanted=("$@")
+
+failed=0
+for p in "${programs[@]}"; do
+    IFS=: read -r name lang src <<<"$p"
+    if [ ${#wanted[@]} -gt 0 ] && [[ ! " ${wanted[*]} " == *" $name "* ]]; then
+        continue
+    fi
+    exe=$work/$name
+    if [ "$lang" = c ]; then
+        "$cc" -std=c11 -Wstrict-prototypes "${common[@]}" -o "$exe" "$src" "${link[@]}"
+    else
+        "$cxx" -std=c++17 "${common[@]}" -o "$exe" "$src" "${link[@]}"
+    fi
+    log=$work/$name.log
+    start=$(date +%s)
+    if valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite,possible \
+        --track-origins=yes --log-file="$log" "$exe" >"$work/$name.out" 2>&1; then
+        verdict=ok
+    else
+        verdict=FAILED
+        failed=1
+    fi
+    secs=$(($(date +%s) - start))
+    errors=$(sed -n 's/.*ERROR SUMMARY: \([0-9]*\) errors.*/\1/p' "$log" | tail -n 1)
+    lost=$(sed -n 's/.*definitely lost: \([0-9,]*\) bytes.*/\1/p' "$log" | tail -n 1)
+    echo "valgrind $name: $verdict in ${secs}s (errors: ${errors:-?}, definitely lost: ${lost:-0} bytes; $(tail -n 1 "$work/$name.out"))"
+    if [ $verdict != ok ]; then
+        tail -n 40 "$log"
+        tail -n 5 "$work/$name.out"
+    fi
+done
+exit $failed
