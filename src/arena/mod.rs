@@ -610,43 +610,10 @@ impl Arena {
             let mut evs = Vec::new();
             let done = (|| {
                 release_retired_into(&mut sim, &mut tx)?;
-                // Top-down passes: each unpinned allocation moves into the
-                // best-fitting hole below it; the space it leaves joins the
-                // free space above once the old ranges are released. A move
-                // is made only if it does not shrink the largest free range
-                // (counting retired ranges as free, as they will be at the
-                // end of the pass): filling a big hole to free a small
-                // pocket between pinned neighbours would fragment, not compact.
-                for _pass in 0..8 {
-                    let mut moved = false;
-                    let mut after = sim.free.clone();
-                    let order: Vec<u32> = sim.by_start.values().rev().copied().collect();
-                    for slot in order {
-                        let a = sim.alloc(slot).clone();
-                        if a.pinned {
-                            continue;
-                        }
-                        let hole = sim.free.best_fit_where(a.reserved, 64, |s, _| s < a.start);
-                        if let Some(t) = hole {
-                            let largest = after.largest();
-                            after.remove(t, a.reserved);
-                            after.insert(a.start, a.reserved);
-                            if after.largest() < largest {
-                                after.remove(a.start, a.reserved);
-                                after.insert(t, a.reserved);
-                                continue;
-                            }
-                            move_alloc(&mut sim, &mut tx, slot, t, a.backed, a.reserved, a.size, &mut evs)?;
-                            report.moved_allocations += 1;
-                            report.moved_bytes += a.backed * sim.chunk;
-                            moved = true;
-                        }
-                    }
-                    release_retired_into(&mut sim, &mut tx)?;
-                    if !moved {
-                        break;
-                    }
-                }
+                let (passes, _) = plan_passes(&sim, |s, slot| s.alloc(slot).pinned);
+                let (moved, bytes) = run_passes(&mut sim, &mut tx, passes, &mut evs)?;
+                report.moved_allocations = moved;
+                report.moved_bytes = bytes;
                 Ok::<_, Error>(())
             })();
             match done {
@@ -1045,14 +1012,36 @@ fn make_room(
             sim.free.largest() * sim.chunk
         )));
     }
-    let plan = compact::plan_window(&released, n, |slot| Some(slot) == resizing || released.alloc(slot).pinned)
-        .ok_or_else(|| {
-            Error::OutOfAddressSpace(format!(
-                "no window of {bytes} bytes can be evacuated: pinned allocations are in the way or there is nowhere to move them"
-            ))
-        })?;
+    let immovable = |s: &State, slot: u32| Some(slot) == resizing || s.alloc(slot).pinned;
+    let refused = || {
+        Error::OutOfAddressSpace(format!(
+            "no window of {bytes} bytes can be evacuated: pinned allocations are in the way or there is nowhere to move them"
+        ))
+    };
+    let plan = match compact::plan_window(&released, n, |slot| immovable(&released, slot)) {
+        Some(plan) => {
+            release_retired_into(sim, tx)?;
+            plan
+        }
+        None => {
+            // No single evacuation suffices: compact the whole range first
+            // (planned on a copy, so a refusal makes no driver call), then
+            // place the request directly or by evacuating a window.
+            let (passes, after) = plan_passes(&released, immovable);
+            let fits_after = after.free.best_fit(n).is_some()
+                || compact::plan_window(&after, n, |slot| immovable(&after, slot)).is_some();
+            if passes.is_empty() || !fits_after {
+                return Err(refused());
+            }
+            release_retired_into(sim, tx)?;
+            run_passes(sim, tx, passes, evs)?;
+            if let Some(t) = sim.free.best_fit(n) {
+                return Ok(t);
+            }
+            compact::plan_window(sim, n, |slot| immovable(sim, slot)).ok_or_else(refused)?
+        }
+    };
     drop(released);
-    release_retired_into(sim, tx)?;
     for (slot, dest) in plan.moves {
         let a = sim.alloc(slot).clone();
         move_alloc(sim, tx, slot, dest, a.backed, a.reserved, a.size, evs)?;
@@ -1080,21 +1069,7 @@ fn move_alloc(
     let mut plan = Plan::new(st, &known, dest..dest + backed, dest..dest + reserved)?;
     plan.execute(st, tx)?;
     plan.apply(st);
-    st.by_start.remove(&a.start);
-    st.retired.insert(a.start, a.backed);
-    st.retired_pages += a.backed;
-    st.free.insert(a.start + a.backed, a.reserved - a.backed);
-    st.free.remove(dest, reserved);
-    st.by_start.insert(dest, slot);
-    st.backed_pages += backed - a.backed;
-    if !matches!(a.owner, Owner::Slab(_)) {
-        st.live_bytes = st.live_bytes - a.size + size;
-    }
-    let m = st.alloc_mut(slot);
-    m.start = dest;
-    m.reserved = reserved;
-    m.backed = backed;
-    m.size = size;
+    relocate_books(st, slot, dest, backed, reserved, size);
     let (old, new) = (st.addr(a.start), st.addr(dest));
     match a.owner {
         // Every object of a slab moves with it.
@@ -1116,6 +1091,92 @@ fn move_alloc(
         }
     }
     Ok(())
+}
+
+/// The address-space bookkeeping of a move (pure): the allocation takes
+/// `dest..dest + reserved`, its old backed range is retired and its old
+/// unbacked tail becomes free.
+fn relocate_books(st: &mut State, slot: u32, dest: u64, backed: u64, reserved: u64, size: u64) {
+    let a = st.alloc(slot).clone();
+    st.by_start.remove(&a.start);
+    st.retired.insert(a.start, a.backed);
+    st.retired_pages += a.backed;
+    st.free.insert(a.start + a.backed, a.reserved - a.backed);
+    st.free.remove(dest, reserved);
+    st.by_start.insert(dest, slot);
+    st.backed_pages += backed - a.backed;
+    if !matches!(a.owner, Owner::Slab(_)) {
+        st.live_bytes = st.live_bytes - a.size + size;
+    }
+    let m = st.alloc_mut(slot);
+    m.start = dest;
+    m.reserved = reserved;
+    m.backed = backed;
+    m.size = size;
+}
+
+/// Plans top-down compaction passes on a copy of the books, without a
+/// driver call: each movable allocation, highest first, moves into the
+/// best-fitting hole below it, provided that does not shrink the largest
+/// free range (counting retired ranges as free, as they are at the end of
+/// the pass: filling a big hole to free a small pocket between pinned
+/// neighbours would fragment, not compact). Returns the moves of each pass
+/// and the books after them (retired ranges released).
+fn plan_passes(st: &State, immovable: impl Fn(&State, u32) -> bool) -> (Vec<Vec<(u32, u64)>>, State) {
+    let mut sim = st.clone();
+    forget_retired(&mut sim);
+    let mut passes = Vec::new();
+    for _pass in 0..8 {
+        let mut moves = Vec::new();
+        let mut after = sim.free.clone();
+        let order: Vec<u32> = sim.by_start.values().rev().copied().collect();
+        for slot in order {
+            if immovable(&sim, slot) {
+                continue;
+            }
+            let a = sim.alloc(slot).clone();
+            let Some(t) = sim.free.best_fit_where(a.reserved, 64, |s, _| s < a.start) else {
+                continue;
+            };
+            let largest = after.largest();
+            after.remove(t, a.reserved);
+            after.insert(a.start, a.reserved);
+            if after.largest() < largest {
+                after.remove(a.start, a.reserved);
+                after.insert(t, a.reserved);
+                continue;
+            }
+            relocate_books(&mut sim, slot, t, a.backed, a.reserved, a.size);
+            moves.push((slot, t));
+        }
+        forget_retired(&mut sim);
+        if moves.is_empty() {
+            break;
+        }
+        passes.push(moves);
+    }
+    (passes, sim)
+}
+
+/// Performs planned compaction passes: the moves of each pass, then the
+/// release of the ranges they retired. Returns (allocations, bytes) moved.
+fn run_passes(
+    sim: &mut State,
+    tx: &mut Txn<'_>,
+    passes: Vec<Vec<(u32, u64)>>,
+    evs: &mut Vec<MoveEvent>,
+) -> Result<(u64, u64)> {
+    let (mut moved, mut bytes) = (0, 0);
+    for pass in passes {
+        for (slot, dest) in pass {
+            let a = sim.alloc(slot).clone();
+            move_alloc(sim, tx, slot, dest, a.backed, a.reserved, a.size, evs)?;
+            moved += 1;
+            bytes += a.backed * sim.chunk;
+        }
+        release_retired_into(sim, tx)?;
+    }
+    Ok((moved, bytes))
 }
 
 /// Unmaps every retired range (synchronizing first) and frees its pages.
