@@ -81,8 +81,20 @@ struct Pool {
     unmapped: BTreeSet<(u64, Idx)>,
 }
 
+/// Where a block sorts among blocks of equal size. PyTorch compares raw
+/// device addresses; the host's `mmap` places segments wherever it likes
+/// (top down, varying between runs), so the model orders segments by their
+/// creation instead (as a fresh device's `cudaMalloc` tends to hand out
+/// increasing addresses) and blocks inside a segment by offset: the same
+/// trace then gives the same figures on every run.
+fn order_key(rank: u64, base: u64, ptr: u64) -> u64 {
+    (rank << 44) | (ptr - base)
+}
+
 #[derive(Debug)]
 struct NativeSeg {
+    /// Order of creation: segments compare by it, then by offset (below).
+    rank: u64,
     base: u64,
     size: u64,
     handle: ChunkHandle,
@@ -90,6 +102,7 @@ struct NativeSeg {
 
 #[derive(Debug)]
 struct ExpSeg {
+    rank: u64,
     base: u64,
     page: u64,
     max_handles: u64,
@@ -146,6 +159,7 @@ pub struct CachingAllocator<D: Driver> {
     native: Vec<Option<NativeSeg>>,
     free_native: Vec<usize>,
     exp: Vec<Option<ExpSeg>>,
+    next_rank: u64,
     stats: CachingStats,
 }
 
@@ -182,6 +196,7 @@ impl<D: Driver> CachingAllocator<D> {
             native: Vec::new(),
             free_native: Vec::new(),
             exp: Vec::new(),
+            next_rank: 0,
             stats: CachingStats::default(),
         }
     }
@@ -234,9 +249,21 @@ impl<D: Driver> CachingAllocator<D> {
         self.free_slots.push(i);
     }
 
+    /// The block's place in address order (see [`order_key`]).
+    fn ord(&self, i: Idx) -> u64 {
+        let b = self.b(i);
+        if self.expandable {
+            let s = self.exp[b.seg].as_ref().expect("live segment");
+            order_key(s.rank, s.base, b.ptr)
+        } else {
+            let s = self.native[b.seg].as_ref().expect("live segment");
+            order_key(s.rank, s.base, b.ptr)
+        }
+    }
+
     fn insert_free(&mut self, i: Idx) {
         let b = self.b(i);
-        let key = (b.size, b.ptr, i);
+        let key = (b.size, self.ord(i), i);
         let pool = b.pool;
         let fresh = self.pools[pool].blocks.insert(key);
         debug_assert!(fresh);
@@ -244,21 +271,21 @@ impl<D: Driver> CachingAllocator<D> {
 
     fn remove_free(&mut self, i: Idx) {
         let b = self.b(i);
-        let key = (b.size, b.ptr, i);
+        let key = (b.size, self.ord(i), i);
         let pool = b.pool;
         self.pools[pool].blocks.remove(&key);
     }
 
     fn insert_unmapped(&mut self, i: Idx) {
         let b = self.b(i);
-        let key = (b.ptr, i);
+        let key = (self.ord(i), i);
         let pool = b.pool;
         self.pools[pool].unmapped.insert(key);
     }
 
     fn remove_unmapped(&mut self, i: Idx) {
         let b = self.b(i);
-        let key = (b.ptr, i);
+        let key = (self.ord(i), i);
         let pool = b.pool;
         self.pools[pool].unmapped.remove(&key);
     }
@@ -448,7 +475,8 @@ impl<D: Driver> CachingAllocator<D> {
             let _ = self.drv.free_reservation(base, alloc_size);
             return Err(e);
         }
-        let seg = NativeSeg { base, size: alloc_size, handle: h };
+        let seg = NativeSeg { rank: self.next_rank, base, size: alloc_size, handle: h };
+        self.next_rank += 1;
         let si = match self.free_native.pop() {
             Some(si) => {
                 self.native[si] = Some(seg);
@@ -502,6 +530,7 @@ impl<D: Driver> CachingAllocator<D> {
     }
 
     fn release_block(&mut self, i: Idx) {
+        self.remove_free(i);
         let si = self.b(i).seg;
         let seg = self.native[si].take().expect("live segment");
         self.free_native.push(si);
@@ -510,7 +539,6 @@ impl<D: Driver> CachingAllocator<D> {
         let _ = self.drv.free_reservation(seg.base, seg.size);
         self.stats.reserved_bytes -= seg.size;
         self.stats.num_device_free += 1;
-        self.remove_free(i);
         self.delete_block(i);
     }
 
@@ -540,7 +568,8 @@ impl<D: Driver> CachingAllocator<D> {
         let va = self.capacity + self.capacity / 8;
         let max_handles = va.div_ceil(page).max(1);
         let base = self.drv.reserve(max_handles * page, K_ROUND_LARGE)?;
-        self.exp.push(Some(ExpSeg { base, page, max_handles, handles: Vec::new() }));
+        self.exp.push(Some(ExpSeg { rank: self.next_rank, base, page, max_handles, handles: Vec::new() }));
+        self.next_rank += 1;
         let si = self.exp.len() - 1;
         let c = self.new_block(Block {
             ptr: base,
@@ -732,12 +761,12 @@ impl<D: Driver> CachingAllocator<D> {
     }
 
     fn release_expandable_segment(&mut self, i: Idx) {
+        self.remove_unmapped(i);
         let b = self.b(i).clone();
         let seg = self.exp[b.seg].take().expect("live segment");
         debug_assert_eq!(b.size, seg.max_handles * seg.page);
         debug_assert!(!b.mapped);
         let _ = self.drv.free_reservation(seg.base, seg.max_handles * seg.page);
-        self.remove_unmapped(i);
         self.delete_block(i);
     }
 
@@ -751,8 +780,8 @@ impl<D: Driver> CachingAllocator<D> {
                 assert_eq!(b.ptr + b.size, nb.ptr, "contiguous");
                 assert!(b.allocated || nb.allocated || b.mapped != nb.mapped, "free neighbours not merged");
             }
-            let in_blocks = self.pools[b.pool].blocks.contains(&(b.size, b.ptr, i));
-            let in_unmapped = self.pools[b.pool].unmapped.contains(&(b.ptr, i));
+            let in_blocks = self.pools[b.pool].blocks.contains(&(b.size, self.ord(i), i));
+            let in_unmapped = self.pools[b.pool].unmapped.contains(&(self.ord(i), i));
             match (b.allocated, b.mapped) {
                 (true, _) => assert!(!in_blocks && !in_unmapped && self.active.get(&b.ptr) == Some(&i)),
                 (false, true) => assert!(in_blocks && !in_unmapped, "free block {i} not in its pool"),

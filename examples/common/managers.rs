@@ -17,6 +17,12 @@
 //! along its whole length and each token has exactly one tagged slot (writing
 //! all 64 slots of a token would multiply the replay's time by 64 without
 //! testing anything more).
+//!
+//! The host backend runs in sparse mode: a page of host memory exists only
+//! where a tag was written. Freed KV is punched out of the host memory
+//! (`discard`) when a manager's resident pages pass a budget, so that a long
+//! replay's host memory stays bounded; this makes no driver call and changes
+//! no figure of the report.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -120,19 +126,30 @@ pub trait KvManager {
     /// passes: the point where an engine lets the arena unmap the old
     /// addresses of moved allocations.
     fn end_step(&mut self) {}
+    /// Called every few steps: checks the host memory the simulation holds
+    /// (not a figure of the report) and turns discarding on or off.
+    fn housekeeping(&mut self) {}
     /// Manager-specific facts for the JSON report: (key, JSON value).
     fn extra(&self) -> Vec<(String, String)> {
         Vec::new()
     }
 }
 
+/// Host memory the simulation may keep resident per manager before freed KV
+/// is discarded (see [`discard`]): a sixteenth of the device, at least
+/// 512 MiB. Live tags need at most a 32nd with 128 KiB per token.
+pub fn host_budget(capacity: u64) -> u64 {
+    (capacity / 16).max(512 << 20)
+}
+
 /// Gives the host pages wholly inside `addr..addr+len` back to the kernel
 /// (`madvise(MADV_REMOVE)` punches them out of the backing memfd). Called on
-/// KV that is freed, after its tags were verified: its contents are dead.
-/// It makes no driver call and changes no count; it only keeps the
-/// simulation's host memory bounded by the live tags (without it, tags of
-/// reused memory land on ever new host pages until every page of the device
-/// is resident).
+/// KV that is freed, after its tags were verified (its contents are dead),
+/// while the manager's host memory is above [`host_budget`]. It makes no
+/// driver call and changes no count; it only keeps the simulation's host
+/// memory bounded: tags of reused memory land on new host pages whenever
+/// the reuse is at another offset (a block split elsewhere, another layer's
+/// allocation), until every page of the device would be resident.
 pub fn discard(addr: u64, len: u64) {
     static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     // SAFETY: sysconf has no preconditions.
@@ -174,6 +191,7 @@ pub struct ArenaMgr {
     seqs: Vec<Option<ArenaSeq>>,
     release_errors: u64,
     last_release_error: Option<String>,
+    discard: bool,
 }
 
 struct ArenaSeq {
@@ -226,6 +244,7 @@ impl ArenaMgr {
             seqs: Vec::new(),
             release_errors: 0,
             last_release_error: None,
+            discard: false,
         })
     }
 
@@ -296,8 +315,10 @@ impl KvManager for ArenaMgr {
     fn free(&mut self, seq: usize) {
         if let Some(s) = self.seqs[seq].take() {
             for id in s.ids {
-                if let Ok(q) = self.arena.query(id) {
-                    discard(q.ptr, q.mapped_bytes);
+                if self.discard {
+                    if let Ok(q) = self.arena.query(id) {
+                        discard(q.ptr, q.mapped_bytes);
+                    }
                 }
                 self.arena.free(id).expect("free of a live allocation");
             }
@@ -336,6 +357,10 @@ impl KvManager for ArenaMgr {
 
     fn moves(&self) -> u64 {
         self.arena.stats().map(|s| s.moves).unwrap_or(0)
+    }
+
+    fn housekeeping(&mut self) {
+        self.discard = self.dev.inner().allocated_file_bytes().unwrap_or(0) > host_budget(self.capacity);
     }
 
     fn end_step(&mut self) {
@@ -378,6 +403,8 @@ pub struct TorchMgr {
     seqs: Vec<Option<Vec<(u64, u64)>>>,
     copied: u64,
     copy_errors: u64,
+    capacity: u64,
+    discard: bool,
 }
 
 fn pow2_tokens(tokens: u64) -> u64 {
@@ -395,6 +422,8 @@ impl TorchMgr {
             seqs: Vec::new(),
             copied: 0,
             copy_errors: 0,
+            capacity,
+            discard: false,
         })
     }
 
@@ -466,7 +495,9 @@ impl KvManager for TorchMgr {
                 t += n;
             }
             self.copied += stored * bpt;
-            discard(old, cap * bpt);
+            if self.discard {
+                discard(old, cap * bpt);
+            }
             self.alloc.free(old);
             self.seqs[seq].as_mut().expect("live")[a] = (new, new_cap);
         }
@@ -476,7 +507,9 @@ impl KvManager for TorchMgr {
     fn free(&mut self, seq: usize) {
         if let Some(v) = self.seqs[seq].take() {
             for (p, cap) in v {
-                discard(p, cap * self.shape.bpt());
+                if self.discard {
+                    discard(p, cap * self.shape.bpt());
+                }
                 self.alloc.free(p);
             }
         }
@@ -510,6 +543,10 @@ impl KvManager for TorchMgr {
 
     fn bytes_copied(&self) -> u64 {
         self.copied
+    }
+
+    fn housekeeping(&mut self) {
+        self.discard = self.dev.inner().allocated_file_bytes().unwrap_or(0) > host_budget(self.capacity);
     }
 
     fn moves(&self) -> u64 {

@@ -208,6 +208,9 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
         }
 
         mgr.end_step();
+        if r.steps % 64 == 0 {
+            mgr.housekeeping();
+        }
         // Accounting.
         let live: u64 = running.iter().map(|l| l.stored * kvpt).sum();
         let phys = mgr.physical_bytes();
