@@ -275,6 +275,9 @@ pub(crate) enum Segment {
     Retired,
 }
 
+/// Cached chunks taken at once when a plan must unmap some (see `Plan::new`).
+const STEAL_BATCH: usize = 16;
+
 /// Where a page's chunk comes from in a [`Plan`].
 #[derive(Clone, Copy, Debug)]
 enum Source {
@@ -337,7 +340,10 @@ impl Plan {
         plan.take_pool = (fresh_needed.saturating_sub(have)).min(st.pool.len() as u64) as usize;
         have += plan.take_pool as u64;
         if have < fresh_needed {
-            let want = (fresh_needed - have) as usize;
+            // Unmapping needs a device synchronize: take a batch at once,
+            // the extra chunks going to the unmapped pool, so that growth
+            // token by token synchronizes once per batch, not per chunk.
+            let want = ((fresh_needed - have) as usize).max(STEAL_BATCH);
             let above = st.cached.range(keep.end.max(pages.end)..).rev();
             let below = st.cached.range(..keep.start.min(pages.start)).rev();
             let stolen: Vec<u64> = above.chain(below).copied().take(want).collect();
