@@ -8,7 +8,11 @@
 #      loading libcuda) are ignored under Miri;
 #   2. tests/fuzz_replay.rs: the committed `ops` fuzz corpus, i.e. whole
 #      arenas (alloc, grow, move, compact, trim, release, injected driver
-#      failures) on MockDriver + FaultDriver, checked against the model.
+#      failures) on MockDriver + FaultDriver, checked against the model:
+#      $VMM_ARENA_FUZZ_MAX_INPUTS inputs (default 6, spread over the sorted
+#      corpus) and the first $VMM_ARENA_FUZZ_MAX_OPS operations of each
+#      (default 16): under Miri an operation with its checks takes ~4 s, so
+#      this part takes about 5 minutes, the whole script about 8.
 #
 #   scripts/miri.sh [lib|replay]     default: both
 #
@@ -35,6 +39,8 @@ export CARGO_TARGET_DIR=${MIRI_TARGET_DIR:-target/miri}
 export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
 # Miri runs ~1000x slower than native: few property-test cases.
 export PROPTEST_CASES=${PROPTEST_CASES:-8}
+export VMM_ARENA_FUZZ_MAX_OPS=${VMM_ARENA_FUZZ_MAX_OPS:-16}
+export VMM_ARENA_FUZZ_MAX_INPUTS=${VMM_ARENA_FUZZ_MAX_INPUTS:-6}
 what=${1:-all}
 
 cargo +nightly miri setup

@@ -6,7 +6,8 @@
 #   valgrind --error-exitcode=1 --leak-check=full
 #
 # Any invalid read or write, use of uninitialised memory, or leaked block
-# (definite or possible) fails the run.
+# (definite or possible) fails the run, but for the suppressions of
+# scripts/valgrind.supp (the PyTorch entry points' process-wide arenas).
 #
 #   scripts/valgrind.sh [PROGRAM...]     default: all of them
 #
@@ -63,7 +64,7 @@ for p in "${programs[@]}"; do
     log=$work/$name.log
     start=$(date +%s)
     if valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite,possible \
-        --track-origins=yes --log-file="$log" "$exe" >"$work/$name.out" 2>&1; then
+        --track-origins=yes --suppressions=scripts/valgrind.supp --log-file="$log" "$exe" >"$work/$name.out" 2>&1; then
         verdict=ok
     else
         verdict=FAILED

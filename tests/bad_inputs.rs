@@ -94,3 +94,34 @@ fn regression_a_chunk_size_that_is_not_a_power_of_two_works() {
     a.read(x, 2 * chunk - 3, &mut out).unwrap();
     assert_eq!(&out, b"end");
 }
+
+/// After a give-back failed (the memory stays pooled above the retain
+/// watermark, as documented), `trim(keep)` with `keep` above the watermark
+/// released down to `keep`, then the watermark released the rest within the
+/// same call, and the bytes returned missed that part (found by the `ops`
+/// fuzz target). `trim` now gives back down to the lower of the two, and
+/// returns all it gave back.
+#[test]
+fn regression_trim_returns_everything_the_call_gave_back() {
+    const C: u64 = 64 << 10;
+    let fd = Arc::new(FaultDriver::new(MockDriver::new(4096, 1 << 40)));
+    let cfg = ArenaConfig {
+        capacity_bytes: 8 * C,
+        reserve_bytes: 16 * C,
+        chunk_bytes: C,
+        retain_bytes: 0,
+        ..Default::default()
+    };
+    let a = Arena::with_driver(fd.clone(), cfg).unwrap();
+    let (x, _) = a.alloc(3 * C).unwrap();
+    fd.fail_nth(Some(CallKind::Release), 1, FaultKind::Driver);
+    a.free(x).unwrap(); // the give-back fails: best effort, the chunks stay pooled
+    let s = a.stats().unwrap();
+    assert_eq!((s.release_failures, s.pooled_bytes), (1, 3 * C));
+    let releases = s.driver_releases;
+    let released = a.trim(C).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(released, (s.driver_releases - releases) * C, "trim returns all it gave back");
+    assert_eq!((released, s.pooled_bytes), (3 * C, 0), "down to the watermark (0), below keep_bytes");
+    assert_eq!(fd.live_chunks(), 0);
+}

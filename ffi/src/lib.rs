@@ -906,12 +906,14 @@ mod fuzz_c_abi;
 mod fuzz_replay {
     use std::path::{Path, PathBuf};
 
-    /// Every input of fuzz/corpus/c_abi (or only `$VMM_ARENA_FUZZ_INPUT`).
+    /// Every input of fuzz/corpus/c_abi, or `$VMM_ARENA_FUZZ_INPUT` (a
+    /// file, e.g. a crash artifact, or a directory, e.g. a scratch corpus).
     fn inputs() -> Vec<PathBuf> {
-        if let Some(one) = std::env::var_os("VMM_ARENA_FUZZ_INPUT") {
-            return vec![one.into()];
-        }
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/c_abi");
+        let dir = match std::env::var_os("VMM_ARENA_FUZZ_INPUT").map(PathBuf::from) {
+            Some(one) if one.is_file() => return vec![one],
+            Some(dir) => dir,
+            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/c_abi"),
+        };
         let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
             .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
             .map(|e| e.unwrap().path())
@@ -932,7 +934,14 @@ mod fuzz_replay {
                 std::panic::resume_unwind(p);
             }
         }
-        println!("replayed {} C ABI inputs", files.len());
+        let by_status: Vec<u64> =
+            super::fuzz_c_abi::STATUSES.iter().map(|c| c.load(std::sync::atomic::Ordering::Relaxed)).collect();
+        println!(
+            "replayed {} C ABI inputs: {} calls checked, by status (OK, INVALID_ARGUMENT, OUT_OF_MEMORY, \
+             OUT_OF_ADDRESS_SPACE, UNKNOWN_ALLOCATION, PINNED, UNSUPPORTED, DRIVER, INTERNAL): {by_status:?}",
+            files.len(),
+            by_status.iter().sum::<u64>()
+        );
     }
 }
 

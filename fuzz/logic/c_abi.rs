@@ -115,6 +115,16 @@ fn last_error() -> String {
     unsafe { CStr::from_ptr(p) }.to_str().expect("last error is UTF-8").to_owned()
 }
 
+/// The calls an input made (not the checks' own), by the status they
+/// returned (for the replay test's report).
+pub static STATUSES: [std::sync::atomic::AtomicU64; 9] = [const { std::sync::atomic::AtomicU64::new(0) }; 9];
+
+fn tally(status: u32) {
+    if let Some(c) = STATUSES.get(status as usize) {
+        c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 fn expect(what: &str, got: u32, allowed: &[u32]) {
     assert!(got != INTERNAL, "{what}: VMM_ARENA_ERR_INTERNAL: {}", last_error());
     assert!(allowed.contains(&got), "{what}: status {got}, expected one of {allowed:?}: {}", last_error());
@@ -589,6 +599,7 @@ impl Harness {
                     ]
                 };
                 for s in all {
+                    tally(s);
                     expect(what, s, &[INVALID]);
                 }
                 // SAFETY: NULL is ignored.
@@ -644,6 +655,7 @@ impl Harness {
                 }
             }
         }
+        tally(status);
         expect(what, status, &allowed);
         self.check(what);
         if let Some((id, t, p)) = self.resized.take() {
@@ -792,6 +804,7 @@ fn run_with(data: &[u8], may_panic: bool) {
             ffi::vmm_arena_create(cfg_ptr, out)
         }
     });
+    tally(status);
     if status != OK {
         expect("create", status, &[INVALID, OOM, UNSUPPORTED]);
         assert_eq!(a, 0xA5A5 as *mut vmm_arena, "create wrote its out-parameter on failure");

@@ -657,7 +657,8 @@ impl Arena {
     }
 
     /// Gives pooled chunks back to the driver until at most `keep_bytes`
-    /// stay pooled; returns the bytes given back.
+    /// (or the retain watermark, if lower) stay pooled; returns the bytes
+    /// given back.
     ///
     /// Unlike every other operation, a driver failure here cannot undo what
     /// was already given back: chunks released before the failure stay
@@ -668,7 +669,13 @@ impl Arena {
     /// moved allocation: then the retired ranges are released first, as by
     /// [`Arena::release_retired`] (so the memory really goes back).
     pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
-        self.run(|inner, ctx, _| trim_pool(&mut inner.st, ctx, keep_bytes))
+        // Down to the retain watermark too, if it is lower: `run` would give
+        // that back right after (pooled memory may exceed the watermark after
+        // a failed give-back), and the bytes returned must count it.
+        self.run(|inner, ctx, _| {
+            let keep = keep_bytes.min(inner.st.retain_bytes);
+            trim_pool(&mut inner.st, ctx, keep)
+        })
     }
 
     /// Installs (or, with `None`, removes) the callback told of every move.

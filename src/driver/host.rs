@@ -310,7 +310,15 @@ mod linux {
             }
             let total = size.checked_add(align).ok_or_else(|| os_error("mmap", libc::ENOMEM))?;
             let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-            let raw = mmap(0, total, libc::PROT_NONE, flags, -1, 0)?;
+            // The arguments are valid (checked above): EINVAL here means the
+            // length is more than the address space can hold (Valgrind says
+            // so where the kernel says ENOMEM), which is out of memory.
+            let raw = mmap(0, total, libc::PROT_NONE, flags, -1, 0).map_err(|e| match e {
+                Error::Driver { code, .. } if code == libc::EINVAL as i64 => {
+                    Error::OutOfMemory(format!("mmap: no address range of {total} bytes"))
+                }
+                e => e,
+            })?;
             let base = raw.div_ceil(align) * align;
             // Trim the alignment slack on both sides; failures here only leak
             // inaccessible address space, never memory.
