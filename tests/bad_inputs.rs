@@ -125,3 +125,42 @@ fn regression_trim_returns_everything_the_call_gave_back() {
     assert_eq!((released, s.pooled_bytes), (3 * C, 0), "down to the watermark (0), below keep_bytes");
     assert_eq!(fd.live_chunks(), 0);
 }
+
+/// The same as above on the path that first releases retired memory to get
+/// back the chunk of a slab held only by retired small objects (the capacity
+/// is used up): it unmapped the retired ranges, then was refused for address
+/// space and rolled back, and a failure during that undo left the books
+/// unlike the driver (found by the `ops` fuzz target). The place is now
+/// found first, so a refusal makes no driver call.
+#[test]
+fn regression_a_refusal_after_reclaiming_retired_slabs_makes_no_driver_call() {
+    const C: u64 = 64 << 10;
+    for n in 1..=4 {
+        let fd = Arc::new(FaultDriver::new(MockDriver::new(4096, 1 << 40)));
+        let cfg = ArenaConfig {
+            capacity_bytes: 5 * C,
+            reserve_bytes: 6 * C,
+            chunk_bytes: C,
+            no_implicit_moves: true,
+            ..Default::default()
+        };
+        let a = Arena::with_driver(fd.clone(), cfg).unwrap();
+        let (x, _) = a.alloc(100).unwrap(); // a slab at page 0
+        a.resize(x, C / 4).unwrap(); // copied into a slab at page 1; page 0 holds only its retired old place
+        let (g, _) = a.alloc_growable(C, C).unwrap(); // page 2
+        let (_b, _) = a.alloc(C).unwrap(); // page 3
+        a.resize(g, 2 * C).unwrap(); // g moves to pages 4..6; page 2 is retired
+        let before = Snap::of(&a).without_driver_counters();
+        assert_eq!((before.stats["mapped_bytes"], before.stats["retired_va_bytes"] >= C), (5 * C, true));
+        fd.fail_nth(None, n, FaultKind::Driver);
+        // One chunk: only the retired slab's can serve it; three pages of
+        // address space: pages 0 and 2 come free, apart. Refused.
+        let e = a.alloc_growable(C, 3 * C).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfAddressSpace, "{e}");
+        assert!(fd.pending(), "the refusal made driver calls");
+        fd.clear();
+        let after = Snap::of(&a);
+        assert_eq!(after.clone().without_driver_counters(), before);
+        assert_eq!(fd.live_mappings() as u64, after.mapped_pages(), "driver mappings vs the books");
+    }
+}

@@ -513,16 +513,23 @@ impl Arena {
             let mut tx = ctx.txn(st);
             let mut evs = Vec::new();
             let moved = (|| {
-                if short {
-                    release_retired_into(&mut sim, &mut tx)?;
-                }
                 if in_place {
+                    if short {
+                        release_retired_into(&mut sim, &mut tx)?;
+                    }
                     return grow_in_place(&mut sim, &mut tx, slot, np, new_size);
                 }
                 let (t, reserved) = match sim.free.best_fit(wanted) {
                     Some(t) => (t, wanted),
                     None => (make_room(&mut sim, &mut tx, np, Some(slot), &mut evs)?, np),
                 };
+                // The chunks of retired small objects' slabs only after the
+                // place is found: `make_room` refuses before any driver call,
+                // and a refusal after these unmaps would need a rollback whose
+                // own calls may fail.
+                if short {
+                    release_retired_into(&mut sim, &mut tx)?;
+                }
                 move_alloc(&mut sim, &mut tx, slot, t, np, reserved, new_size, &mut evs)
             })();
             match moved {
@@ -839,10 +846,13 @@ fn alloc_pages(
     // Several steps: work on a copy that replaces the state only on success.
     let mut sim = st.clone();
     let mut evs = Vec::new();
+    let t = make_room(&mut sim, tx, reserved, None, &mut evs)?;
+    // The chunks of retired small objects' slabs only after the place is
+    // found: `make_room` refuses before any driver call, and a refusal after
+    // these unmaps would need a rollback whose own calls may fail.
     if short {
         release_retired_into(&mut sim, tx)?;
     }
-    let t = make_room(&mut sim, tx, reserved, None, &mut evs)?;
     let mut plan = Plan::new(&sim, &[], t..t + pages, t..t + reserved)?;
     plan.execute(&sim, tx)?;
     plan.apply(&mut sim);
