@@ -759,6 +759,7 @@ fn config(b: &mut Bytes<'_>) -> vmm_arena_config {
 
 /// Runs one input (the replay test's body): everything, including a caught
 /// panic that poisons the arena at the end of some inputs.
+#[allow(dead_code)] // the fuzz target uses `run_fuzzing`
 pub fn run(data: &[u8]) {
     run_with(data, true)
 }
