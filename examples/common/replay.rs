@@ -57,6 +57,11 @@ pub struct RunResult {
     pub mean_live_bytes: f64,
     pub mean_waste_fraction: f64,
     pub final_physical_bytes: u64,
+    /// Seconds from arrival to the last token, mean and 99th percentile.
+    pub mean_latency_s: f64,
+    pub p99_latency_s: f64,
+    /// Seconds from arrival to first admission (queueing), mean.
+    pub mean_queue_s: f64,
     pub bytes_copied: u64,
     pub moves: u64,
     pub calls: Calls,
@@ -100,6 +105,8 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
     let mut r = RunResult { name: mgr.name().to_string(), ..Default::default() };
     let kvpt = cfg.kv_bytes_per_token;
     let mut generated = vec![0u64; requests.len()];
+    let mut admitted_at: Vec<Option<f64>> = vec![None; requests.len()];
+    let mut latencies: Vec<f64> = Vec::with_capacity(requests.len());
     let mut waiting: VecDeque<usize> = VecDeque::new();
     let mut running: Vec<Live> = Vec::new();
     let mut next = 0usize;
@@ -151,6 +158,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
                         }
                     }
                     r.tags_written += stored;
+                    admitted_at[seq].get_or_insert(now);
                     running.push(Live { seq, stored });
                 }
                 Err(f) => {
@@ -201,6 +209,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
                 r.integrity_errors += retire(mgr, &done);
                 freed_gen += 1;
                 r.completed_requests += 1;
+                latencies.push(now + cfg.step_s - requests[seq].arrival_s);
                 progress.fetch_add(1, Relaxed);
             } else {
                 i += 1;
@@ -236,6 +245,16 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
     r.mean_physical_bytes = phys_sum / m;
     r.mean_live_bytes = live_sum / m;
     r.final_physical_bytes = mgr.physical_bytes();
+    if !latencies.is_empty() {
+        latencies.sort_by(f64::total_cmp);
+        r.mean_latency_s = latencies.iter().sum::<f64>() / latencies.len() as f64;
+        r.p99_latency_s = latencies[((latencies.len() - 1) as f64 * 0.99).round() as usize];
+    }
+    let queued: Vec<f64> =
+        admitted_at.iter().zip(requests).filter_map(|(a, q)| a.map(|a| (a - q.arrival_s).max(0.0))).collect();
+    if !queued.is_empty() {
+        r.mean_queue_s = queued.iter().sum::<f64>() / queued.len() as f64;
+    }
     r.peak_physical_bytes = mgr.peak_physical_bytes();
     r.bytes_copied = mgr.bytes_copied();
     r.moves = mgr.moves();

@@ -317,8 +317,13 @@ fn gib(b: f64) -> String {
 }
 
 fn print_table(results: &[RunResult], trace: &Trace) {
-    println!(
-        "{:<19} {:>6} {:>5} {:>7} {:>6} {:>9} {:>9} {:>9} {:>6} {:>9} {:>6} {:>8} {:>8} {:>8} {:>8} {:>5} {:>7}",
+    let row = |c: [&str; 18]| {
+        println!(
+            "{:<19} {:>6} {:>5} {:>7} {:>6} {:>9} {:>9} {:>9} {:>6} {:>8} {:>6} {:>8} {:>8} {:>8} {:>7} {:>7} {:>5} {:>7}",
+            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11], c[12], c[13], c[14], c[15], c[16], c[17]
+        )
+    };
+    row([
         "manager",
         "done",
         "rej",
@@ -332,36 +337,37 @@ fn print_table(results: &[RunResult], trace: &Trace) {
         "moves",
         "creates",
         "maps",
-        "unmaps",
         "model s",
+        "latency",
+        "latency",
         "integ",
-        "wall s"
-    );
-    println!(
-        "{:<19} {:>6} {:>5} {:>7} {:>6} {:>9} {:>9} {:>9} {:>6} {:>9} {:>6} {:>8} {:>8} {:>8} {:>8} {:>5} {:>7}",
-        "", "", "", "", "fails", "GiB", "GiB", "GiB", "mean", "GiB", "", "", "", "", "driver", "errs", ""
-    );
+        "wall s",
+    ]);
+    row([
+        "", "", "", "", "fails", "GiB", "GiB", "GiB", "mean", "GiB", "", "", "", "driver", "mean s", "p99 s", "errs",
+        "",
+    ]);
     for r in results {
-        println!(
-            "{:<19} {:>6} {:>5} {:>7} {:>6} {:>9} {:>9} {:>9} {:>5.1}% {:>9} {:>6} {:>8} {:>8} {:>8} {:>8.2} {:>5} {:>7.1}",
-            r.name,
-            r.completed_requests,
-            r.rejected_requests,
-            r.preemptions,
-            r.fragmentation_failures,
-            gib(r.peak_live_bytes as f64),
-            gib(r.peak_physical_bytes as f64),
-            gib(r.mean_physical_bytes),
-            r.mean_waste_fraction * 100.0,
-            gib(r.bytes_copied as f64),
-            r.moves,
-            r.calls.create,
-            r.calls.map,
-            r.calls.unmap,
-            r.calls.modeled_seconds(),
-            r.integrity_errors,
-            r.wall_seconds
-        );
+        row([
+            &r.name,
+            &r.completed_requests.to_string(),
+            &r.rejected_requests.to_string(),
+            &r.preemptions.to_string(),
+            &r.fragmentation_failures.to_string(),
+            &gib(r.peak_live_bytes as f64),
+            &gib(r.peak_physical_bytes as f64),
+            &gib(r.mean_physical_bytes),
+            &format!("{:.1}%", r.mean_waste_fraction * 100.0),
+            &gib(r.bytes_copied as f64),
+            &r.moves.to_string(),
+            &r.calls.create.to_string(),
+            &r.calls.map.to_string(),
+            &format!("{:.2}", r.calls.modeled_seconds()),
+            &format!("{:.1}", r.mean_latency_s),
+            &format!("{:.1}", r.p99_latency_s),
+            &r.integrity_errors.to_string(),
+            &format!("{:.1}", r.wall_seconds),
+        ]);
     }
     let n = trace.requests.len();
     println!(
@@ -370,6 +376,7 @@ fn print_table(results: &[RunResult], trace: &Trace) {
     println!(
         "  failed although free device memory covered them; waste = mean over steps of (physical - live) / physical;"
     );
+    println!("  latency = simulated seconds from arrival to the last token (queueing and recomputation included);");
     println!(
         "  model s = driver calls x the A100 cost table (create 193 us, set_access 36 us, unmap 25.6 us, map 1.45 us)."
     );
@@ -444,6 +451,7 @@ fn to_json(results: &[RunResult], trace: &Trace, o: &Opts, shape: &KvShape, mode
              \"modeled_driver_seconds\": {}, \"integrity_errors\": {}, \"wall_seconds\": {}, \
              \"rejected_requests\": {}, \"admission_failures\": {}, \"growth_failures\": {}, \
              \"host_limit_failures\": {}, \"create_failed\": {}, \
+             \"mean_latency_s\": {}, \"p99_latency_s\": {}, \"mean_queue_s\": {}, \
              \"mean_physical_bytes\": {}, \"mean_live_bytes\": {}, \"final_physical_bytes\": {}, \
              \"tags_written\": {}, \"steps\": {}, \"simulated_seconds\": {}, \"first_fragmentation_failure\": {}, \
              \"aborted\": {}",
@@ -473,6 +481,9 @@ fn to_json(results: &[RunResult], trace: &Trace, o: &Opts, shape: &KvShape, mode
             r.growth_failures,
             r.host_limit_failures,
             c.create_failed,
+            json_f64(r.mean_latency_s),
+            json_f64(r.p99_latency_s),
+            json_f64(r.mean_queue_s),
             json_f64(r.mean_physical_bytes),
             json_f64(r.mean_live_bytes),
             r.final_physical_bytes,
@@ -642,6 +653,9 @@ fn encode(r: &RunResult) -> Vec<(String, String)> {
         ("mean_live_bytes".into(), r.mean_live_bytes.to_string()),
         ("mean_waste_fraction".into(), r.mean_waste_fraction.to_string()),
         ("final_physical_bytes".into(), r.final_physical_bytes.to_string()),
+        ("mean_latency_s".into(), r.mean_latency_s.to_string()),
+        ("p99_latency_s".into(), r.p99_latency_s.to_string()),
+        ("mean_queue_s".into(), r.mean_queue_s.to_string()),
         ("bytes_copied".into(), r.bytes_copied.to_string()),
         ("moves".into(), r.moves.to_string()),
         ("integrity_errors".into(), r.integrity_errors.to_string()),
@@ -695,6 +709,9 @@ fn decode(name: &str, fields: &[(String, String)]) -> RunResult {
             "mean_live_bytes" => r.mean_live_bytes = f(),
             "mean_waste_fraction" => r.mean_waste_fraction = f(),
             "final_physical_bytes" => r.final_physical_bytes = u(),
+            "mean_latency_s" => r.mean_latency_s = f(),
+            "p99_latency_s" => r.p99_latency_s = f(),
+            "mean_queue_s" => r.mean_queue_s = f(),
             "bytes_copied" => r.bytes_copied = u(),
             "moves" => r.moves = u(),
             "integrity_errors" => r.integrity_errors = u(),
