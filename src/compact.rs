@@ -79,35 +79,126 @@ pub(crate) fn plan_window(st: &State, n: u64, immovable: impl Fn(u32) -> bool) -
     scored.sort_by_key(|c| (c.moved_pages, c.start));
 
     for c in scored.iter().take(MAX_SIMULATED) {
-        let (w0, w1) = (c.start, c.start + n);
-        let mut outside: FreeRanges = st.free.clone();
-        let first = segs.partition_point(|&(s, l, _)| s + l <= w0);
-        let mut occupants = Vec::new();
-        for &(s, l, kind) in segs[first..].iter().take_while(|&&(s, _, _)| s < w1) {
-            match kind {
-                Segment::Free => {
-                    let (a, b) = (s.max(w0), (s + l).min(w1));
-                    outside.remove(a, b - a);
-                }
-                Segment::Alloc(slot) => occupants.push((l, slot)),
-                Segment::Retired => unreachable!("filtered above"),
-            }
-        }
-        occupants.sort_by(|a, b| b.cmp(a));
-        let mut moves = Vec::with_capacity(occupants.len());
-        let placed = occupants.iter().all(|&(len, slot)| match outside.best_fit(len) {
-            Some(t) => {
-                outside.remove(t, len);
-                moves.push((slot, t));
-                true
-            }
-            None => false,
-        });
-        if placed {
-            return Some(WindowPlan { window: (w0, w1), moves, moved_pages: c.moved_pages });
+        if let Some(moves) = evacuate(st, &segs, c.start, c.start + n, &immovable) {
+            return Some(WindowPlan { window: (c.start, c.start + n), moves, moved_pages: c.moved_pages });
         }
     }
     None
+}
+
+/// Plans moving every allocation in pages `w0..w1` to free space outside
+/// them, so that the range becomes free (once the moves' old ranges are
+/// released). `None` if a retired range or an immovable allocation lies
+/// there, or if the occupants do not fit elsewhere.
+pub(crate) fn plan_evacuation(
+    st: &State,
+    w0: u64,
+    w1: u64,
+    immovable: impl Fn(u32) -> bool,
+) -> Option<Vec<(u32, u64)>> {
+    evacuate(st, &st.segments(), w0, w1, &immovable)
+}
+
+fn evacuate(
+    st: &State,
+    segs: &[(u64, u64, Segment)],
+    w0: u64,
+    w1: u64,
+    immovable: &impl Fn(u32) -> bool,
+) -> Option<Vec<(u32, u64)>> {
+    let mut outside: FreeRanges = st.free.clone();
+    let first = segs.partition_point(|&(s, l, _)| s + l <= w0);
+    let mut occupants = Vec::new();
+    for &(s, l, kind) in segs[first..].iter().take_while(|&&(s, _, _)| s < w1) {
+        match kind {
+            Segment::Free => {
+                let (a, b) = (s.max(w0), (s + l).min(w1));
+                outside.remove(a, b - a);
+            }
+            Segment::Alloc(slot) if !immovable(slot) => occupants.push((l, slot)),
+            Segment::Alloc(_) | Segment::Retired => return None,
+        }
+    }
+    occupants.sort_by(|a, b| b.cmp(a));
+    pack(&outside, &occupants)
+}
+
+/// Occupants at most for which packing falls back to an exact search when
+/// best fit fails (bin packing is NP-hard; with few items it is cheap).
+const EXACT_MAX_OCCUPANTS: usize = 8;
+/// Search steps at most of the exact packing.
+const EXACT_BUDGET: u32 = 100_000;
+
+/// Places `occupants` (reserved pages, slot; largest first) into the free
+/// ranges `outside`: best fit, largest first; if that fails and there are
+/// few occupants, an exact search. Returns (slot, destination page).
+fn pack(outside: &FreeRanges, occupants: &[(u64, u32)]) -> Option<Vec<(u32, u64)>> {
+    let mut left = outside.clone();
+    let mut moves = Vec::with_capacity(occupants.len());
+    let best_fit = occupants.iter().all(|&(len, slot)| match left.best_fit(len) {
+        Some(t) => {
+            left.remove(t, len);
+            moves.push((slot, t));
+            true
+        }
+        None => false,
+    });
+    if best_fit {
+        return Some(moves);
+    }
+    if occupants.len() > EXACT_MAX_OCCUPANTS {
+        return None;
+    }
+    let smallest = occupants.iter().map(|&(l, _)| l).min().unwrap_or(0);
+    let bins: Vec<(u64, u64)> = outside.iter().filter(|&(_, l)| l >= smallest).collect();
+    let mut fill = vec![0u64; bins.len()];
+    let mut choice = vec![0usize; occupants.len()];
+    let mut budget = EXACT_BUDGET;
+    if !place(0, occupants, &bins, &mut fill, &mut choice, &mut budget) {
+        return None;
+    }
+    let mut next = bins.iter().map(|&(s, _)| s).collect::<Vec<_>>();
+    let moves = occupants
+        .iter()
+        .zip(&choice)
+        .map(|(&(len, slot), &b)| {
+            next[b] += len;
+            (slot, next[b] - len)
+        })
+        .collect();
+    Some(moves)
+}
+
+/// Depth-first search for bins (free ranges) that hold occupants `i..`.
+/// Bins of equal remaining room are interchangeable: only one is tried.
+fn place(
+    i: usize,
+    occupants: &[(u64, u32)],
+    bins: &[(u64, u64)],
+    fill: &mut [u64],
+    choice: &mut [usize],
+    budget: &mut u32,
+) -> bool {
+    let Some(&(len, _)) = occupants.get(i) else { return true };
+    if *budget == 0 {
+        return false;
+    }
+    *budget -= 1;
+    let mut tried: Vec<u64> = Vec::new();
+    for b in 0..bins.len() {
+        let room = bins[b].1 - fill[b];
+        if room < len || tried.contains(&room) {
+            continue;
+        }
+        tried.push(room);
+        fill[b] += len;
+        choice[i] = b;
+        if place(i + 1, occupants, bins, fill, choice, budget) {
+            return true;
+        }
+        fill[b] -= len;
+    }
+    false
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@
 use std::cell::RefCell;
 
 use crate::compact;
-use crate::driver::{Driver, Granularity};
+use crate::driver::{ChunkHandle, Driver, Granularity};
 use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::Id;
@@ -128,7 +128,10 @@ pub struct Stats {
 /// What [`Arena::compact`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CompactReport {
+    /// Allocations that moved, as callers know them: every object of a
+    /// moved slab counts (each gets a move event and counts in `moves`).
     pub moved_allocations: u64,
+    /// Physical bytes remapped to a new address.
     pub moved_bytes: u64,
     pub largest_free_va_before: u64,
     pub largest_free_va_after: u64,
@@ -442,8 +445,18 @@ impl Arena {
                     st.remove_alloc(slot);
                 }
                 Target::Small(ss) => {
-                    if let Some(empty_slab) = st.small.release(ss) {
-                        st.remove_alloc(empty_slab);
+                    let SmallEntry::InSlab { slab, .. } = *st.small.entry_of(ss) else {
+                        unreachable!("resolve gives Small only for objects in slabs")
+                    };
+                    match st.small.release(ss) {
+                        Some(empty_slab) => st.remove_alloc(empty_slab),
+                        // Freeing a pinned object unpins it: the slab stays
+                        // pinned only while another object in it is.
+                        None => {
+                            let s = st.small.slab(slab);
+                            let (slab_slot, pinned) = (s.alloc_slot, s.pinned > 0);
+                            st.alloc_mut(slab_slot).pinned = pinned;
+                        }
                     }
                     st.small.drop_slot(ss);
                 }
@@ -477,8 +490,13 @@ impl Arena {
                 st.alloc_mut(slot).size = new_size;
                 return Ok(st.addr(a.start));
             }
-            let extend_in_place = np > a.reserved && st.free.contains(a.start + a.reserved, np - a.reserved);
-            if np > a.reserved && !extend_in_place && a.pinned {
+            // A growable allocation that outgrew its reservation gets twice
+            // the room when it moves, so repeated growth stays cheap.
+            let wanted = if a.growable { np.max(a.reserved.saturating_mul(2)).min(st.pages) } else { np };
+            let tail = (a.start + a.reserved, np.saturating_sub(a.reserved));
+            let extend_in_place = np > a.reserved && st.free.contains(tail.0, tail.1);
+            let via = if np > a.reserved && !extend_in_place { in_place_route(st, slot, tail, wanted) } else { None };
+            if np > a.reserved && !extend_in_place && via.is_none() && a.pinned {
                 return Err(Error::Pinned(id.get()));
             }
             // Chunks held only by retired small objects come back when the
@@ -491,8 +509,7 @@ impl Arena {
                     st.obtainable_pages()
                 )));
             }
-            let in_place = np <= a.reserved || extend_in_place;
-            if in_place && !short {
+            if (np <= a.reserved || extend_in_place) && !short {
                 let mut tx = ctx.txn(st);
                 return match grow_in_place(st, &mut tx, slot, np, new_size) {
                     Ok(()) => {
@@ -505,17 +522,30 @@ impl Arena {
                     }
                 };
             }
-            // Move by remapping (or grow after releasing retired memory).
-            // A growable allocation that outgrew its reservation gets twice
-            // the room, so repeated growth stays cheap.
-            let wanted = if a.growable { np.max(a.reserved.saturating_mul(2)).min(st.pages) } else { np };
+            let in_place = np <= a.reserved || extend_in_place || via.is_some();
+            // Several steps (releases, moves of neighbours or of the
+            // allocation itself): on a copy that replaces the state only
+            // if every driver call succeeded.
             let mut sim = st.clone();
             let mut tx = ctx.txn(st);
             let mut evs = Vec::new();
             let moved = (|| {
                 if in_place {
-                    if short {
-                        release_retired_into(&mut sim, &mut tx)?;
+                    match via {
+                        Some(InPlace::Release) => release_retired_into(&mut sim, &mut tx)?,
+                        Some(InPlace::Evacuate(moves)) => {
+                            // Planned on the books after the release, which
+                            // are `sim`'s once it is done.
+                            release_retired_into(&mut sim, &mut tx)?;
+                            for (other, dest) in moves {
+                                let o = sim.alloc(other).clone();
+                                move_alloc(&mut sim, &mut tx, other, dest, o.backed, o.reserved, o.size, &mut evs)?;
+                            }
+                            // The neighbours' old ranges are the pages to grow into.
+                            release_retired_into(&mut sim, &mut tx)?;
+                        }
+                        None if short => release_retired_into(&mut sim, &mut tx)?,
+                        None => {}
                     }
                     return grow_in_place(&mut sim, &mut tx, slot, np, new_size);
                 }
@@ -672,9 +702,12 @@ impl Arena {
     /// released (and are counted), the rest stay pooled, and the error is
     /// returned. Nothing is leaked either way.
     ///
-    /// A chunk to be given back may still be mapped at the old address of a
-    /// moved allocation: then the retired ranges are released first, as by
-    /// [`Arena::release_retired`] (so the memory really goes back).
+    /// A chunk to be given back may still be mapped at retired pages (the
+    /// old range of an allocation that moved and was then freed or shrunk):
+    /// those pages are unmapped first, so the memory really goes back. No
+    /// other retired page is: a live allocation's old address stays valid
+    /// (for its current size) until [`Arena::release_retired`], and the bytes
+    /// returned never exceed what was pooled.
     pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
         // Down to the retain watermark too, if it is lower: `run` would give
         // that back right after (pooled memory may exceed the watermark after
@@ -783,6 +816,50 @@ impl Arena {
         let addr = self.span(&inner.st, id, offset, out.len())?;
         self.driver.read(addr, out)
     }
+}
+
+/// How an allocation can grow in place beyond its reservation when the
+/// pages after it are not free.
+enum InPlace {
+    /// They are retired: release the retired ranges, then grow.
+    Release,
+    /// They hold unpinned allocations that fit elsewhere: move them
+    /// (slot, destination page, planned on the books after the release of
+    /// retired ranges), release, then grow.
+    Evacuate(Vec<(u32, u64)>),
+}
+
+/// Whether `slot` can grow in place into `tail` (start page, pages) after
+/// releasing retired ranges or moving its neighbours; `wanted` is the
+/// reservation it would get by moving instead.
+///
+/// In place is preferred to moving the allocation itself: its address
+/// stays, and the arena releases retired ranges when it needs their
+/// address space anyway. Neighbours move for it only when it is pinned or
+/// when no free range could take it (and never with `no_implicit_moves`).
+fn in_place_route(st: &State, slot: u32, tail: (u64, u64), wanted: u64) -> Option<InPlace> {
+    let (t0, n) = tail;
+    if t0.checked_add(n).map_or(true, |end| end > st.pages) {
+        return None;
+    }
+    let released_books;
+    let released = if st.retired.is_empty() && st.small.nothing_retired() {
+        st
+    } else {
+        let mut r = st.clone();
+        forget_retired(&mut r);
+        released_books = r;
+        &released_books
+    };
+    if released.free.contains(t0, n) {
+        // (Never with nothing retired: the caller found the pages not free.)
+        return Some(InPlace::Release);
+    }
+    if st.no_implicit_moves || (!st.alloc(slot).pinned && st.free.best_fit(wanted).is_some()) {
+        return None;
+    }
+    compact::plan_evacuation(released, t0, t0 + n, |other| other == slot || released.alloc(other).pinned)
+        .map(InPlace::Evacuate)
 }
 
 /// Grows `slot` to `np` pages within its reservation, or into the free
@@ -1176,7 +1253,8 @@ fn plan_passes(st: &State, immovable: impl Fn(&State, u32) -> bool) -> (Vec<Vec<
 }
 
 /// Performs planned compaction passes: the moves of each pass, then the
-/// release of the ranges they retired. Returns (allocations, bytes) moved.
+/// release of the ranges they retired. Returns the allocations moved (as
+/// callers count them: each object of a moved slab) and the bytes remapped.
 fn run_passes(
     sim: &mut State,
     tx: &mut Txn<'_>,
@@ -1187,8 +1265,12 @@ fn run_passes(
     for pass in passes {
         for (slot, dest) in pass {
             let a = sim.alloc(slot).clone();
+            // Allocations, as callers know them: a slab's move moves each
+            // of its objects (one event each), and none if it holds only
+            // retired ones.
+            let events_before = evs.len();
             move_alloc(sim, tx, slot, dest, a.backed, a.reserved, a.size, evs)?;
-            moved += 1;
+            moved += (evs.len() - events_before) as u64;
             bytes += a.backed * sim.chunk;
         }
         release_retired_into(sim, tx)?;
@@ -1227,6 +1309,15 @@ fn forget_retired(st: &mut State) {
 }
 
 /// Gives pooled chunks back until at most `keep_bytes` stay pooled.
+///
+/// A chunk about to be given back may still be mapped at retired pages
+/// (the old range of an allocation that moved and was then freed or
+/// shrunk). Its memory would outlive the release, so those pages are
+/// unmapped first — only those: a pooled chunk backs no live allocation,
+/// so no live allocation's old address loses a byte below its size, and
+/// every other retired page (and retired small object) stays valid until
+/// `release_retired`. Hence the bytes given back never exceed what was
+/// pooled when the call began.
 fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     let keep = keep_bytes / st.chunk;
     let pooled = st.pooled_pages();
@@ -1234,57 +1325,39 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
         return Ok(0);
     }
     let k = (pooled - keep) as usize;
-    let mut released = 0u64;
-    // A chunk about to be given back may still be mapped at the retired
-    // (old) address of a moved allocation. Its memory would outlive the
-    // release, and a later rollback could not map it back there: release
-    // the retired ranges first (undoable until committed, like any unmap).
-    let from_pool = k.min(st.pool.len());
-    let mut doomed: std::collections::HashSet<_> = st.pool.iter().rev().take(from_pool).copied().collect();
-    doomed.extend(st.cached.iter().rev().take(k - from_pool).filter_map(|&p| st.mapped[p as usize]));
-    let retired_hold = st
+    // Unmapped pooled chunks first (giving them back needs no unmap of
+    // theirs), then cached chunks, highest addresses first.
+    let from_pool: Vec<ChunkHandle> = st.pool.iter().rev().take(k).copied().collect();
+    let mut cached_pages: Vec<u64> = st.cached.iter().rev().take(k - from_pool.len()).copied().collect();
+    cached_pages.sort_unstable();
+    let cached_chunks: Vec<ChunkHandle> =
+        cached_pages.iter().map(|&p| st.mapped[p as usize].expect("cached page is mapped")).collect();
+    let doomed: std::collections::HashSet<ChunkHandle> = from_pool.iter().chain(&cached_chunks).copied().collect();
+    let retired_pages: Vec<u64> = st
         .retired
         .iter()
-        .any(|(&s, &l)| (s..s + l).any(|p| st.mapped[p as usize].is_some_and(|h| doomed.contains(&h))));
-    if retired_hold {
-        let mut tx = ctx.txn(st);
-        if let Err(e) = release_retired_into(st, &mut tx) {
-            tx.rollback();
-            return Err(e);
-        }
-        tx.commit();
-    }
-    // Releasing retired ranges may have emptied slabs, adding to the pool.
-    let mut k = st.pooled_pages().saturating_sub(keep) as usize;
-    // Unmapped pooled chunks first: giving them back needs no unmap.
-    while k > 0 {
-        let Some(&h) = st.pool.last() else { break };
-        txn::release(ctx.drv, ctx.counts, h)?;
-        st.pool.pop();
-        released += st.chunk;
-        k -= 1;
-    }
-    if k == 0 {
-        return Ok(released);
-    }
-    // Then cached chunks, highest addresses first: unmap (undoable), then release.
-    let mut pages: Vec<u64> = st.cached.iter().rev().take(k).copied().collect();
-    pages.sort_unstable();
+        .flat_map(|(&s, &l)| s..s + l)
+        .filter(|&p| st.mapped[p as usize].is_some_and(|h| doomed.contains(&h)))
+        .collect();
+    // Every unmap first, in one transaction (undoable until committed).
     let mut tx = ctx.txn(st);
-    let mut chunks = Vec::with_capacity(pages.len());
-    for run in state::runs(&pages) {
-        let hs: Vec<_> = run.clone().map(|p| st.mapped[p as usize].expect("cached page is mapped")).collect();
-        if let Err(e) = tx.unmap(run.start, hs.clone()) {
+    for run in state::runs(&retired_pages).into_iter().chain(state::runs(&cached_pages)) {
+        let hs: Vec<_> = run.clone().map(|p| st.mapped[p as usize].expect("page is mapped")).collect();
+        if let Err(e) = tx.unmap(run.start, hs) {
             tx.rollback();
             return Err(e);
         }
-        chunks.extend(hs);
     }
     tx.commit();
-    for &p in &pages {
+    forget_retired_pages(st, &retired_pages);
+    for &p in &cached_pages {
         st.cached.remove(&p);
         st.mapped[p as usize] = None;
     }
+    st.pool.truncate(st.pool.len() - from_pool.len());
+    // Then the releases, which cannot be undone: a failure keeps the rest pooled.
+    let chunks: Vec<ChunkHandle> = from_pool.into_iter().chain(cached_chunks).collect();
+    let mut released = 0u64;
     for (i, &h) in chunks.iter().enumerate() {
         if let Err(e) = txn::release(ctx.drv, ctx.counts, h) {
             st.pool.extend_from_slice(&chunks[i..]);
@@ -1293,6 +1366,25 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
         released += st.chunk;
     }
     Ok(released)
+}
+
+/// The bookkeeping of unmapping some pages of retired ranges (sorted):
+/// they become free, and the ranges around them stay retired.
+fn forget_retired_pages(st: &mut State, pages: &[u64]) {
+    for &p in pages {
+        let (&s, &l) = st.retired.range(..=p).next_back().expect("page lies in a retired range");
+        debug_assert!(p < s + l, "page {p} outside the retired range {s}+{l}");
+        st.retired.remove(&s);
+        if p > s {
+            st.retired.insert(s, p - s);
+        }
+        if p + 1 < s + l {
+            st.retired.insert(p + 1, s + l - p - 1);
+        }
+        st.retired_pages -= 1;
+        st.mapped[p as usize] = None;
+        st.free.insert(p, 1);
+    }
 }
 
 /// After an operation (a free, a shrink, a release of retired ranges that

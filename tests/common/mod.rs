@@ -321,6 +321,18 @@ impl Snap {
             .collect()
     }
 
+    /// Whether retired ranges cover `addr..addr + bytes` (several adjacent
+    /// ones may: `trim` unmaps single retired pages).
+    pub fn retired_covers(&self, addr: u64, bytes: u64) -> bool {
+        let mut at = addr;
+        for r in self.ranges.iter().filter(|r| r.kind == Kind::Retired) {
+            if r.addr <= at && at < r.addr + r.bytes {
+                at = r.addr + r.bytes;
+            }
+        }
+        at >= addr + bytes
+    }
+
     /// Pages that hold a mapping: backing pages, cached pooled chunks, retired ranges.
     pub fn mapped_pages(&self) -> u64 {
         self.ranges
@@ -412,33 +424,108 @@ pub fn stats_sans_driver(s: Stats) -> Stats {
 
 // ---------------------------------------------------------------- window condition
 
-/// The planner's sufficient condition (see `src/compact.rs`): some window of
-/// `n` pages intersects no immovable allocation, and the reservations of the
-/// allocations it intersects fit together into the largest free range
-/// outside it. `free` are the free ranges (retired ones already released),
-/// `live` the allocations as (start, pages, immovable).
-pub fn window_exists(total_pages: u64, n: u64, free: &[(u64, u64)], live: &[(u64, u64, bool)]) -> bool {
-    if n == 0 || n > total_pages {
+/// Occupants at most of a window whose evacuation the oracle decides
+/// exactly (the planner's exact packing goes as far; beyond, it packs by
+/// best fit, which may fail where an arrangement exists, and the oracle
+/// then claims nothing).
+pub const EXACT_OCCUPANTS: usize = 8;
+
+/// Brute-force oracle: whether every allocation in pages `w0..w1` can move
+/// into free pages outside them. `free` are free ranges (retired ones
+/// already released), `live` the allocations as (start, pages, immovable).
+/// Decided by a search over subsets, bin (free piece) by bin — independent
+/// of the planner's search. A window with more than [`EXACT_OCCUPANTS`]
+/// occupants counts as not evacuable.
+pub fn evacuable(w0: u64, w1: u64, free: &[(u64, u64)], live: &[(u64, u64, bool)]) -> bool {
+    let inside: Vec<_> = live.iter().filter(|&&(s, l, _)| s < w1 && s + l > w0).collect();
+    if inside.iter().any(|&&(_, _, imm)| imm) || inside.len() > EXACT_OCCUPANTS {
         return false;
     }
-    for w0 in 0..=total_pages - n {
-        let w1 = w0 + n;
-        let inside: Vec<_> = live.iter().filter(|&&(s, l, _)| s < w1 && s + l > w0).collect();
-        if inside.iter().any(|&&(_, _, imm)| imm) {
-            continue;
-        }
-        let need: u64 = inside.iter().map(|&&(_, l, _)| l).sum();
-        let largest_outside = free
-            .iter()
-            .flat_map(|&(s, l)| [(s, (s + l).min(w0)), (s.max(w1), s + l)])
-            .map(|(a, b)| b.saturating_sub(a))
-            .max()
-            .unwrap_or(0);
-        if need <= largest_outside {
-            return true;
+    let sizes: Vec<u64> = inside.iter().map(|&&(_, l, _)| l).collect();
+    let bins: Vec<u64> = free
+        .iter()
+        .flat_map(|&(s, l)| [(s, (s + l).min(w0)), (s.max(w1), s + l)])
+        .map(|(a, b)| b.saturating_sub(a))
+        .filter(|&l| l > 0)
+        .collect();
+    let all = (1usize << sizes.len()) - 1;
+    let weight = |set: usize| (0..sizes.len()).filter(|i| set >> i & 1 == 1).map(|i| sizes[i]).sum::<u64>();
+    // Sets of occupants placed so far, after each bin.
+    let mut placed = vec![false; all + 1];
+    placed[0] = true;
+    for &room in &bins {
+        let before = placed.clone();
+        for (done, _) in before.iter().enumerate().filter(|&(_, &ok)| ok) {
+            let rest = all & !done;
+            // Every subset of the rest that fits this bin.
+            let mut sub = rest;
+            loop {
+                if weight(sub) <= room {
+                    placed[done | sub] = true;
+                }
+                if sub == 0 {
+                    break;
+                }
+                sub = (sub - 1) & rest;
+            }
         }
     }
-    false
+    placed[all]
+}
+
+/// Window starts the planner considers for `n` pages: those where a window
+/// starts or ends at a boundary between segments (free ranges and
+/// allocations). The guarantee (DESIGN.md, "Compaction") covers these.
+pub fn boundary_windows(total_pages: u64, n: u64, free: &[(u64, u64)], live: &[(u64, u64, bool)]) -> Vec<u64> {
+    let mut starts: Vec<u64> = free
+        .iter()
+        .map(|&(s, l)| (s, l))
+        .chain(live.iter().map(|&(s, l, _)| (s, l)))
+        .flat_map(|(s, l)| [s, s + l])
+        .flat_map(|b| [Some(b), b.checked_sub(n)])
+        .flatten()
+        .filter(|&w0| n > 0 && w0 + n <= total_pages)
+        .collect();
+    starts.sort_unstable();
+    starts.dedup();
+    starts
+}
+
+/// Whether some window of `n` pages the planner considers can be evacuated
+/// (see [`evacuable`] and [`boundary_windows`]).
+pub fn evacuation_exists(total_pages: u64, n: u64, free: &[(u64, u64)], live: &[(u64, u64, bool)]) -> bool {
+    boundary_windows(total_pages, n, free, live).into_iter().any(|w0| evacuable(w0, w0 + n, free, live))
+}
+
+/// What the contract lets a resize of an allocation of whole chunks (start
+/// page, reserved pages) to `np` pages do, judged from the snapshot before it.
+#[derive(Clone, Copy, Debug)]
+pub struct Growth {
+    /// It fits its reservation, or the pages after it are free once retired
+    /// ranges are released: it grows in place and nothing else moves.
+    pub stays: bool,
+    /// Unpinned neighbours after it can move away so that it grows in place.
+    pub evacuable_tail: bool,
+}
+
+impl Growth {
+    pub fn of(snap: &Snap, id: u64, start: u64, res: u64, np: u64, total: u64, no_implicit_moves: bool) -> Growth {
+        let free = snap.free_after_release();
+        let tail = (start + res, np.saturating_sub(res));
+        let stays = np <= res || free.iter().any(|&(s, l)| s <= tail.0 && tail.0 + tail.1 <= s + l);
+        let live: Vec<(u64, u64, bool)> =
+            snap.live_pages().into_iter().map(|(other, s, l, pinned)| (s, l, pinned || other == id)).collect();
+        let evacuable_tail = !stays
+            && !no_implicit_moves
+            && tail.0 + tail.1 <= total
+            && evacuable(tail.0, tail.0 + tail.1, &free, &live);
+        Growth { stays, evacuable_tail }
+    }
+
+    /// The allocation itself has to move (a pinned one: PINNED).
+    pub fn must_move(&self) -> bool {
+        !self.stays && !self.evacuable_tail
+    }
 }
 
 // ---------------------------------------------------------------- stamps
@@ -505,6 +592,22 @@ impl Stamps {
             arena.read(id, *off, out).unwrap_or_else(|e| panic!("{what}: read of {id} at {off}: {e}"));
             assert_eq!(out, &bytes[..], "{what}: allocation {id} lost its bytes at offset {off}");
         }
+    }
+
+    /// Reads the stamps lying wholly below `limit` through the raw address
+    /// `ptr` (host backend only).
+    ///
+    /// # Safety
+    /// `ptr..ptr + limit` must be mapped, readable memory of a host arena
+    /// that no other thread changes during the call.
+    pub unsafe fn verify_raw_below(&self, ptr: u64, limit: u64, what: &str) {
+        let below = Stamps {
+            seed: self.seed,
+            marks: self.marks.iter().filter(|(o, b)| o + b.len() as u64 <= limit).cloned().collect(),
+        };
+        // SAFETY: every remaining stamp lies below `limit`, inside the range
+        // the caller guarantees.
+        unsafe { below.verify_raw(ptr, what) }
     }
 
     /// Reads every stamp through the raw address (host backend only).
