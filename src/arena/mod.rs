@@ -89,9 +89,12 @@ pub struct Stats {
     pub live_allocations: u64,
     /// Sum of the sizes callers asked for.
     pub live_bytes: u64,
-    /// Physical bytes backing live allocations.
+    /// Physical bytes backing live allocations (each chunk once: a slab's
+    /// chunk counts while one of its objects is live).
     pub mapped_bytes: u64,
-    /// Physical bytes held but backing no live allocation.
+    /// Physical bytes held but backing no live allocation: cached and
+    /// unmapped pooled chunks, and slabs that hold only retired objects
+    /// (until retired memory is released, when they join the pool).
     pub pooled_bytes: u64,
     /// High-water mark of `mapped_bytes + pooled_bytes`.
     pub peak_physical_bytes: u64,
@@ -736,11 +739,15 @@ impl Arena {
         let st = &inner.st;
         let c = st.chunk;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        // Slabs holding only retired objects back no live allocation: their
+        // chunks are held memory, pooled (they return to the pool when
+        // retired memory is released).
+        let idle_slabs = st.small.reclaimable_slabs();
         Stats {
             live_allocations: st.live_count + st.small.live,
             live_bytes: st.live_bytes + st.small.live_bytes,
-            mapped_bytes: st.backed_pages * c,
-            pooled_bytes: st.pooled_pages() * c,
+            mapped_bytes: (st.backed_pages - idle_slabs) * c,
+            pooled_bytes: (st.pooled_pages() + idle_slabs) * c,
             peak_physical_bytes: st.peak_held_pages.max(st.held_pages()) * c,
             capacity_bytes: st.cap_pages * c,
             reserved_va_bytes: st.pages * c,

@@ -90,7 +90,10 @@ pub(crate) struct Slab {
     /// Small-table slot of the allocation at each index.
     pub members: Vec<Option<u32>>,
     free: Vec<u32>,
+    /// Objects taken: live ones and retired ones.
     pub used: u32,
+    /// Of `used`, the retired ones (old places of copy-resized objects).
+    pub retired: u32,
     pub pinned: u32,
 }
 
@@ -161,6 +164,7 @@ impl SmallTable {
             members: vec![None; n as usize],
             free: (0..n).rev().collect(),
             used: 0,
+            retired: 0,
             pinned: 0,
         };
         let idx = match self.free_slabs.pop() {
@@ -279,7 +283,9 @@ impl SmallTable {
         };
         debug_assert!(!pinned, "a pinned object never moves");
         let class = self.slab(slab).class;
-        self.slab_mut(slab).members[index as usize] = None;
+        let s = self.slab_mut(slab);
+        s.members[index as usize] = None;
+        s.retired += 1;
         self.retired.push((slab, index));
         self.retired_bytes += self.classes.size(class);
         self.live -= 1;
@@ -288,11 +294,12 @@ impl SmallTable {
 
     /// Slabs holding only retired objects: releasing retired memory gives
     /// their chunks back to the pool.
+    /// They back no live allocation (the stats count them as pooled).
     pub fn reclaimable_slabs(&self) -> u64 {
         if self.retired.is_empty() {
             return 0;
         }
-        self.slabs.iter().flatten().filter(|s| s.members.iter().all(Option::is_none)).count() as u64
+        self.slabs.iter().flatten().filter(|s| s.used == s.retired).count() as u64
     }
 
     /// Whether no object is retired.
@@ -305,7 +312,13 @@ impl SmallTable {
     pub fn release_retired(&mut self) -> Vec<u32> {
         let retired = std::mem::take(&mut self.retired);
         self.retired_bytes = 0;
-        retired.into_iter().filter_map(|(slab, index)| self.free_object(slab, index)).collect()
+        retired
+            .into_iter()
+            .filter_map(|(slab, index)| {
+                self.slab_mut(slab).retired -= 1;
+                self.free_object(slab, index)
+            })
+            .collect()
     }
 
     /// Moves the object of `tmp` (a fresh slot) under the identity of `slot`
