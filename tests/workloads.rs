@@ -9,8 +9,9 @@ mod common;
 use std::sync::atomic::AtomicU64;
 
 use common::caching::CachingAllocator;
-use common::managers::{self, new_device, ArenaOptions, KvShape, Layout, ALL_MANAGERS};
+use common::managers::{self, new_device, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
 use common::replay::{replay, RunResult, SchedConfig};
+use common::timing::Profile;
 use common::{scenario, trace};
 
 const MIB: u64 = 1 << 20;
@@ -26,10 +27,12 @@ fn run(name: &str, layout: Layout, capacity: u64, requests: &[trace::Request]) -
     let s = shape(layout);
     let max_batch = 64;
     let reserve = managers::arena_reserve(s, capacity, max_batch);
-    let opts = ArenaOptions { capacity, reserve, retain: u64::MAX, no_implicit_moves: false };
+    let arena = ArenaOptions { capacity, reserve, retain: u64::MAX, no_implicit_moves: false };
+    let max_tokens = requests.iter().map(|q| q.output).max().unwrap_or(1);
+    let opts = BuildOptions { arena, prefix_caching: true, max_tokens };
     let mut m = managers::build(name, s, opts).expect("manager");
-    let cfg = SchedConfig { max_batch, step_s: 0.03, kv_bytes_per_token: s.kv_bytes_per_token };
-    replay(m.as_mut(), requests, cfg, &AtomicU64::new(0))
+    let cfg = SchedConfig { max_batch, kv_bytes_per_token: s.kv_bytes_per_token, profile: Profile::h200() };
+    replay(m.as_mut(), requests, &cfg, &AtomicU64::new(0))
 }
 
 fn check_all(layout: Layout, capacity: u64, n: usize) -> Vec<RunResult> {

@@ -15,15 +15,12 @@ use std::sync::Mutex;
 use vmm_arena::driver::{CallKind, ChunkHandle, Driver, Granularity};
 use vmm_arena::{Error, Result};
 
-/// Average cost per call on an A100 (kvcached's VMM benchmark, per 2 MiB
-/// chunk; see the design brief). `cuMemRelease` was not measured there and
-/// is charged nothing; `cudaMalloc`/`cudaFree` of the caching allocator's
-/// segments are charged as the create/map/access/unmap they stand for.
-pub const COST_CREATE_S: f64 = 193e-6;
-pub const COST_SET_ACCESS_S: f64 = 36e-6;
-pub const COST_UNMAP_S: f64 = 25.6e-6;
-pub const COST_MAP_S: f64 = 1.45e-6;
-pub const COST_RESERVE_S: f64 = 19e-6;
+/// Driver calls are priced per 2 MiB chunk they cover (see `timing.rs`).
+pub const PRICE_UNIT_BYTES: u64 = 2 << 20;
+
+fn units(bytes: u64) -> u64 {
+    bytes.div_ceil(PRICE_UNIT_BYTES).max(1)
+}
 
 fn index(k: CallKind) -> usize {
     match k {
@@ -42,7 +39,7 @@ fn index(k: CallKind) -> usize {
 /// Driver calls by kind. `create` counts the chunks created; creates
 /// refused because the device was full are counted apart, in
 /// `create_failed` (and charged nothing by the cost model).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Calls {
     pub reserve: u64,
     pub free_reservation: u64,
@@ -54,16 +51,40 @@ pub struct Calls {
     pub unmap: u64,
     pub synchronize: u64,
     pub data: u64,
+    /// The 2 MiB chunks the calls of each kind covered (a call over 20 MiB
+    /// counts 10), for pricing by size.
+    pub create_chunks: u64,
+    pub release_chunks: u64,
+    pub map_chunks: u64,
+    pub set_access_chunks: u64,
+    pub unmap_chunks: u64,
 }
 
 impl Calls {
-    /// Modeled driver time with the A100 cost table (data movement excluded).
-    pub fn modeled_seconds(&self) -> f64 {
-        self.create as f64 * COST_CREATE_S
-            + self.set_access as f64 * COST_SET_ACCESS_S
-            + self.unmap as f64 * COST_UNMAP_S
-            + self.map as f64 * COST_MAP_S
-            + self.reserve as f64 * COST_RESERVE_S
+    /// The calls made between two snapshots.
+    pub fn since(&self, before: &Calls) -> Calls {
+        Calls {
+            reserve: self.reserve - before.reserve,
+            free_reservation: self.free_reservation - before.free_reservation,
+            create: self.create - before.create,
+            create_failed: self.create_failed - before.create_failed,
+            release: self.release - before.release,
+            map: self.map - before.map,
+            set_access: self.set_access - before.set_access,
+            unmap: self.unmap - before.unmap,
+            synchronize: self.synchronize - before.synchronize,
+            data: self.data - before.data,
+            create_chunks: self.create_chunks - before.create_chunks,
+            release_chunks: self.release_chunks - before.release_chunks,
+            map_chunks: self.map_chunks - before.map_chunks,
+            set_access_chunks: self.set_access_chunks - before.set_access_chunks,
+            unmap_chunks: self.unmap_chunks - before.unmap_chunks,
+        }
+    }
+
+    /// Driver calls that change mappings or memory (data access excluded).
+    pub fn management(&self) -> u64 {
+        self.reserve + self.free_reservation + self.create + self.release + self.map + self.set_access + self.unmap
     }
 }
 
@@ -73,6 +94,8 @@ pub struct Counted<D> {
     inner: D,
     capacity: u64,
     counts: [AtomicU64; 9],
+    /// Chunks covered, by call kind (see [`Calls::create_chunks`]).
+    chunks: [AtomicU64; 9],
     create_failed: AtomicU64,
     live: AtomicU64,
     peak: AtomicU64,
@@ -86,6 +109,7 @@ impl<D: Driver> Counted<D> {
             inner,
             capacity,
             counts: Default::default(),
+            chunks: Default::default(),
             create_failed: AtomicU64::new(0),
             live: AtomicU64::new(0),
             peak: AtomicU64::new(0),
@@ -104,6 +128,7 @@ impl<D: Driver> Counted<D> {
     /// Calls so far.
     pub fn calls(&self) -> Calls {
         let c = |k: CallKind| self.counts[index(k)].load(Relaxed);
+        let u = |k: CallKind| self.chunks[index(k)].load(Relaxed);
         Calls {
             reserve: c(CallKind::Reserve),
             free_reservation: c(CallKind::FreeReservation),
@@ -115,6 +140,11 @@ impl<D: Driver> Counted<D> {
             unmap: c(CallKind::Unmap),
             synchronize: c(CallKind::Synchronize),
             data: c(CallKind::Data),
+            create_chunks: u(CallKind::Create),
+            release_chunks: u(CallKind::Release),
+            map_chunks: u(CallKind::Map),
+            set_access_chunks: u(CallKind::SetAccess),
+            unmap_chunks: u(CallKind::Unmap),
         }
     }
 
@@ -130,6 +160,11 @@ impl<D: Driver> Counted<D> {
 
     fn count(&self, k: CallKind) {
         self.counts[index(k)].fetch_add(1, Relaxed);
+    }
+
+    fn count_sized(&self, k: CallKind, bytes: u64) {
+        self.count(k);
+        self.chunks[index(k)].fetch_add(units(bytes), Relaxed);
     }
 }
 
@@ -164,31 +199,32 @@ impl<D: Driver> Driver for Counted<D> {
         let h = self.inner.create(size).inspect_err(|_| {
             self.create_failed.fetch_add(1, Relaxed);
         })?;
-        self.count(CallKind::Create);
+        self.count_sized(CallKind::Create, size);
         sizes.insert(h, size);
         self.live.store(live + size, Relaxed);
         self.peak.fetch_max(live + size, Relaxed);
         Ok(h)
     }
     fn release(&self, chunk: ChunkHandle) -> Result<()> {
-        self.count(CallKind::Release);
         self.inner.release(chunk)?;
         let mut sizes = self.sizes.lock().map_err(|_| Error::Internal("counter lock poisoned".into()))?;
-        if let Some(s) = sizes.remove(&chunk) {
+        let size = sizes.remove(&chunk);
+        if let Some(s) = size {
             self.live.fetch_sub(s, Relaxed);
         }
+        self.count_sized(CallKind::Release, size.unwrap_or(0));
         Ok(())
     }
     fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
-        self.count(CallKind::Map);
+        self.count_sized(CallKind::Map, size);
         self.inner.map(addr, size, chunk, offset)
     }
     fn set_access(&self, addr: u64, size: u64) -> Result<()> {
-        self.count(CallKind::SetAccess);
+        self.count_sized(CallKind::SetAccess, size);
         self.inner.set_access(addr, size)
     }
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        self.count(CallKind::Unmap);
+        self.count_sized(CallKind::Unmap, size);
         self.inner.unmap(addr, size)
     }
     fn synchronize(&self) -> Result<()> {

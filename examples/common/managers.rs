@@ -33,6 +33,7 @@ use vmm_arena::{Arena, ArenaConfig, Error, Id};
 
 use super::caching::CachingAllocator;
 use super::counted::{is_host_limit, Calls, Counted};
+use super::trace::{Request, HASH_BLOCK_TOKENS};
 
 /// The host backend in sparse mode, counted, capped at `capacity`.
 pub type Dev = Arc<Counted<HostDriver>>;
@@ -106,8 +107,10 @@ pub struct Fail {
 /// index in the trace.
 pub trait KvManager {
     fn name(&self) -> &'static str;
-    /// Allocates room for `tokens` tokens of a new sequence; all or nothing.
-    fn admit(&mut self, seq: usize, tokens: u64) -> Result<(), Fail>;
+    /// Allocates room for `tokens` tokens of a new sequence of request `q`;
+    /// all or nothing. Returns the prompt tokens whose KV is already there
+    /// (a prefix cache's hit), which the engine does not compute.
+    fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail>;
     /// Makes room for `tokens` tokens (more than now); `stored` hold data.
     fn grow(&mut self, seq: usize, tokens: u64, stored: u64) -> Result<(), Fail>;
     /// Frees the sequence's KV.
@@ -122,10 +125,11 @@ pub trait KvManager {
     fn calls(&self) -> Calls;
     fn bytes_copied(&self) -> u64;
     fn moves(&self) -> u64;
-    /// Called after every step, when the device is idle between two forward
-    /// passes: the point where an engine lets the arena unmap the old
-    /// addresses of moved allocations.
-    fn end_step(&mut self) {}
+    /// Called after the scheduler has prepared a step, while the GPU
+    /// computes it: driver work here is hidden up to the step's GPU time
+    /// (see `timing.rs`). The point where an engine lets the arena unmap the
+    /// old addresses of moved allocations.
+    fn between_steps(&mut self) {}
     /// Called every few steps: checks the host memory the simulation holds
     /// (not a figure of the report) and turns discarding on or off.
     fn housekeeping(&mut self) {}
@@ -135,11 +139,76 @@ pub trait KvManager {
     }
 }
 
+/// This machine's physical memory (`MemTotal`), or 8 GiB if unknown.
+pub fn host_ram() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(8 << 30, |kib| kib << 10)
+}
+
 /// Host memory the simulation may keep resident per manager before freed KV
 /// is discarded (see [`discard`]): a sixteenth of the device, at least
-/// 512 MiB. Live tags need at most a 32nd with 128 KiB per token.
+/// 512 MiB, and never more than an eighth of this machine's memory.
 pub fn host_budget(capacity: u64) -> u64 {
-    (capacity / 16).max(512 << 20)
+    host_budget_for(capacity, host_ram())
+}
+
+/// [`host_budget`] on a machine of `ram` bytes.
+pub fn host_budget_for(capacity: u64, ram: u64) -> u64 {
+    (capacity / 16).max(512 << 20).min(ram / 8)
+}
+
+/// Host bytes a stored tag keeps resident at worst: its own page.
+pub const TAG_PAGE_BYTES: u64 = 4096;
+
+/// Refuses, up front and with the limit named, a replay whose simulation
+/// could not keep its host memory bounded: tags of live KV (and, with
+/// prefix caching on a trace with hashes, of every cached block) stay
+/// resident, one page each, whatever the discarding does. Their worst case
+/// over `jobs` concurrent managers must fit in half of `ram` (this
+/// machine's memory: [`host_ram`]).
+#[allow(clippy::too_many_arguments)]
+pub fn check_host_memory(
+    ram: u64,
+    shape: KvShape,
+    capacity: u64,
+    requests: &[Request],
+    max_batch: usize,
+    managers: &[String],
+    prefix_caching: bool,
+    jobs: usize,
+) -> Result<(), String> {
+    let limit = ram / 2;
+    let device_tokens = capacity / shape.kv_bytes_per_token.max(1);
+    let mut longest: Vec<u64> = requests.iter().map(|q| q.prompt + q.output).collect();
+    longest.sort_unstable_by(|a, b| b.cmp(a));
+    let batch_tokens: u64 = longest.iter().take(max_batch).sum();
+    let live = device_tokens.min(batch_tokens) * TAG_PAGE_BYTES;
+    let hashes = requests.iter().any(|q| !q.hash_ids.is_empty());
+    let worst =
+        |m: &str| if m == "vllm-paged" && prefix_caching && hashes { device_tokens * TAG_PAGE_BYTES } else { live };
+    let mut per: Vec<u64> = managers.iter().map(|m| worst(m) + host_budget_for(capacity, ram)).collect();
+    per.sort_unstable_by(|a, b| b.cmp(a));
+    let need: u64 = per.iter().take(jobs.max(1)).sum();
+    if need > limit {
+        return Err(format!(
+            "this replay could keep up to {} of host memory resident ({} manager(s) at once, each holding one {}              page per live token tag{}), over the limit of {} (half of this machine's memory); use a smaller              --capacity, --max-batch or --jobs",
+            fmt_gib(need),
+            jobs.max(1).min(managers.len()),
+            TAG_PAGE_BYTES,
+            if prefix_caching && hashes { ", and per cached prefix block with prefix caching" } else { "" },
+            fmt_gib(limit)
+        ));
+    }
+    Ok(())
+}
+
+fn fmt_gib(b: u64) -> String {
+    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 /// Gives the host pages wholly inside `addr..addr+len` back to the kernel
@@ -274,7 +343,7 @@ impl KvManager for ArenaMgr {
         self.name
     }
 
-    fn admit(&mut self, seq: usize, tokens: u64) -> Result<(), Fail> {
+    fn admit(&mut self, seq: usize, tokens: u64, _q: &Request) -> Result<u64, Fail> {
         let size = self.bytes_for(tokens);
         let max = size.max(self.bytes_for(self.shape.max_context));
         let n = self.shape.n_allocs() as usize;
@@ -292,7 +361,7 @@ impl KvManager for ArenaMgr {
             }
         }
         *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids, cap: size / self.shape.bpt() });
-        Ok(())
+        Ok(0)
     }
 
     fn grow(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
@@ -363,7 +432,7 @@ impl KvManager for ArenaMgr {
         self.discard = self.dev.inner().allocated_file_bytes().unwrap_or(0) > host_budget(self.capacity);
     }
 
-    fn end_step(&mut self) {
+    fn between_steps(&mut self) {
         // Old ranges of moved allocations stay mapped (and valid for kernels
         // still using them) until released; between steps nothing uses them.
         if let Err(e) = self.arena.release_retired() {
@@ -450,7 +519,7 @@ impl KvManager for TorchMgr {
         self.name
     }
 
-    fn admit(&mut self, seq: usize, tokens: u64) -> Result<(), Fail> {
+    fn admit(&mut self, seq: usize, tokens: u64, _q: &Request) -> Result<u64, Fail> {
         let cap = pow2_tokens(tokens);
         let n = self.shape.n_allocs() as usize;
         let mut v = Vec::with_capacity(n);
@@ -467,7 +536,7 @@ impl KvManager for TorchMgr {
             }
         }
         *slot_vec(&mut self.seqs, seq) = Some(v);
-        Ok(())
+        Ok(0)
     }
 
     fn grow(&mut self, seq: usize, tokens: u64, stored: u64) -> Result<(), Fail> {
@@ -575,21 +644,46 @@ impl KvManager for TorchMgr {
 /// null block; `get_new_blocks` pops free blocks from the front of the free
 /// queue and fails when too few are free; `free_blocks` appends a finished
 /// request's blocks, last block first, as `single_type_kv_cache_manager.py`
-/// frees `reversed(req_blocks)`). Nothing grows, nothing is returned. Prefix
-/// caching is off (no manager here shares prefixes).
+/// frees `reversed(req_blocks)`). Nothing grows, nothing is returned.
+///
+/// Automatic prefix caching, on by default as in vLLM: a request reuses the
+/// longest chain of cached blocks of its prompt (Mooncake `hash_ids`, 512
+/// tokens each, chained on their predecessors), always computing at least
+/// its last prompt token (hits are whole 16-token blocks of the first
+/// `prompt - 1` tokens). Blocks of finished requests stay cached, in the
+/// free queue, until popped for reuse in LRU order (eviction); a hit on a
+/// free cached block takes it out of the queue. Traces without hashes
+/// share nothing.
 pub struct VllmMgr {
     dev: Dev,
     shape: KvShape,
     tensors: Vec<(u64, u64, ChunkHandle)>,
     num_blocks: u64,
-    free_q: VecDeque<u32>,
+    prefix_caching: bool,
+    /// Free blocks, least recently freed first. Entries are deleted lazily:
+    /// one counts only while its stamp is the block's `free_stamp`.
+    free_q: VecDeque<(u32, u64)>,
+    free_stamp: Vec<u64>,
+    next_stamp: u64,
+    n_free: u64,
+    refs: Vec<u32>,
+    /// Cached prompt blocks: hash id -> its 16-token blocks, in order. vLLM
+    /// hashes every 16-token block on its predecessors; evicting one cuts
+    /// the chain there, so an entry is a prefix of the hash block's blocks.
+    cache: std::collections::HashMap<u64, Vec<u32>>,
+    /// The cached hash block (and index in it) a block holds.
+    block_hash: Vec<Option<(u64, u32)>>,
     seqs: Vec<Option<Vec<u32>>>,
+    hit_blocks: u64,
+    evicted_blocks: u64,
+    capacity: u64,
+    discard: bool,
 }
 
 pub const VLLM_BLOCK_TOKENS: u64 = 16;
 
 impl VllmMgr {
-    pub fn new(shape: KvShape, capacity: u64) -> Result<VllmMgr, String> {
+    pub fn new(shape: KvShape, capacity: u64, prefix_caching: bool) -> Result<VllmMgr, String> {
         let dev = new_device(capacity)?;
         let n_tensors = match shape.layout {
             Layout::TokenMajor => 1,
@@ -610,11 +704,47 @@ impl VllmMgr {
             dev.set_access(base, size).map_err(|e| e.to_string())?;
             tensors.push((base, size, h));
         }
-        Ok(VllmMgr { dev, shape, tensors, num_blocks, free_q: (1..num_blocks as u32).collect(), seqs: Vec::new() })
+        let nb = num_blocks as usize;
+        let mut m = VllmMgr {
+            dev,
+            shape,
+            tensors,
+            num_blocks,
+            prefix_caching,
+            free_q: VecDeque::with_capacity(nb),
+            free_stamp: vec![0; nb],
+            next_stamp: 1,
+            n_free: 0,
+            refs: vec![0; nb],
+            cache: Default::default(),
+            block_hash: vec![None; nb],
+            seqs: Vec::new(),
+            hit_blocks: 0,
+            evicted_blocks: 0,
+            capacity,
+            discard: false,
+        };
+        for b in 1..num_blocks as u32 {
+            m.push_free(b);
+        }
+        Ok(m)
     }
 
     pub fn num_blocks(&self) -> u64 {
         self.num_blocks
+    }
+
+    fn push_free(&mut self, b: u32) {
+        self.free_stamp[b as usize] = self.next_stamp;
+        self.free_q.push_back((b, self.next_stamp));
+        self.next_stamp += 1;
+        self.n_free += 1;
+    }
+
+    fn unfree(&mut self, b: u32) {
+        debug_assert!(self.free_stamp[b as usize] != 0);
+        self.free_stamp[b as usize] = 0;
+        self.n_free -= 1;
     }
 
     fn addr(&self, blocks: &[u32], t: u64) -> u64 {
@@ -631,15 +761,88 @@ impl VllmMgr {
         }
     }
 
+    /// Pops `n` free blocks, least recently freed first, evicting the
+    /// cached prefixes they held.
     fn take(&mut self, n: u64) -> Result<Vec<u32>, Fail> {
-        if n > self.free_q.len() as u64 {
+        if n > self.n_free {
             return Err(Fail {
                 fragmentation: false,
                 host_limit: false,
-                message: format!("{n} blocks needed, {} free", self.free_q.len()),
+                message: format!("{n} blocks needed, {} free", self.n_free),
             });
         }
-        Ok(self.free_q.drain(..n as usize).collect())
+        let mut out = Vec::with_capacity(n as usize);
+        while (out.len() as u64) < n {
+            let (b, stamp) = self.free_q.pop_front().expect("n_free counts the queue's live entries");
+            if self.free_stamp[b as usize] != stamp {
+                continue; // taken by a hit since it was freed
+            }
+            self.unfree(b);
+            if let Some((h, i)) = self.block_hash[b as usize] {
+                // Evicted: the cached chain of this hash block ends before it.
+                let entry = self.cache.get_mut(&h).expect("a hashed block's entry");
+                for x in entry.drain(i as usize..) {
+                    self.block_hash[x as usize] = None;
+                    self.evicted_blocks += 1;
+                }
+                if entry.is_empty() {
+                    self.cache.remove(&h);
+                }
+            }
+            out.push(b);
+        }
+        Ok(out)
+    }
+
+    /// The cached blocks a new request of `q` can use: whole 16-token
+    /// blocks of its first `prompt - 1` tokens, along the longest chain of
+    /// cached hash blocks.
+    fn lookup(&self, q: &Request) -> Vec<u32> {
+        let mut hit = Vec::new();
+        if !self.prefix_caching {
+            return hit;
+        }
+        let max_blocks = (q.prompt.saturating_sub(1) / VLLM_BLOCK_TOKENS) as usize;
+        let per_hash = (HASH_BLOCK_TOKENS / VLLM_BLOCK_TOKENS) as usize;
+        for j in 0..q.full_hash_blocks() as usize {
+            let Some(blocks) = self.cache.get(&q.hash_ids[j]) else { break };
+            let take = blocks.len().min(max_blocks - hit.len());
+            hit.extend_from_slice(&blocks[..take]);
+            if hit.len() == max_blocks || blocks.len() < per_hash {
+                break;
+            }
+        }
+        hit
+    }
+
+    /// Drops a request's references; blocks nobody uses go to the free
+    /// queue, last block first (so a request's tail is evicted first).
+    fn release(&mut self, blocks: Vec<u32>) {
+        for b in blocks.into_iter().rev() {
+            let r = &mut self.refs[b as usize];
+            *r -= 1;
+            if *r == 0 {
+                if self.discard && self.block_hash[b as usize].is_none() {
+                    // Dead KV (no prefix cache keeps it): give its host pages back.
+                    let len = VLLM_BLOCK_TOKENS * self.shape.bpt();
+                    for (base, _, _) in &self.tensors {
+                        match self.shape.layout {
+                            Layout::TokenMajor => discard(base + b as u64 * len, len),
+                            Layout::PerLayer => {
+                                for kv in 0..2 {
+                                    discard(base + (kv * self.num_blocks + b as u64) * len, len);
+                                }
+                            }
+                        }
+                    }
+                }
+                self.push_free(b);
+            }
+        }
+        if self.free_q.len() > 2 * self.num_blocks as usize + 1024 {
+            let stamps = &self.free_stamp;
+            self.free_q.retain(|&(b, s)| stamps[b as usize] == s);
+        }
     }
 }
 
@@ -658,10 +861,54 @@ impl KvManager for VllmMgr {
         "vllm-paged"
     }
 
-    fn admit(&mut self, seq: usize, tokens: u64) -> Result<(), Fail> {
-        let blocks = self.take(tokens.div_ceil(VLLM_BLOCK_TOKENS))?;
+    fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
+        let need = tokens.div_ceil(VLLM_BLOCK_TOKENS);
+        let hit = self.lookup(q);
+        let hit_free = hit.iter().filter(|&&b| self.refs[b as usize] == 0).count() as u64;
+        let fresh = need - hit.len() as u64;
+        if fresh > self.n_free - hit_free {
+            return Err(Fail {
+                fragmentation: false,
+                host_limit: false,
+                message: format!("{fresh} blocks needed, {} free", self.n_free - hit_free),
+            });
+        }
+        for &b in &hit {
+            if self.refs[b as usize] == 0 {
+                self.unfree(b);
+            }
+            self.refs[b as usize] += 1;
+        }
+        let new = self.take(fresh)?;
+        for &b in &new {
+            self.refs[b as usize] = 1;
+        }
+        self.hit_blocks += hit.len() as u64;
+        let hit_tokens = hit.len() as u64 * VLLM_BLOCK_TOKENS;
+        let mut blocks = hit;
+        blocks.extend(new);
+        if self.prefix_caching {
+            // The prompt's full hash blocks are computed in this step: cache them.
+            let per_hash = (HASH_BLOCK_TOKENS / VLLM_BLOCK_TOKENS) as usize;
+            // A cut chain is completed with this request's blocks.
+            for j in 0..q.full_hash_blocks() as usize {
+                let h = q.hash_ids[j];
+                let own = &blocks[j * per_hash..(j + 1) * per_hash];
+                let entry = self.cache.entry(h).or_default();
+                if entry.len() == per_hash || own[..entry.len()] != entry[..] {
+                    continue; // complete, or computed apart from this request
+                }
+                for (i, &b) in own.iter().enumerate().skip(entry.len()) {
+                    if self.block_hash[b as usize].is_some() {
+                        break; // another prefix's cached block (cannot happen: blocks are new)
+                    }
+                    self.block_hash[b as usize] = Some((h, i as u32));
+                    entry.push(b);
+                }
+            }
+        }
         *slot_vec(&mut self.seqs, seq) = Some(blocks);
-        Ok(())
+        Ok(hit_tokens)
     }
 
     fn grow(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
@@ -671,13 +918,16 @@ impl KvManager for VllmMgr {
             return Ok(());
         }
         let more = self.take(need - have)?;
+        for &b in &more {
+            self.refs[b as usize] = 1;
+        }
         self.seqs[seq].as_mut().expect("live").extend(more);
         Ok(())
     }
 
     fn free(&mut self, seq: usize) {
         if let Some(blocks) = self.seqs[seq].take() {
-            self.free_q.extend(blocks.into_iter().rev());
+            self.release(blocks);
         }
     }
 
@@ -713,16 +963,178 @@ impl KvManager for VllmMgr {
         0
     }
 
+    fn housekeeping(&mut self) {
+        self.discard = self.dev.inner().allocated_file_bytes().unwrap_or(0) > host_budget(self.capacity);
+    }
+
     fn extra(&self) -> Vec<(String, String)> {
-        vec![("num_blocks".into(), self.num_blocks.to_string()), ("block_tokens".into(), VLLM_BLOCK_TOKENS.to_string())]
+        vec![
+            ("num_blocks".into(), self.num_blocks.to_string()),
+            ("block_tokens".into(), VLLM_BLOCK_TOKENS.to_string()),
+            ("prefix_caching".into(), self.prefix_caching.to_string()),
+            ("prefix_hit_blocks".into(), self.hit_blocks.to_string()),
+            ("evicted_prefix_blocks".into(), self.evicted_blocks.to_string()),
+            ("cached_prefixes".into(), self.cache.len().to_string()),
+        ]
+    }
+}
+
+// ------------------------------------------------ policies without an allocator
+
+/// Contiguous KV with no allocator at all: physical memory is exactly the
+/// sum of the tensors, and an admission or growth fails only when that sum
+/// would pass the capacity. Two policies:
+/// - `ideal-contiguous`: the PyTorch rows' growth policy (room for the next
+///   power of two of tokens, at least 16, doubling with a copy of the
+///   stored KV when full), so the gap between it and the PyTorch rows is
+///   the allocator's;
+/// - `contiguous-max`: room for prompt + `max_tokens` at admission (more if
+///   a preempted request comes back longer), never grown, never copied.
+///
+/// Tags live in host vectors (there is no device memory to write through).
+pub struct IdealMgr {
+    name: &'static str,
+    shape: KvShape,
+    capacity: u64,
+    /// `Some(n)`: contiguous-max with `n` output tokens of room.
+    max_tokens: Option<u64>,
+    /// Per sequence: token capacity of its tensors, and its tags.
+    seqs: Vec<Option<(u64, Vec<u64>)>>,
+    held: u64,
+    peak: u64,
+    copied: u64,
+}
+
+impl IdealMgr {
+    pub fn new(name: &'static str, shape: KvShape, capacity: u64, max_tokens: Option<u64>) -> IdealMgr {
+        IdealMgr { name, shape, capacity, max_tokens, seqs: Vec::new(), held: 0, peak: 0, copied: 0 }
+    }
+
+    /// Bytes of all of a request's tensors with room for `tokens`.
+    fn bytes(&self, tokens: u64) -> u64 {
+        tokens * self.shape.bpt() * self.shape.n_allocs()
+    }
+
+    fn hold(&mut self, more: u64) -> Result<(), Fail> {
+        if self.held + more > self.capacity {
+            return Err(Fail {
+                fragmentation: false,
+                host_limit: false,
+                message: format!("{more} more bytes needed, {} of {} held", self.held, self.capacity),
+            });
+        }
+        self.held += more;
+        self.peak = self.peak.max(self.held);
+        Ok(())
+    }
+}
+
+impl KvManager for IdealMgr {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
+        let cap = match self.max_tokens {
+            Some(m) => tokens.max(q.prompt + m),
+            None => pow2_tokens(tokens),
+        };
+        self.hold(self.bytes(cap))?;
+        *slot_vec(&mut self.seqs, seq) = Some((cap, Vec::with_capacity(tokens as usize)));
+        Ok(0)
+    }
+
+    fn grow(&mut self, seq: usize, tokens: u64, stored: u64) -> Result<(), Fail> {
+        let cap = self.seqs[seq].as_ref().expect("live").0;
+        if tokens <= cap {
+            return Ok(());
+        }
+        if self.max_tokens.is_some() {
+            return Err(Fail {
+                fragmentation: false,
+                host_limit: false,
+                message: format!("contiguous-max never grows: {tokens} tokens > room for {cap}"),
+            });
+        }
+        let mut new_cap = cap * 2;
+        while new_cap < tokens {
+            new_cap *= 2;
+        }
+        // Old and new tensors coexist during the copy.
+        self.hold(self.bytes(new_cap))?;
+        self.held -= self.bytes(cap);
+        self.copied += stored * self.shape.kv_bytes_per_token;
+        self.seqs[seq].as_mut().expect("live").0 = new_cap;
+        Ok(())
+    }
+
+    fn free(&mut self, seq: usize) {
+        if let Some((cap, _)) = self.seqs[seq].take() {
+            self.held -= self.bytes(cap);
+        }
+    }
+
+    fn write_tag(&mut self, seq: usize, t: u64, tag: u64) -> bool {
+        let Some((cap, tags)) = self.seqs[seq].as_mut() else { return false };
+        if t >= *cap {
+            return false;
+        }
+        if tags.len() <= t as usize {
+            tags.resize(t as usize + 1, 0);
+        }
+        tags[t as usize] = tag;
+        true
+    }
+
+    fn read_tag(&mut self, seq: usize, t: u64) -> Option<u64> {
+        self.seqs[seq].as_ref()?.1.get(t as usize).copied()
+    }
+
+    fn physical_bytes(&self) -> u64 {
+        self.held
+    }
+
+    fn peak_physical_bytes(&self) -> u64 {
+        self.peak
+    }
+
+    fn calls(&self) -> Calls {
+        Calls::default()
+    }
+
+    fn bytes_copied(&self) -> u64 {
+        self.copied
+    }
+
+    fn moves(&self) -> u64 {
+        0
     }
 }
 
 /// Every manager name the replay knows, in report order.
-pub const ALL_MANAGERS: [&str; 5] = ["arena", "arena-no-moves", "pytorch-caching", "pytorch-expandable", "vllm-paged"];
+pub const ALL_MANAGERS: [&str; 7] = [
+    "arena",
+    "arena-no-moves",
+    "pytorch-caching",
+    "pytorch-expandable",
+    "vllm-paged",
+    "ideal-contiguous",
+    "contiguous-max",
+];
+
+/// What [`build`] needs besides the shape.
+#[derive(Clone, Copy, Debug)]
+pub struct BuildOptions {
+    pub arena: ArenaOptions,
+    /// vLLM's automatic prefix caching (on by default, as in vLLM).
+    pub prefix_caching: bool,
+    /// contiguous-max's output room (the trace's largest output by default).
+    pub max_tokens: u64,
+}
 
 /// Builds a manager by name.
-pub fn build(name: &str, shape: KvShape, arena: ArenaOptions) -> Result<Box<dyn KvManager + Send>, String> {
+pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvManager + Send>, String> {
+    let arena = o.arena;
     let cap = arena.capacity;
     Ok(match name {
         "arena" => Box::new(ArenaMgr::new("arena", shape, ArenaOptions { no_implicit_moves: false, ..arena })?),
@@ -731,7 +1143,9 @@ pub fn build(name: &str, shape: KvShape, arena: ArenaOptions) -> Result<Box<dyn 
         }
         "pytorch-caching" => Box::new(TorchMgr::new("pytorch-caching", shape, cap, false)?),
         "pytorch-expandable" => Box::new(TorchMgr::new("pytorch-expandable", shape, cap, true)?),
-        "vllm-paged" => Box::new(VllmMgr::new(shape, cap)?),
+        "vllm-paged" => Box::new(VllmMgr::new(shape, cap, o.prefix_caching)?),
+        "ideal-contiguous" => Box::new(IdealMgr::new("ideal-contiguous", shape, cap, None)),
+        "contiguous-max" => Box::new(IdealMgr::new("contiguous-max", shape, cap, Some(o.max_tokens))),
         other => return Err(format!("unknown manager {other:?} (known: {})", ALL_MANAGERS.join(", "))),
     })
 }

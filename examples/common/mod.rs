@@ -8,6 +8,7 @@
 //! - [`managers`]: KV-cache managers (vmm-arena and the baselines);
 //! - [`trace`]: trace files and the synthetic trace;
 //! - [`replay`]: the continuous-batching scheduler;
+//! - [`timing`]: the step-time model (GPU profiles, driver costs);
 //! - [`scenario`]: the textbook fragmentation failure;
 //! - [`util`]: sizes, RNG, JSON.
 #![allow(dead_code)]
@@ -17,5 +18,6 @@ pub mod counted;
 pub mod managers;
 pub mod replay;
 pub mod scenario;
+pub mod timing;
 pub mod trace;
 pub mod util;

@@ -1,10 +1,12 @@
 //! The continuous-batching scheduler, the same for every manager.
 //!
-//! Each step (of `step_s` simulated seconds):
+//! Each step (its duration comes from the step-time model, `timing.rs`):
 //! 1. requests whose arrival time has come join the waiting queue;
 //! 2. waiting requests are admitted in order while the batch has room
 //!    (`max_batch`) and the manager can allocate their KV (prompt, plus the
 //!    tokens generated before a preemption, plus room for the next token);
+//!    their prompt is computed in this step (prefill, or recompute after a
+//!    preemption), less the tokens a prefix cache already holds;
 //!    admission stops at the first request that does not fit (a request that
 //!    does not fit even into an empty batch can never run and is rejected),
 //!    and is not tried again until some KV has been freed (an engine does
@@ -20,27 +22,40 @@
 //! 4. a request that has generated all its tokens has every tag verified and
 //!    its KV freed.
 //!
+//! 5. the manager's `between_steps` hook runs while the GPU computes.
+//!
+//! The driver calls of steps 2 to 4 are the allocator's critical path; those
+//! of step 5 hide under the GPU's time (see `timing.rs` for the rule).
 //! Idle time (nothing running or waiting) is skipped to the next arrival.
+//!
+//! Each token's KV slot holds a tag. A prompt token inside a full, named
+//! hash block (Mooncake) gets a tag of its content (the block's hash and
+//! the position), so that a prefix cache sharing that block verifies for
+//! every request that uses it; every other token's tag is its request's.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
+use serde::{Deserialize, Serialize};
+
 use super::counted::Calls;
 use super::managers::{Fail, KvManager};
-use super::trace::Request;
+use super::timing::{Profile, StepWork};
+use super::trace::{Request, HASH_BLOCK_TOKENS};
 use super::util::mix64;
 
 /// Scheduler settings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct SchedConfig {
     pub max_batch: usize,
-    pub step_s: f64,
     pub kv_bytes_per_token: u64,
+    /// The step-time model's constants.
+    pub profile: Profile,
 }
 
 /// What one manager did over the whole trace.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunResult {
     pub name: String,
     pub completed_requests: u64,
@@ -51,7 +66,12 @@ pub struct RunResult {
     pub fragmentation_failures: u64,
     /// Failures of the host simulation (a system limit), not of a policy.
     pub host_limit_failures: u64,
+    /// Largest KV held by running requests at any instant (sampled at every
+    /// admission and growth, before frees), in bytes; a shared prefix
+    /// counts once per request using it.
     pub peak_live_bytes: u64,
+    /// The same, sampled only at the end of each step (after its frees).
+    pub peak_live_end_of_step_bytes: u64,
     pub peak_physical_bytes: u64,
     pub mean_physical_bytes: f64,
     pub mean_live_bytes: f64,
@@ -62,6 +82,35 @@ pub struct RunResult {
     pub p99_latency_s: f64,
     /// Seconds from arrival to first admission (queueing), mean.
     pub mean_queue_s: f64,
+    /// Output tokens per simulated second.
+    pub tokens_per_s: f64,
+    pub output_tokens: u64,
+    /// Time to first token (arrival to the end of the step that produced it).
+    pub ttft_mean_s: f64,
+    pub ttft_p99_s: f64,
+    /// Time per output token after the first, per request.
+    pub tpot_mean_s: f64,
+    pub tpot_p99_s: f64,
+    pub step_time_p50_s: f64,
+    pub step_time_p99_s: f64,
+    pub step_time_max_s: f64,
+    /// Allocator time charged to steps (critical path, plus between-steps
+    /// work the GPU did not hide), and between-steps time hidden.
+    pub critical_path_alloc_s: f64,
+    pub overlapped_alloc_s: f64,
+    /// Synchronizes on the critical path (each costs its step the overlap).
+    pub critical_path_syncs: u64,
+    /// Prompt tokens found in a prefix cache (not computed), and their share
+    /// of all prompt tokens admitted (re-admissions included).
+    pub prefix_hit_tokens: u64,
+    pub prompt_tokens: u64,
+    pub prefix_hit_rate: f64,
+    /// Tokens computed again after preemptions.
+    pub recomputed_tokens: u64,
+    /// Prompt tokens computed (prefill and recompute, less prefix hits).
+    pub prefill_tokens: u64,
+    /// GPU time of all steps, and the simulated time they add up to.
+    pub gpu_seconds: f64,
     pub bytes_copied: u64,
     pub moves: u64,
     pub calls: Calls,
@@ -81,6 +130,17 @@ pub fn tag(seq: usize, t: u64) -> u64 {
     mix64(((seq as u64) << 32) ^ t ^ 0x7a67_0000_0000_0000) | 1
 }
 
+/// The tag token `t` of request `q` (trace index `seq`) stores: its
+/// content's where a named hash block defines it (see the module docs).
+pub fn token_tag(q: &Request, seq: usize, t: u64) -> u64 {
+    let b = t / HASH_BLOCK_TOKENS;
+    if b < q.full_hash_blocks() {
+        mix64(q.hash_ids[b as usize].wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (t % HASH_BLOCK_TOKENS) ^ 0x6b76) | 1
+    } else {
+        tag(seq, t)
+    }
+}
+
 struct Live {
     seq: usize,
     /// Tokens whose KV is stored (and tagged).
@@ -98,39 +158,61 @@ fn note(r: &mut RunResult, f: &Fail, what: impl Fn() -> String) {
     }
 }
 
+/// `q`-quantile of sorted values (nearest rank), 0 when empty.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    match sorted.len() {
+        0 => 0.0,
+        n => sorted[((n - 1) as f64 * q).round() as usize],
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
 /// Replays `requests` through `mgr`. `progress` counts requests finished or
 /// rejected, for a progress bar.
-pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, progress: &AtomicU64) -> RunResult {
+pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, progress: &AtomicU64) -> RunResult {
     let start = Instant::now();
     let mut r = RunResult { name: mgr.name().to_string(), ..Default::default() };
     let kvpt = cfg.kv_bytes_per_token;
-    let mut generated = vec![0u64; requests.len()];
-    let mut admitted_at: Vec<Option<f64>> = vec![None; requests.len()];
-    let mut latencies: Vec<f64> = Vec::with_capacity(requests.len());
+    let prof = &cfg.profile;
+    let n = requests.len();
+    let mut generated = vec![0u64; n];
+    let mut admitted_at: Vec<Option<f64>> = vec![None; n];
+    let mut first_token_at: Vec<Option<f64>> = vec![None; n];
+    let mut latencies: Vec<f64> = Vec::with_capacity(n);
+    let mut ttfts: Vec<f64> = Vec::with_capacity(n);
+    let mut tpots: Vec<f64> = Vec::with_capacity(n);
+    let mut step_times: Vec<f64> = Vec::new();
     let mut waiting: VecDeque<usize> = VecDeque::new();
     let mut running: Vec<Live> = Vec::new();
     let mut next = 0usize;
-    let mut now = requests.first().map_or(0.0, |q| q.arrival_s);
+    let t0 = requests.first().map_or(0.0, |q| q.arrival_s);
+    let mut now = t0;
     let mut waste_sum = 0.0;
     let mut phys_sum = 0.0;
     let mut live_sum = 0.0;
     let mut measured_steps = 0u64;
+    // KV held by running requests now, kept up to date at every change.
+    let mut live_now = 0u64;
     let total_out: u64 = requests.iter().map(|q| q.output).sum();
-    let max_steps = 20 * total_out + 10 * requests.len() as u64 + 100_000;
+    let max_steps = 20 * total_out + 10 * n as u64 + 100_000;
     // Bumped whenever KV is freed; admission after a failure waits for it.
     let mut freed_gen = 0u64;
     let mut blocked_at: Option<u64> = None;
+    let mut copied_before = mgr.bytes_copied();
 
     // Verifies and frees a sequence's KV; returns mismatching tags.
     let retire = |mgr: &mut dyn KvManager, l: &Live| -> u64 {
-        let mut bad = 0;
-        for t in 0..l.stored {
-            if mgr.read_tag(l.seq, t) != Some(tag(l.seq, t)) {
-                bad += 1;
-            }
-        }
+        let q = &requests[l.seq];
+        let bad = (0..l.stored).filter(|&t| mgr.read_tag(l.seq, t) != Some(token_tag(q, l.seq, t))).count();
         mgr.free(l.seq);
-        bad
+        bad as u64
     };
 
     loop {
@@ -140,26 +222,39 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
                 None => break,
             }
         }
-        while next < requests.len() && requests[next].arrival_s <= now {
+        while next < n && requests[next].arrival_s <= now {
             waiting.push_back(next);
             next += 1;
         }
+        let calls_before = mgr.calls();
+        let mut work = StepWork::default();
 
         // Admission.
         while running.len() < cfg.max_batch && blocked_at != Some(freed_gen) {
             let Some(&seq) = waiting.front() else { break };
-            let stored = requests[seq].prompt + generated[seq];
-            match mgr.admit(seq, stored + 1) {
-                Ok(()) => {
+            let q = &requests[seq];
+            let stored = q.prompt + generated[seq];
+            match mgr.admit(seq, stored + 1, q) {
+                Ok(hit) => {
                     waiting.pop_front();
-                    for t in 0..stored {
-                        if !mgr.write_tag(seq, t, tag(seq, t)) {
+                    let hit = hit.min(q.prompt.saturating_sub(1));
+                    for t in hit..stored {
+                        if !mgr.write_tag(seq, t, token_tag(q, seq, t)) {
                             r.integrity_errors += 1;
                         }
                     }
-                    r.tags_written += stored;
+                    r.tags_written += stored - hit;
+                    r.prefix_hit_tokens += hit;
+                    r.prompt_tokens += q.prompt;
+                    work.prefill_tokens += stored - hit;
+                    r.prefill_tokens += stored - hit;
+                    if admitted_at[seq].is_some() {
+                        r.recomputed_tokens += stored - hit;
+                    }
                     admitted_at[seq].get_or_insert(now);
                     running.push(Live { seq, stored });
+                    live_now += stored * kvpt;
+                    r.peak_live_bytes = r.peak_live_bytes.max(live_now);
                 }
                 Err(f) => {
                     r.admission_failures += 1;
@@ -177,7 +272,9 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
             }
         }
 
-        // Decode: one token for every running request.
+        // Decode: one token for every running request. The step reads the
+        // KV each of them holds; finished requests end with the step.
+        let mut finished: Vec<usize> = Vec::new();
         let mut i = 0;
         while i < running.len() {
             let (seq, stored) = (running[i].seq, running[i].stored);
@@ -187,6 +284,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
                 note(&mut r, &f, || format!("growth of request {seq}"));
                 let victim = running.pop().expect("the growing request is running");
                 r.integrity_errors += retire(mgr, &victim);
+                live_now -= victim.stored * kvpt;
                 freed_gen += 1;
                 r.preemptions += 1;
                 waiting.push_front(victim.seq);
@@ -198,32 +296,71 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
             if !ok {
                 break;
             }
-            if !mgr.write_tag(seq, stored, tag(seq, stored)) {
+            let q = &requests[seq];
+            if !mgr.write_tag(seq, stored, token_tag(q, seq, stored)) {
                 r.integrity_errors += 1;
             }
             r.tags_written += 1;
+            work.decoding = true;
+            work.decode_kv_bytes += stored * kvpt;
             running[i].stored += 1;
+            live_now += kvpt;
+            r.peak_live_bytes = r.peak_live_bytes.max(live_now);
             generated[seq] += 1;
-            if generated[seq] >= requests[seq].output {
+            r.output_tokens += 1;
+            if generated[seq] >= q.output {
                 let done = running.remove(i);
                 r.integrity_errors += retire(mgr, &done);
+                live_now -= done.stored * kvpt;
                 freed_gen += 1;
                 r.completed_requests += 1;
-                latencies.push(now + cfg.step_s - requests[seq].arrival_s);
+                finished.push(seq);
                 progress.fetch_add(1, Relaxed);
             } else {
                 i += 1;
             }
         }
+        let after_critical = mgr.calls();
+        let critical = after_critical.since(&calls_before);
+        work.alloc_critical_s = prof.driver_s(&critical);
+        work.critical_syncs = critical.synchronize;
+        let copied = mgr.bytes_copied();
+        work.copied_bytes = copied - copied_before;
+        copied_before = copied;
 
-        mgr.end_step();
+        // Between steps: while the GPU computes.
+        mgr.between_steps();
+        work.alloc_between_s = prof.driver_s(&mgr.calls().since(&after_critical));
         if r.steps % 64 == 0 {
             mgr.housekeeping();
         }
+
+        let st = prof.step(&work);
+        step_times.push(st.total_s);
+        r.gpu_seconds += st.gpu_s;
+        r.critical_path_alloc_s += st.alloc_charged_s;
+        r.overlapped_alloc_s += st.alloc_hidden_s;
+        r.critical_path_syncs += work.critical_syncs;
+        now += st.total_s;
+        // Tokens of this step exist at its end.
+        for l in &running {
+            first_token_at[l.seq].get_or_insert(now);
+        }
+        for &seq in &finished {
+            let q = &requests[seq];
+            let first = *first_token_at[seq].get_or_insert(now);
+            latencies.push(now - q.arrival_s);
+            ttfts.push(first - q.arrival_s);
+            if q.output > 1 {
+                tpots.push((now - first) / (q.output - 1) as f64);
+            }
+        }
+
         // Accounting.
         let live: u64 = running.iter().map(|l| l.stored * kvpt).sum();
+        debug_assert_eq!(live, live_now);
         let phys = mgr.physical_bytes();
-        r.peak_live_bytes = r.peak_live_bytes.max(live);
+        r.peak_live_end_of_step_bytes = r.peak_live_end_of_step_bytes.max(live);
         if phys > 0 {
             waste_sum += phys.saturating_sub(live) as f64 / phys as f64;
             phys_sum += phys as f64;
@@ -231,7 +368,6 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
             measured_steps += 1;
         }
         r.steps += 1;
-        now += cfg.step_s;
         if r.steps > max_steps {
             r.aborted = Some(format!("no progress after {} steps", r.steps));
             break;
@@ -245,22 +381,29 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: SchedConfig, p
     r.mean_physical_bytes = phys_sum / m;
     r.mean_live_bytes = live_sum / m;
     r.final_physical_bytes = mgr.physical_bytes();
-    if !latencies.is_empty() {
-        latencies.sort_by(f64::total_cmp);
-        r.mean_latency_s = latencies.iter().sum::<f64>() / latencies.len() as f64;
-        r.p99_latency_s = latencies[((latencies.len() - 1) as f64 * 0.99).round() as usize];
+    for v in [&mut latencies, &mut ttfts, &mut tpots, &mut step_times] {
+        v.sort_by(f64::total_cmp);
     }
+    r.mean_latency_s = mean(&latencies);
+    r.p99_latency_s = quantile(&latencies, 0.99);
+    r.ttft_mean_s = mean(&ttfts);
+    r.ttft_p99_s = quantile(&ttfts, 0.99);
+    r.tpot_mean_s = mean(&tpots);
+    r.tpot_p99_s = quantile(&tpots, 0.99);
+    r.step_time_p50_s = quantile(&step_times, 0.5);
+    r.step_time_p99_s = quantile(&step_times, 0.99);
+    r.step_time_max_s = step_times.last().copied().unwrap_or(0.0);
     let queued: Vec<f64> =
         admitted_at.iter().zip(requests).filter_map(|(a, q)| a.map(|a| (a - q.arrival_s).max(0.0))).collect();
-    if !queued.is_empty() {
-        r.mean_queue_s = queued.iter().sum::<f64>() / queued.len() as f64;
-    }
+    r.mean_queue_s = mean(&queued);
+    r.prefix_hit_rate = if r.prompt_tokens > 0 { r.prefix_hit_tokens as f64 / r.prompt_tokens as f64 } else { 0.0 };
     r.peak_physical_bytes = mgr.peak_physical_bytes();
     r.bytes_copied = mgr.bytes_copied();
     r.moves = mgr.moves();
     r.calls = mgr.calls();
     r.extra = mgr.extra();
-    r.simulated_seconds = now - requests.first().map_or(0.0, |q| q.arrival_s);
+    r.simulated_seconds = now - t0;
+    r.tokens_per_s = if r.simulated_seconds > 0.0 { r.output_tokens as f64 / r.simulated_seconds } else { 0.0 };
     r.wall_seconds = start.elapsed().as_secs_f64();
     r
 }

@@ -14,13 +14,27 @@ use std::path::Path;
 
 use super::util::Rng;
 
+/// Tokens named by one prompt hash of a Mooncake trace.
+pub const HASH_BLOCK_TOKENS: u64 = 512;
+
 /// One request: arrival time and token counts.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Request {
     pub arrival_s: f64,
     pub prompt: u64,
     /// Tokens to generate (at least 1).
     pub output: u64,
+    /// Mooncake `hash_ids`: block `i` names prompt tokens `512 i ..
+    /// 512 (i + 1)` and, being chained on its predecessors, the whole
+    /// prefix up to them. Empty where the trace has none (Azure).
+    pub hash_ids: std::sync::Arc<[u64]>,
+}
+
+impl Request {
+    /// Prompt blocks of [`HASH_BLOCK_TOKENS`] that are full and named.
+    pub fn full_hash_blocks(&self) -> u64 {
+        (self.prompt / HASH_BLOCK_TOKENS).min(self.hash_ids.len() as u64)
+    }
 }
 
 /// A named, arrival-ordered list of requests.
@@ -100,6 +114,14 @@ pub fn parse_csv(text: &str, limit: Option<usize>) -> Result<Vec<Request>, Strin
 
 /// Parses the Mooncake JSONL format.
 pub fn parse_jsonl(text: &str, limit: Option<usize>) -> Result<Vec<Request>, String> {
+    #[derive(serde::Deserialize)]
+    struct Line {
+        timestamp: f64,
+        input_length: f64,
+        output_length: f64,
+        #[serde(default)]
+        hash_ids: Vec<u64>,
+    }
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -108,13 +130,11 @@ pub fn parse_jsonl(text: &str, limit: Option<usize>) -> Result<Vec<Request>, Str
         if limit.is_some_and(|n| out.len() >= n) {
             break;
         }
-        let field =
-            |name: &str| json_number(line, name).ok_or_else(|| format!("line {}: no numeric field {name:?}", i + 1));
-        let ts = field("timestamp")?;
-        out.push(
-            request(ts / 1000.0, field("input_length")?, field("output_length")?)
-                .map_err(|e| format!("line {}: {e}", i + 1))?,
-        );
+        let l: Line = serde_json::from_str(line).map_err(|e| format!("line {}: {e}", i + 1))?;
+        let mut r = request(l.timestamp / 1000.0, l.input_length, l.output_length)
+            .map_err(|e| format!("line {}: {e}", i + 1))?;
+        r.hash_ids = l.hash_ids.into();
+        out.push(r);
     }
     Ok(out)
 }
@@ -123,18 +143,12 @@ fn request(arrival_s: f64, prompt: f64, output: f64) -> Result<Request, String> 
     if !(arrival_s.is_finite() && prompt >= 0.0 && output >= 0.0) {
         return Err("negative or invalid value".into());
     }
-    Ok(Request { arrival_s, prompt: (prompt as u64).max(1), output: (output as u64).max(1) })
-}
-
-/// The number after `"name":` on a one-object line (top level or not: the
-/// formats have no nesting that could confuse this).
-fn json_number(line: &str, name: &str) -> Option<f64> {
-    let key = format!("\"{name}\"");
-    let at = line.find(&key)? + key.len();
-    let rest = line[at..].trim_start().strip_prefix(':')?.trim_start();
-    let end =
-        rest.find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E'))).unwrap_or(rest.len());
-    rest[..end].parse().ok()
+    Ok(Request {
+        arrival_s,
+        prompt: (prompt as u64).max(1),
+        output: (output as u64).max(1),
+        hash_ids: Vec::new().into(),
+    })
 }
 
 /// Inverse CDF through (quantile, value) points, linear in between.
@@ -169,7 +183,7 @@ pub fn synthetic(n: usize, seed: u64) -> Trace {
     for _ in 0..n {
         let prompt = quantile(&PROMPT_QUANTILES, rng.f64()).round().max(1.0) as u64;
         let output = quantile(&OUTPUT_QUANTILES, rng.f64()).round().max(1.0) as u64;
-        requests.push(Request { arrival_s: t, prompt, output });
+        requests.push(Request { arrival_s: t, prompt, output, hash_ids: Vec::new().into() });
         t += -(1.0 - rng.f64()).ln() / SYNTHETIC_RATE;
     }
     Trace { name: format!("synthetic-azure-conv(seed={seed},n={n})"), requests }
@@ -188,6 +202,8 @@ mod tests {
         let jl = "{\"timestamp\": 1500, \"input_length\": 6758, \"output_length\": 500, \"hash_ids\": [0, 1]}\n";
         let r = parse_jsonl(jl, None).unwrap();
         assert_eq!((r[0].arrival_s, r[0].prompt, r[0].output), (1.5, 6758, 500));
+        assert_eq!(&r[0].hash_ids[..], &[0, 1]);
+        assert_eq!(r[0].full_hash_blocks(), 2);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! KV-serving replay: LLM serving traffic through vmm-arena and through
-//! models of the allocators engines use today, side by side.
+//! models of the allocators engines use today, side by side, with every
+//! step's time charged by a GPU step-time model.
 //!
 //! ```sh
 //! cargo run --release --example kv_serving                       # built-in synthetic Azure-like trace
@@ -10,183 +11,159 @@
 //! Every manager replays the same requests with the same scheduler (see
 //! `common/replay.rs`) on its own counted host device (sparse mode) of the
 //! same capacity; each token's KV slot gets a real tag written through the
-//! mapping and verified when the request ends. `--help` lists the options.
+//! mapping and verified when the request ends. Step times, throughput and
+//! latency come from `common/timing.rs` (GPU profile `h200` by default).
+//! `--help` lists the options.
 
 #[path = "../common/mod.rs"]
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::counted::Calls;
-use common::managers::{self, ArenaOptions, KvShape, Layout, ALL_MANAGERS};
+use clap::{Parser, ValueEnum};
+use common::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
 use common::replay::{self, RunResult, SchedConfig};
-use common::trace::Request;
+use common::timing::Profile;
 use common::trace::{self, Trace};
-use common::util::{fmt_bytes, json_f64, json_str, parse_size, stderr_is_terminal};
+use common::util::{fmt_bytes, parse_size};
+use serde_json::{json, Value};
 
-const HELP: &str = "\
-kv_serving: replay LLM serving traffic through vmm-arena and today's allocators
+/// Replay LLM serving traffic through vmm-arena and today's KV-cache
+/// managers, charging each step's time with a GPU step-time model.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "kv_serving", version, about)]
+struct Opts {
+    /// Azure CSV or Mooncake JSONL trace (default: built-in synthetic
+    /// Azure-conversation-like trace, seeded).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Requests in the synthetic trace (default 1500; --quick: 300).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Seed of the synthetic trace.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Replay only the first N requests of the trace.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// A small run (under a minute): --limit 300 for a trace file.
+    #[arg(long)]
+    quick: bool,
+    /// Model preset: llama2-7b (512 KiB/token), llama3-8b (128 KiB/token),
+    /// llama3-70b (320 KiB/token).
+    #[arg(long, default_value = "llama3-8b")]
+    model: String,
+    /// Override the preset's KV bytes per token (suffixes allowed).
+    #[arg(long, value_parser = parse_size)]
+    kv_bytes_per_token: Option<u64>,
+    /// Override the preset's layer count (per-layer layout).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Tokens a growable reservation is sized for (default: the preset's
+    /// context: 4096 / 131072 / 131072, Llama 2 and 3.1).
+    #[arg(long)]
+    max_context: Option<u64>,
+    /// KV layout of a request.
+    #[arg(long, value_enum, default_value = "token-major")]
+    layout: LayoutArg,
+    /// Most running requests.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    max_batch: u64,
+    /// Device memory for KV, e.g. 40GiB (default: an 80 GB GPU less
+    /// Llama-3-8B's 16 GB of weights).
+    #[arg(long, default_value = "64GiB", value_parser = parse_size)]
+    capacity: u64,
+    /// Comma-separated subset of: arena, arena-no-moves, pytorch-caching,
+    /// pytorch-expandable, vllm-paged, ideal-contiguous, contiguous-max.
+    #[arg(long, value_delimiter = ',', default_values_t = ALL_MANAGERS.map(String::from))]
+    managers: Vec<String>,
+    /// vmm-arena's pooled-memory watermark: a size, or "all".
+    #[arg(long, default_value = "all", value_parser = parse_retain)]
+    retain: u64,
+    /// vmm-arena's virtual range (default: 4 x capacity, or room for
+    /// 2 x max-batch reservations if that is more).
+    #[arg(long, value_parser = parse_size)]
+    arena_reserve: Option<u64>,
+    /// GPU profile of the step-time model.
+    #[arg(long, default_value = "h200", value_parser = ["h200", "a100"])]
+    profile: String,
+    /// JSON object overriding fields of the profile (see common/timing.rs).
+    #[arg(long)]
+    profile_file: Option<PathBuf>,
+    /// vLLM's automatic prefix caching in vllm-paged (on by default, as in vLLM).
+    #[arg(long, value_enum, default_value = "on")]
+    prefix_caching: OnOff,
+    /// contiguous-max's room for output tokens (default: the trace's largest output).
+    #[arg(long)]
+    max_tokens: Option<u64>,
+    /// Managers replayed at once, each in its own process (default:
+    /// available cores).
+    #[arg(long)]
+    jobs: Option<usize>,
+    /// Write the results as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Internal: replay only this manager and report on stdout.
+    #[arg(long, hide = true)]
+    worker: Option<String>,
+}
 
-usage: kv_serving [options]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LayoutArg {
+    TokenMajor,
+    PerLayer,
+}
 
-  --trace PATH               Azure CSV or Mooncake JSONL trace (default: built-in synthetic
-                             Azure-conversation-like trace, seeded)
-  --requests N               requests in the synthetic trace (default 1500; --quick: 300)
-  --seed N                   seed of the synthetic trace (default 1)
-  --limit N                  replay only the first N requests of the trace
-  --quick                    a small run (under a minute): --limit 300 for a trace file
-  --model NAME               llama2-7b (512 KiB/token), llama3-8b (128 KiB/token, default),
-                             llama3-70b (320 KiB/token)
-  --kv-bytes-per-token N     override the preset's KV bytes per token (suffixes allowed)
-  --layers N                 override the preset's layer count (per-layer layout)
-  --max-context N            tokens a growable reservation is sized for (default: the
-                             preset's context: 4096 / 131072 / 131072, Llama 2 and 3.1)
-  --layout L                 token-major (default) or per-layer
-  --max-batch N              most running requests (default 256)
-  --step-ms MS               simulated time per step (default 30)
-  --capacity SIZE            device memory for KV, e.g. 40GiB (default 64GiB: an 80 GB GPU
-                             less Llama-3-8B's 16 GB of weights)
-  --managers LIST            comma-separated subset of: arena, arena-no-moves,
-                             pytorch-caching, pytorch-expandable, vllm-paged (default: all)
-  --retain SIZE|all          vmm-arena's pooled-memory watermark (default: all)
-  --arena-reserve SIZE       vmm-arena's virtual range (default: 4 x capacity, or room for
-                             2 x max-batch reservations if that is more)
-  --jobs N                   managers replayed at once, each in its own process
-                             (default: available cores)
-  --json PATH                write the results as JSON
-  -h, --help                 this text
-";
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+fn parse_retain(s: &str) -> Result<u64, String> {
+    if s == "all" {
+        Ok(u64::MAX)
+    } else {
+        parse_size(s)
+    }
+}
 
 struct Model {
     name: &'static str,
     kv_bytes_per_token: u64,
     layers: u32,
     context: u64,
+    /// Parameters, for the step-time model's FLOPs and weight bytes.
+    params: f64,
 }
 
 const MODELS: [Model; 3] = [
-    Model { name: "llama2-7b", kv_bytes_per_token: 512 << 10, layers: 32, context: 4096 },
-    Model { name: "llama3-8b", kv_bytes_per_token: 128 << 10, layers: 32, context: 131072 },
-    Model { name: "llama3-70b", kv_bytes_per_token: 320 << 10, layers: 80, context: 131072 },
+    Model { name: "llama2-7b", kv_bytes_per_token: 512 << 10, layers: 32, context: 4096, params: 6.7e9 },
+    Model { name: "llama3-8b", kv_bytes_per_token: 128 << 10, layers: 32, context: 131072, params: 8.0e9 },
+    Model { name: "llama3-70b", kv_bytes_per_token: 320 << 10, layers: 80, context: 131072, params: 70.6e9 },
 ];
-
-struct Opts {
-    trace: Option<PathBuf>,
-    requests: Option<usize>,
-    seed: u64,
-    limit: Option<usize>,
-    quick: bool,
-    model: String,
-    kvpt: Option<u64>,
-    layers: Option<u32>,
-    max_context: Option<u64>,
-    layout: Layout,
-    max_batch: usize,
-    step_ms: f64,
-    capacity: u64,
-    managers: Vec<String>,
-    retain: u64,
-    arena_reserve: u64,
-    jobs: usize,
-    json: Option<PathBuf>,
-    /// Internal: replay only this manager and report on stdout.
-    worker: Option<String>,
-}
 
 fn die(msg: &str) -> ! {
     eprintln!("kv_serving: {msg}");
     std::process::exit(2);
 }
 
-fn parse_args() -> Opts {
-    let mut o = Opts {
-        trace: None,
-        requests: None,
-        seed: 1,
-        limit: None,
-        quick: false,
-        model: "llama3-8b".into(),
-        kvpt: None,
-        layers: None,
-        max_context: None,
-        layout: Layout::TokenMajor,
-        max_batch: 256,
-        step_ms: 30.0,
-        capacity: 64 << 30,
-        managers: ALL_MANAGERS.iter().map(|s| s.to_string()).collect(),
-        retain: u64::MAX,
-        arena_reserve: 0,
-        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        json: None,
-        worker: None,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let (key, inline) = match a.split_once('=') {
-            Some((k, v)) if k.starts_with("--") => (k.to_string(), Some(v.to_string())),
-            _ => (a.clone(), None),
-        };
-        let mut val = || inline.clone().or_else(|| args.next()).unwrap_or_else(|| die(&format!("{key} needs a value")));
-        let num = |s: String| s.parse::<u64>().unwrap_or_else(|_| die(&format!("{key}: bad number {s:?}")));
-        match key.as_str() {
-            "--trace" => o.trace = Some(PathBuf::from(val())),
-            "--requests" => o.requests = Some(num(val()) as usize),
-            "--seed" => o.seed = num(val()),
-            "--limit" => o.limit = Some(num(val()) as usize),
-            "--quick" => o.quick = true,
-            "--model" => o.model = val(),
-            "--kv-bytes-per-token" => o.kvpt = Some(parse_size(&val()).unwrap_or_else(|e| die(&e))),
-            "--layers" => o.layers = Some(num(val()) as u32),
-            "--max-context" => o.max_context = Some(num(val())),
-            "--layout" => {
-                o.layout = match val().as_str() {
-                    "token-major" => Layout::TokenMajor,
-                    "per-layer" => Layout::PerLayer,
-                    other => die(&format!("unknown layout {other:?} (token-major or per-layer)")),
-                }
-            }
-            "--max-batch" => o.max_batch = num(val()).max(1) as usize,
-            "--step-ms" => {
-                let v = val();
-                o.step_ms = v.parse().ok().filter(|&x: &f64| x > 0.0).unwrap_or_else(|| die("--step-ms: bad value"))
-            }
-            "--capacity" => o.capacity = parse_size(&val()).unwrap_or_else(|e| die(&e)),
-            "--managers" => {
-                o.managers = val().split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
-                for m in &o.managers {
-                    if !ALL_MANAGERS.contains(&m.as_str()) {
-                        die(&format!("unknown manager {m:?} (known: {})", ALL_MANAGERS.join(", ")));
-                    }
-                }
-            }
-            "--retain" => {
-                let v = val();
-                o.retain = if v == "all" { u64::MAX } else { parse_size(&v).unwrap_or_else(|e| die(&e)) }
-            }
-            "--arena-reserve" => o.arena_reserve = parse_size(&val()).unwrap_or_else(|e| die(&e)),
-            "--jobs" => o.jobs = num(val()).max(1) as usize,
-            "--json" => o.json = Some(PathBuf::from(val())),
-            "--worker" => o.worker = Some(val()),
-            "-h" | "--help" => {
-                print!("{HELP}");
-                std::process::exit(0);
-            }
-            other => die(&format!("unknown option {other:?} (try --help)")),
-        }
-    }
-    if o.managers.is_empty() {
-        die("--managers: empty list");
-    }
-    o
+/// Everything a replay needs, derived from the options.
+struct Setup {
+    trace: Trace,
+    shape: KvShape,
+    model: &'static str,
+    cfg: SchedConfig,
+    build: BuildOptions,
+    jobs: usize,
 }
 
-fn main() {
-    let o = parse_args();
+fn setup(o: &Opts) -> Setup {
     let model = MODELS.iter().find(|m| m.name == o.model).unwrap_or_else(|| {
         die(&format!(
             "unknown model {:?} (known: {}; or give --kv-bytes-per-token)",
@@ -194,10 +171,21 @@ fn main() {
             MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
         ))
     });
+    for m in &o.managers {
+        if !ALL_MANAGERS.contains(&m.as_str()) {
+            die(&format!("unknown manager {m:?} (known: {})", ALL_MANAGERS.join(", ")));
+        }
+    }
+    if o.managers.is_empty() {
+        die("--managers: empty list");
+    }
     let shape = KvShape {
-        kv_bytes_per_token: o.kvpt.unwrap_or(model.kv_bytes_per_token),
+        kv_bytes_per_token: o.kv_bytes_per_token.unwrap_or(model.kv_bytes_per_token),
         layers: o.layers.unwrap_or(model.layers),
-        layout: o.layout,
+        layout: match o.layout {
+            LayoutArg::TokenMajor => Layout::TokenMajor,
+            LayoutArg::PerLayer => Layout::PerLayer,
+        },
         max_context: o.max_context.unwrap_or(model.context),
     };
     if shape.kv_bytes_per_token < 8 * shape.n_allocs() {
@@ -217,26 +205,47 @@ fn main() {
             t
         }
     };
-    let cfg = SchedConfig {
-        max_batch: o.max_batch,
-        step_s: o.step_ms / 1000.0,
-        kv_bytes_per_token: shape.kv_bytes_per_token,
-    };
-    let reserve = match o.arena_reserve {
-        0 => managers::arena_reserve(shape, o.capacity, o.max_batch),
-        r => r,
-    };
-    let arena_opts = ArenaOptions { capacity: o.capacity, reserve, retain: o.retain, no_implicit_moves: false };
-    let o = Opts { arena_reserve: reserve, ..o };
+    let mut profile = Profile::named(&o.profile).unwrap_or_else(|e| die(&e));
+    profile.params = model.params;
+    if let Some(p) = &o.profile_file {
+        let text = std::fs::read_to_string(p).unwrap_or_else(|e| die(&format!("cannot read {}: {e}", p.display())));
+        profile = Profile::with_overrides(&profile, &text).unwrap_or_else(|e| die(&format!("{}: {e}", p.display())));
+    }
+    let max_batch = o.max_batch as usize;
+    let reserve = o.arena_reserve.unwrap_or_else(|| managers::arena_reserve(shape, o.capacity, max_batch));
+    let arena = ArenaOptions { capacity: o.capacity, reserve, retain: o.retain, no_implicit_moves: false };
+    let max_tokens = o.max_tokens.unwrap_or_else(|| trace.requests.iter().map(|q| q.output).max().unwrap_or(1));
+    let build = BuildOptions { arena, prefix_caching: o.prefix_caching == OnOff::On, max_tokens };
+    let jobs = o.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+    let cfg = SchedConfig { max_batch, kv_bytes_per_token: shape.kv_bytes_per_token, profile };
+    Setup { trace, shape, model: if o.kv_bytes_per_token.is_some() { "custom" } else { model.name }, cfg, build, jobs }
+}
 
+fn main() {
+    let o = Opts::parse();
+    let s = setup(&o);
     if let Some(name) = &o.worker {
-        run_worker(name, &trace, shape, arena_opts, cfg);
+        run_worker(name, &s);
         return;
     }
+    let jobs = s.jobs.min(o.managers.len());
+    if let Err(e) = managers::check_host_memory(
+        managers::host_ram(),
+        s.shape,
+        o.capacity,
+        &s.trace.requests,
+        s.cfg.max_batch,
+        &o.managers,
+        s.build.prefix_caching,
+        jobs,
+    ) {
+        die(&e);
+    }
+    let trace = &s.trace;
     let ((pm, pmed, pp99), (om, omed, op99)) = trace.stats();
     println!("KV-serving replay");
     println!(
-        "  trace     {} — {} requests over {:.0} s; prompt mean/median/p99 {:.0}/{}/{}, output {:.0}/{}/{}",
+        "  trace     {} — {} requests over {:.0} s; prompt mean/median/p99 {:.0}/{}/{}, output {:.0}/{}/{}{}",
         trace.name,
         trace.requests.len(),
         trace.duration_s(),
@@ -245,43 +254,52 @@ fn main() {
         pp99,
         om,
         omed,
-        op99
+        op99,
+        if trace.requests.iter().any(|q| !q.hash_ids.is_empty()) { "; prompt block hashes" } else { "" }
     );
     println!(
         "  model     {} — {} KV per token, {} layers, {} layout ({} allocation(s) per request, reservation {} tokens)",
-        if o.kvpt.is_some() { "custom" } else { model.name },
-        fmt_bytes(shape.kv_bytes_per_token),
-        shape.layers,
-        shape.layout.name(),
-        shape.n_allocs(),
-        shape.max_context
+        s.model,
+        fmt_bytes(s.shape.kv_bytes_per_token),
+        s.shape.layers,
+        s.shape.layout.name(),
+        s.shape.n_allocs(),
+        s.shape.max_context
     );
+    let p = &s.cfg.profile;
     println!(
-        "  device    {} capacity for every manager; max batch {}, step {} ms; host backend (sparse), driver calls counted",
+        "  device    {} capacity for every manager; max batch {}; GPU profile {} ({:.1} TB/s, {:.0} TFLOPS, \
+         prefill MFU {:.2}, CPU {:.1} ms/step); host backend (sparse), driver calls counted and priced",
         fmt_bytes(o.capacity),
-        o.max_batch,
-        o.step_ms
+        s.cfg.max_batch,
+        p.name,
+        p.hbm_bytes_per_s / 1e12,
+        p.peak_flops / 1e12,
+        p.prefill_mfu,
+        p.cpu_step_s * 1e3
     );
     println!(
-        "  arena     virtual range {}, retain {}",
-        fmt_bytes(reserve),
-        if o.retain == u64::MAX { "all pooled memory".to_string() } else { fmt_bytes(o.retain) }
+        "  managers  arena: virtual range {}, retain {}; vllm-paged: prefix caching {}; contiguous-max: room for {} output tokens",
+        fmt_bytes(s.build.arena.reserve),
+        if o.retain == u64::MAX { "all pooled memory".to_string() } else { fmt_bytes(o.retain) },
+        if s.build.prefix_caching { "on" } else { "off" },
+        s.build.max_tokens
     );
     println!();
 
     // Build managers up front so a bad configuration fails before the replay.
     for name in &o.managers {
-        if let Err(e) = managers::build(name, shape, arena_opts) {
+        if let Err(e) = managers::build(name, s.shape, s.build) {
             die(&format!("{name}: {e}"));
         }
     }
 
-    let results = run_all(&o, trace.requests.len() as u64);
-
-    print_table(&results, &trace);
+    let results = run_all(&o, &s, jobs);
+    print_table(&results, trace);
     if let Some(path) = &o.json {
-        let doc = to_json(&results, &trace, &o, &shape, model.name);
-        std::fs::write(path, doc).unwrap_or_else(|e| die(&format!("cannot write {}: {e}", path.display())));
+        let doc = to_json(&results, &o, &s);
+        let text = serde_json::to_string_pretty(&doc).expect("JSON of plain values");
+        std::fs::write(path, text + "\n").unwrap_or_else(|e| die(&format!("cannot write {}: {e}", path.display())));
         println!("\nJSON written to {}", path.display());
     }
     let mut failed = false;
@@ -317,35 +335,21 @@ fn gib(b: f64) -> String {
 }
 
 fn print_table(results: &[RunResult], trace: &Trace) {
-    let row = |c: [&str; 18]| {
-        println!(
-            "{:<19} {:>6} {:>5} {:>7} {:>6} {:>9} {:>9} {:>9} {:>6} {:>8} {:>6} {:>8} {:>8} {:>8} {:>7} {:>7} {:>5} {:>7}",
-            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11], c[12], c[13], c[14], c[15], c[16], c[17]
-        )
+    const W: [usize; 17] = [19, 5, 4, 7, 8, 8, 8, 8, 8, 7, 6, 7, 8, 7, 7, 7, 5];
+    let row = |c: [&str; 17]| {
+        let mut line = format!("{:<w$}", c[0], w = W[0]);
+        for (v, w) in c.iter().zip(W).skip(1) {
+            line.push_str(&format!(" {v:>w$}"));
+        }
+        println!("{line}");
     };
     row([
-        "manager",
-        "done",
-        "rej",
-        "preempt",
-        "frag",
-        "peak live",
-        "peak phys",
-        "mean phys",
-        "waste",
-        "copied",
-        "moves",
-        "creates",
-        "maps",
-        "model s",
-        "latency",
-        "latency",
-        "integ",
-        "wall s",
+        "manager", "done", "rej", "preempt", "tok/s", "TTFT", "TPOT", "step", "alloc s", "hidden", "syncs", "prefix",
+        "recomp", "peak", "peak", "mean", "integ",
     ]);
     row([
-        "", "", "", "", "fails", "GiB", "GiB", "GiB", "mean", "GiB", "", "", "", "driver", "mean s", "p99 s", "errs",
-        "",
+        "", "", "", "", "", "p99 s", "p99 ms", "p99 ms", "charged", "s", "", "hit", "tokens", "live", "phys", "phys",
+        "errs",
     ]);
     for r in results {
         row([
@@ -353,43 +357,41 @@ fn print_table(results: &[RunResult], trace: &Trace) {
             &r.completed_requests.to_string(),
             &r.rejected_requests.to_string(),
             &r.preemptions.to_string(),
-            &r.fragmentation_failures.to_string(),
+            &format!("{:.0}", r.tokens_per_s),
+            &format!("{:.2}", r.ttft_p99_s),
+            &format!("{:.1}", r.tpot_p99_s * 1e3),
+            &format!("{:.1}", r.step_time_p99_s * 1e3),
+            &format!("{:.3}", r.critical_path_alloc_s),
+            &format!("{:.3}", r.overlapped_alloc_s),
+            &r.critical_path_syncs.to_string(),
+            &format!("{:.1}%", r.prefix_hit_rate * 100.0),
+            &r.recomputed_tokens.to_string(),
             &gib(r.peak_live_bytes as f64),
             &gib(r.peak_physical_bytes as f64),
             &gib(r.mean_physical_bytes),
-            &format!("{:.1}%", r.mean_waste_fraction * 100.0),
-            &gib(r.bytes_copied as f64),
-            &r.moves.to_string(),
-            &r.calls.create.to_string(),
-            &r.calls.map.to_string(),
-            &format!("{:.2}", r.calls.modeled_seconds()),
-            &format!("{:.1}", r.mean_latency_s),
-            &format!("{:.1}", r.p99_latency_s),
             &r.integrity_errors.to_string(),
-            &format!("{:.1}", r.wall_seconds),
         ]);
     }
-    let n = trace.requests.len();
     println!(
-        "\n  {n} requests; done = completed, rej = rejected (cannot fit even alone), frag fails = allocations that"
+        "\n  {} requests. tok/s = output tokens per simulated second; TTFT = arrival to first token;",
+        trace.requests.len()
     );
-    println!(
-        "  failed although free device memory covered them; waste = mean over steps of (physical - live) / physical;"
-    );
-    println!("  latency = simulated seconds from arrival to the last token (queueing and recomputation included);");
-    println!(
-        "  model s = driver calls x the A100 cost table (create 193 us, set_access 36 us, unmap 25.6 us, map 1.45 us)."
-    );
+    println!("  TPOT = time per output token after the first, per request; step = a step's modeled time;");
+    println!("  alloc s charged = driver time on the critical path (admission, growth, free), plus between-steps");
+    println!("  driver time the GPU did not hide; hidden = between-steps driver time under the GPU; syncs = device");
+    println!("  synchronizes on the critical path (each costs its step the CPU/GPU overlap); prefix hit = prompt");
+    println!("  tokens found in vLLM's prefix cache; recomp = tokens computed again after preemptions; peak live =");
+    println!("  KV of running requests at its instantaneous peak; GiB for memory. See common/timing.rs.");
     if let Some(a) = results.iter().find(|r| r.name == "arena") {
         let rel: Vec<String> = results
             .iter()
             .filter(|r| r.name != "arena")
             .map(|r| {
                 format!(
-                    "{} {:.2}x peak phys, {:.2}x mean phys",
+                    "{} {:.2}x throughput, {:.2}x peak phys",
                     r.name,
+                    r.tokens_per_s / a.tokens_per_s.max(1e-9),
                     r.peak_physical_bytes as f64 / a.peak_physical_bytes.max(1) as f64,
-                    r.mean_physical_bytes / a.mean_physical_bytes.max(1.0)
                 )
             })
             .collect();
@@ -410,107 +412,55 @@ fn print_table(results: &[RunResult], trace: &Trace) {
     }
 }
 
-fn to_json(results: &[RunResult], trace: &Trace, o: &Opts, shape: &KvShape, model: &str) -> String {
-    let steps = results.iter().map(|r| r.steps).max().unwrap_or(0);
-    let mut s = String::new();
-    s.push_str("{\"workload\": {");
-    s.push_str(&format!(
-        "\"trace\": {}, \"requests\": {}, \"model\": {}, \"kv_bytes_per_token\": {}, \"layout\": {}, \
-         \"capacity_bytes\": {}, \"steps\": {}, \"layers\": {}, \"allocations_per_request\": {}, \
-         \"reservation_tokens\": {}, \"max_batch\": {}, \"step_ms\": {}, \"seed\": {}, \
-         \"arena_retain_bytes\": {}, \"arena_reserve_bytes\": {}, \"date_unix\": {}",
-        json_str(&trace.name),
-        trace.requests.len(),
-        json_str(if o.kvpt.is_some() { "custom" } else { model }),
-        shape.kv_bytes_per_token,
-        json_str(shape.layout.name()),
-        o.capacity,
-        steps,
-        shape.layers,
-        shape.n_allocs(),
-        shape.max_context,
-        o.max_batch,
-        json_f64(o.step_ms),
-        o.seed,
-        if o.retain == u64::MAX { "null".to_string() } else { o.retain.to_string() },
-        o.arena_reserve,
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-    ));
-    s.push_str("},\n \"managers\": [");
-    for (i, r) in results.iter().enumerate() {
-        if i > 0 {
-            s.push(',');
-        }
-        let c = r.calls;
-        s.push_str(&format!(
-            "\n  {{\"name\": {}, \"completed_requests\": {}, \"preemptions\": {}, \"fragmentation_failures\": {}, \
-             \"peak_live_bytes\": {}, \"peak_physical_bytes\": {}, \"mean_waste_fraction\": {}, \
-             \"bytes_copied\": {}, \"moves\": {}, \
-             \"driver_calls\": {{\"create\": {}, \"map\": {}, \"unmap\": {}, \"release\": {}, \"set_access\": {}, \
-             \"reserve\": {}, \"free_reservation\": {}, \"synchronize\": {}, \"data\": {}}}, \
-             \"modeled_driver_seconds\": {}, \"integrity_errors\": {}, \"wall_seconds\": {}, \
-             \"rejected_requests\": {}, \"admission_failures\": {}, \"growth_failures\": {}, \
-             \"host_limit_failures\": {}, \"create_failed\": {}, \
-             \"mean_latency_s\": {}, \"p99_latency_s\": {}, \"mean_queue_s\": {}, \
-             \"mean_physical_bytes\": {}, \"mean_live_bytes\": {}, \"final_physical_bytes\": {}, \
-             \"tags_written\": {}, \"steps\": {}, \"simulated_seconds\": {}, \"first_fragmentation_failure\": {}, \
-             \"aborted\": {}",
-            json_str(&r.name),
-            r.completed_requests,
-            r.preemptions,
-            r.fragmentation_failures,
-            r.peak_live_bytes,
-            r.peak_physical_bytes,
-            json_f64(r.mean_waste_fraction),
-            r.bytes_copied,
-            r.moves,
-            c.create,
-            c.map,
-            c.unmap,
-            c.release,
-            c.set_access,
-            c.reserve,
-            c.free_reservation,
-            c.synchronize,
-            c.data,
-            json_f64(c.modeled_seconds()),
-            r.integrity_errors,
-            json_f64(r.wall_seconds),
-            r.rejected_requests,
-            r.admission_failures,
-            r.growth_failures,
-            r.host_limit_failures,
-            c.create_failed,
-            json_f64(r.mean_latency_s),
-            json_f64(r.p99_latency_s),
-            json_f64(r.mean_queue_s),
-            json_f64(r.mean_physical_bytes),
-            json_f64(r.mean_live_bytes),
-            r.final_physical_bytes,
-            r.tags_written,
-            r.steps,
-            json_f64(r.simulated_seconds),
-            r.first_fragmentation.as_deref().map_or("null".to_string(), json_str),
-            r.aborted.as_deref().map_or("null".to_string(), json_str),
-        ));
-        for (k, v) in &r.extra {
-            s.push_str(&format!(", {}: {}", json_str(k), v));
-        }
-        s.push('}');
+/// One manager's JSON object: every field of its result, the driver calls
+/// under `driver_calls`, and its own extra facts at the top level.
+fn manager_json(r: &RunResult) -> Value {
+    let mut v = serde_json::to_value(r).expect("JSON of plain values");
+    let o = v.as_object_mut().expect("a struct serializes to an object");
+    o.remove("extra");
+    if let Some(calls) = o.remove("calls") {
+        o.insert("driver_calls".into(), calls);
     }
-    s.push_str("\n]}\n");
-    s
+    for (k, x) in &r.extra {
+        o.insert(k.clone(), serde_json::from_str(x).unwrap_or_else(|_| Value::String(x.clone())));
+    }
+    v
+}
+
+fn to_json(results: &[RunResult], o: &Opts, s: &Setup) -> Value {
+    json!({
+        "workload": {
+            "trace": s.trace.name,
+            "requests": s.trace.requests.len(),
+            "model": s.model,
+            "kv_bytes_per_token": s.shape.kv_bytes_per_token,
+            "layout": s.shape.layout.name(),
+            "capacity_bytes": o.capacity,
+            "steps": results.iter().map(|r| r.steps).max().unwrap_or(0),
+            "layers": s.shape.layers,
+            "allocations_per_request": s.shape.n_allocs(),
+            "reservation_tokens": s.shape.max_context,
+            "max_batch": s.cfg.max_batch,
+            "seed": o.seed,
+            "arena_retain_bytes": if o.retain == u64::MAX { Value::Null } else { json!(o.retain) },
+            "arena_reserve_bytes": s.build.arena.reserve,
+            "prefix_caching": s.build.prefix_caching,
+            "contiguous_max_tokens": s.build.max_tokens,
+            "profile": s.cfg.profile,
+            "date_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        },
+        "managers": results.iter().map(manager_json).collect::<Vec<_>>(),
+    })
 }
 
 /// Worker mode: replays one manager, reporting progress (`P n`) and the
-/// result (`R key=value` lines, then `E`) on stdout.
-fn run_worker(name: &str, trace: &Trace, shape: KvShape, arena: ArenaOptions, cfg: SchedConfig) {
-    let reqs: &[Request] = &trace.requests;
+/// result (`R` and its JSON) on stdout.
+fn run_worker(name: &str, s: &Setup) {
     let progress = AtomicU64::new(0);
     let done = std::sync::atomic::AtomicBool::new(false);
     let out = Mutex::new(std::io::stdout());
-    let r = std::thread::scope(|s| {
-        s.spawn(|| {
+    let r = std::thread::scope(|sc| {
+        sc.spawn(|| {
             let mut last = u64::MAX;
             while !done.load(Relaxed) {
                 let p = progress.load(Relaxed);
@@ -521,25 +471,22 @@ fn run_worker(name: &str, trace: &Trace, shape: KvShape, arena: ArenaOptions, cf
                 std::thread::sleep(Duration::from_millis(250));
             }
         });
-        let mut mgr = managers::build(name, shape, arena).unwrap_or_else(|e| die(&e));
-        let r = replay::replay(mgr.as_mut(), reqs, cfg, &progress);
+        let mut mgr = managers::build(name, s.shape, s.build).unwrap_or_else(|e| die(&e));
+        let r = replay::replay(mgr.as_mut(), &s.trace.requests, &s.cfg, &progress);
         drop(mgr);
         done.store(true, Relaxed);
         r
     });
     let mut o = out.lock().expect("stdout");
-    for (k, v) in encode(&r) {
-        let _ = writeln!(o, "R {k}={}", v.replace('\\', "\\\\").replace('\n', "\\n"));
-    }
-    let _ = writeln!(o, "E");
+    let _ = writeln!(o, "R {}", serde_json::to_string(&r).expect("JSON of plain values"));
     let _ = o.flush();
 }
 
-/// Runs every manager in its own process (`--jobs` at a time): each gets
-/// its own mapping budget (the host backend maps every chunk separately, and
+/// Runs every manager in its own process (`jobs` at a time): each gets its
+/// own mapping budget (the host backend maps every chunk separately, and
 /// the kernel caps mappings per process) and its own wall clock.
-fn run_all(o: &Opts, requests: u64) -> Vec<RunResult> {
-    let total = requests * o.managers.len() as u64;
+fn run_all(o: &Opts, s: &Setup, jobs: usize) -> Vec<RunResult> {
+    let per = s.trace.requests.len() as u64;
     let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("cannot find own executable: {e}")));
     let mut base_args: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
@@ -552,36 +499,33 @@ fn run_all(o: &Opts, requests: u64) -> Vec<RunResult> {
             _ => base_args.push(a),
         }
     }
-    let pending = Mutex::new((0..o.managers.len()).collect::<Vec<usize>>());
+    let pending = Mutex::new((0..o.managers.len()).collect::<std::collections::VecDeque<usize>>());
     let progress: Vec<AtomicU64> = o.managers.iter().map(|_| AtomicU64::new(0)).collect();
     let results: Mutex<Vec<Option<RunResult>>> = Mutex::new(vec![None; o.managers.len()]);
-    let started = Instant::now();
-    let tty = stderr_is_terminal();
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(per * o.managers.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("  [{bar:40}] {pos}/{len} request replays, {elapsed}")
+                .expect("a valid template")
+                .progress_chars("=> "),
+        );
+        b
+    });
     let finished = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|s| {
-        if tty {
-            s.spawn(|| {
+    std::thread::scope(|sc| {
+        if let Some(bar) = &bar {
+            sc.spawn(|| {
                 while !finished.load(Relaxed) {
-                    let done = progress.iter().map(|p| p.load(Relaxed)).sum::<u64>().min(total);
-                    let width = 40u64;
-                    let fill = (done * width / total.max(1)) as usize;
-                    eprint!(
-                        "\r  [{}{}] {}/{} request replays, {:.0} s ",
-                        "=".repeat(fill),
-                        " ".repeat(width as usize - fill),
-                        done,
-                        total,
-                        started.elapsed().as_secs_f64()
-                    );
+                    bar.set_position(progress.iter().map(|p| p.load(Relaxed)).sum());
                     std::thread::sleep(Duration::from_millis(200));
                 }
-                eprint!("\r{}\r", " ".repeat(90));
+                bar.finish_and_clear();
             });
         }
-        let workers: Vec<_> = (0..o.jobs.min(o.managers.len()))
+        let workers: Vec<_> = (0..jobs)
             .map(|_| {
-                s.spawn(|| loop {
-                    let Some(k) = pending.lock().expect("queue").pop_front_index() else { break };
+                sc.spawn(|| loop {
+                    let Some(k) = pending.lock().expect("queue").pop_front() else { break };
                     let name = &o.managers[k];
                     let mut child = Command::new(&exe)
                         .args(&base_args)
@@ -591,25 +535,20 @@ fn run_all(o: &Opts, requests: u64) -> Vec<RunResult> {
                         .spawn()
                         .unwrap_or_else(|e| die(&format!("cannot start a worker: {e}")));
                     let stdout = child.stdout.take().expect("piped stdout");
-                    let mut fields = Vec::new();
-                    let mut complete = false;
+                    let mut result = None;
                     for line in BufReader::new(stdout).lines() {
                         let Ok(line) = line else { break };
                         if let Some(p) = line.strip_prefix("P ") {
                             progress[k].store(p.parse().unwrap_or(0), Relaxed);
-                        } else if let Some(kv) = line.strip_prefix("R ") {
-                            if let Some((key, v)) = kv.split_once('=') {
-                                fields.push((key.to_string(), v.replace("\\n", "\n").replace("\\\\", "\\")));
-                            }
-                        } else if line == "E" {
-                            complete = true;
+                        } else if let Some(j) = line.strip_prefix("R ") {
+                            result = serde_json::from_str::<RunResult>(j).ok();
                         }
                     }
                     let status = child.wait();
-                    if !complete || !status.as_ref().is_ok_and(|s| s.success()) {
-                        die(&format!("the worker replaying {name} failed ({status:?})"));
+                    match (result, status) {
+                        (Some(r), Ok(st)) if st.success() => results.lock().expect("results")[k] = Some(r),
+                        (_, st) => die(&format!("the worker replaying {name} failed ({st:?})")),
                     }
-                    results.lock().expect("results")[k] = Some(decode(name, &fields));
                 })
             })
             .collect();
@@ -621,124 +560,4 @@ fn run_all(o: &Opts, requests: u64) -> Vec<RunResult> {
         finished.store(true, Relaxed);
     });
     results.into_inner().expect("results").into_iter().map(|r| r.expect("every manager ran")).collect()
-}
-
-trait PopFront {
-    fn pop_front_index(&mut self) -> Option<usize>;
-}
-
-impl PopFront for Vec<usize> {
-    fn pop_front_index(&mut self) -> Option<usize> {
-        if self.is_empty() {
-            None
-        } else {
-            Some(self.remove(0))
-        }
-    }
-}
-
-fn encode(r: &RunResult) -> Vec<(String, String)> {
-    let c = r.calls;
-    let mut v: Vec<(String, String)> = vec![
-        ("completed_requests".into(), r.completed_requests.to_string()),
-        ("rejected_requests".into(), r.rejected_requests.to_string()),
-        ("preemptions".into(), r.preemptions.to_string()),
-        ("admission_failures".into(), r.admission_failures.to_string()),
-        ("growth_failures".into(), r.growth_failures.to_string()),
-        ("fragmentation_failures".into(), r.fragmentation_failures.to_string()),
-        ("host_limit_failures".into(), r.host_limit_failures.to_string()),
-        ("peak_live_bytes".into(), r.peak_live_bytes.to_string()),
-        ("peak_physical_bytes".into(), r.peak_physical_bytes.to_string()),
-        ("mean_physical_bytes".into(), r.mean_physical_bytes.to_string()),
-        ("mean_live_bytes".into(), r.mean_live_bytes.to_string()),
-        ("mean_waste_fraction".into(), r.mean_waste_fraction.to_string()),
-        ("final_physical_bytes".into(), r.final_physical_bytes.to_string()),
-        ("mean_latency_s".into(), r.mean_latency_s.to_string()),
-        ("p99_latency_s".into(), r.p99_latency_s.to_string()),
-        ("mean_queue_s".into(), r.mean_queue_s.to_string()),
-        ("bytes_copied".into(), r.bytes_copied.to_string()),
-        ("moves".into(), r.moves.to_string()),
-        ("integrity_errors".into(), r.integrity_errors.to_string()),
-        ("tags_written".into(), r.tags_written.to_string()),
-        ("wall_seconds".into(), r.wall_seconds.to_string()),
-        ("steps".into(), r.steps.to_string()),
-        ("simulated_seconds".into(), r.simulated_seconds.to_string()),
-        ("c.reserve".into(), c.reserve.to_string()),
-        ("c.free_reservation".into(), c.free_reservation.to_string()),
-        ("c.create".into(), c.create.to_string()),
-        ("c.create_failed".into(), c.create_failed.to_string()),
-        ("c.release".into(), c.release.to_string()),
-        ("c.map".into(), c.map.to_string()),
-        ("c.set_access".into(), c.set_access.to_string()),
-        ("c.unmap".into(), c.unmap.to_string()),
-        ("c.synchronize".into(), c.synchronize.to_string()),
-        ("c.data".into(), c.data.to_string()),
-    ];
-    if let Some(f) = &r.first_fragmentation {
-        v.push(("first_fragmentation".into(), f.clone()));
-    }
-    if let Some(f) = &r.first_host_limit {
-        v.push(("first_host_limit".into(), f.clone()));
-    }
-    if let Some(f) = &r.aborted {
-        v.push(("aborted".into(), f.clone()));
-    }
-    for (k, x) in &r.extra {
-        v.push((format!("x.{k}"), x.clone()));
-    }
-    v
-}
-
-fn decode(name: &str, fields: &[(String, String)]) -> RunResult {
-    let mut r = RunResult { name: name.to_string(), ..Default::default() };
-    let mut c = Calls::default();
-    for (k, v) in fields {
-        let u = || v.parse::<u64>().unwrap_or(0);
-        let f = || v.parse::<f64>().unwrap_or(0.0);
-        match k.as_str() {
-            "completed_requests" => r.completed_requests = u(),
-            "rejected_requests" => r.rejected_requests = u(),
-            "preemptions" => r.preemptions = u(),
-            "admission_failures" => r.admission_failures = u(),
-            "growth_failures" => r.growth_failures = u(),
-            "fragmentation_failures" => r.fragmentation_failures = u(),
-            "host_limit_failures" => r.host_limit_failures = u(),
-            "peak_live_bytes" => r.peak_live_bytes = u(),
-            "peak_physical_bytes" => r.peak_physical_bytes = u(),
-            "mean_physical_bytes" => r.mean_physical_bytes = f(),
-            "mean_live_bytes" => r.mean_live_bytes = f(),
-            "mean_waste_fraction" => r.mean_waste_fraction = f(),
-            "final_physical_bytes" => r.final_physical_bytes = u(),
-            "mean_latency_s" => r.mean_latency_s = f(),
-            "p99_latency_s" => r.p99_latency_s = f(),
-            "mean_queue_s" => r.mean_queue_s = f(),
-            "bytes_copied" => r.bytes_copied = u(),
-            "moves" => r.moves = u(),
-            "integrity_errors" => r.integrity_errors = u(),
-            "tags_written" => r.tags_written = u(),
-            "wall_seconds" => r.wall_seconds = f(),
-            "steps" => r.steps = u(),
-            "simulated_seconds" => r.simulated_seconds = f(),
-            "c.reserve" => c.reserve = u(),
-            "c.free_reservation" => c.free_reservation = u(),
-            "c.create" => c.create = u(),
-            "c.create_failed" => c.create_failed = u(),
-            "c.release" => c.release = u(),
-            "c.map" => c.map = u(),
-            "c.set_access" => c.set_access = u(),
-            "c.unmap" => c.unmap = u(),
-            "c.synchronize" => c.synchronize = u(),
-            "c.data" => c.data = u(),
-            "first_fragmentation" => r.first_fragmentation = Some(v.clone()),
-            "first_host_limit" => r.first_host_limit = Some(v.clone()),
-            "aborted" => r.aborted = Some(v.clone()),
-            x => {
-                if let Some(x) = x.strip_prefix("x.") {
-                    r.extra.push((x.to_string(), v.clone()));
-                }
-            }
-        }
-    }
-    r.calls = c;
-    r
 }

@@ -1,0 +1,276 @@
+//! The replay's step-time model: how long one continuous-batching step takes
+//! on a GPU, and what each KV-cache manager adds to it.
+//!
+//! A step's time is
+//!
+//! ```text
+//! gpu   = prefill + decode + copies
+//! cpu   = cpu_step_s                        (scheduling, input preparation)
+//! step  = max(gpu, cpu) + alloc_critical    no synchronize on the critical path
+//! step  = gpu + cpu + alloc_critical        a synchronize on the critical path
+//!         + max(0, alloc_between - gpu)     driver work between steps, beyond what the GPU hides
+//! ```
+//!
+//! - **Prefill**: `2 × parameters` FLOPs per computed prompt token (the
+//!   usual estimate for a dense decoder, see the design brief) at
+//!   `prefill_mfu` of the GPU's dense BF16 peak. Recomputation after a
+//!   preemption is prefill again; prompt tokens found in a prefix cache are
+//!   not computed.
+//! - **Decode**: a memory-bound roofline. Every weight and the KV of every
+//!   running request are read once per step, at `hbm_efficiency` of the HBM
+//!   bandwidth.
+//! - **Copies**: a device-to-device copy reads and writes its bytes:
+//!   `2 × bytes / (bandwidth × hbm_efficiency)`.
+//! - **Allocator time on the critical path**: every driver call a manager
+//!   makes inside admission, growth or free runs on the engine thread while
+//!   it prepares the step; it is priced by the profile's table. A call
+//!   covering several chunks (one access call over a run, a 20 MiB segment
+//!   of the caching allocator) is priced by its size: the per-2-MiB cost
+//!   times the chunks it covers. That is conservative for batched calls
+//!   (only per-chunk costs are published) and charges every manager alike.
+//! - **Synchronizes**: an engine overlaps its CPU work for the next step with
+//!   the GPU's current one. A device synchronize on the critical path makes
+//!   the CPU wait until the GPU drains: that step loses the overlap, and its
+//!   CPU time adds to its GPU time instead of hiding under it.
+//! - **Between steps**: a manager's `between_steps` hook runs while the GPU
+//!   computes the step; its driver time is hidden up to that step's GPU
+//!   time and only the excess is charged.
+//!
+//! Profiles `h200` (default) and `a100` ship here; a JSON file can override
+//! any field (`--profile-file`).
+
+use serde::{Deserialize, Serialize};
+
+use super::counted::Calls;
+
+/// The constants of the model. Sources are given per field.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Profile {
+    pub name: String,
+    /// HBM bandwidth, bytes/s (H200: 4.8 TB/s; A100 80 GB: 2.0 TB/s; the
+    /// vendors' data sheets, as quoted in the design brief).
+    pub hbm_bytes_per_s: f64,
+    /// Fraction of the bandwidth reached by streaming reads and copies
+    /// (H200: about 4.3 of 4.8 TB/s reached by device copies, design brief).
+    pub hbm_efficiency: f64,
+    /// Dense BF16 peak, FLOP/s (H200: 989 T; A100: 312 T; data sheets).
+    pub peak_flops: f64,
+    /// Model FLOPs utilisation of prefill. An assumption: 0.5 is typical of
+    /// large-batch prefill in published serving benchmarks; override it.
+    pub prefill_mfu: f64,
+    /// Model parameters (Llama-3-8B: 8.0 B, design brief).
+    pub params: f64,
+    /// Bytes per parameter (BF16: 2).
+    pub bytes_per_param: f64,
+    /// CPU time of a step (scheduling, input preparation), overlapped with
+    /// the GPU unless a synchronize drains the pipeline. An assumption
+    /// (a few ms is the order engines report); override it.
+    pub cpu_step_s: f64,
+    /// Driver costs per 2 MiB chunk, seconds (A100: kvcached's VMM
+    /// benchmark, the design brief's table; no H200 figures exist yet, so
+    /// the `h200` profile uses the same table until a GPU run measures one).
+    pub create_s: f64,
+    pub map_s: f64,
+    pub set_access_s: f64,
+    pub unmap_s: f64,
+    /// `cuMemRelease` was not measured by that benchmark: 0 unless overridden.
+    pub release_s: f64,
+    /// `cuMemAddressReserve` (once per range; 19 µs for 8 GB).
+    pub reserve_s: f64,
+    /// The call itself of a device synchronize (its real cost, the loss of
+    /// overlap, is charged by the rule above).
+    pub synchronize_s: f64,
+}
+
+impl Default for Profile {
+    fn default() -> Profile {
+        Profile::h200()
+    }
+}
+
+/// Profile names [`Profile::named`] knows.
+pub const PROFILES: [&str; 2] = ["h200", "a100"];
+
+impl Profile {
+    pub fn h200() -> Profile {
+        Profile {
+            name: "h200".into(),
+            hbm_bytes_per_s: 4.8e12,
+            hbm_efficiency: 4.3 / 4.8,
+            peak_flops: 989e12,
+            prefill_mfu: 0.5,
+            params: 8.0e9,
+            bytes_per_param: 2.0,
+            cpu_step_s: 2e-3,
+            create_s: 193e-6,
+            map_s: 1.45e-6,
+            set_access_s: 36e-6,
+            unmap_s: 25.6e-6,
+            release_s: 0.0,
+            reserve_s: 19e-6,
+            synchronize_s: 5e-6,
+        }
+    }
+
+    pub fn a100() -> Profile {
+        Profile {
+            name: "a100".into(),
+            hbm_bytes_per_s: 2.0e12,
+            hbm_efficiency: 0.9,
+            peak_flops: 312e12,
+            ..Profile::h200()
+        }
+    }
+
+    pub fn named(name: &str) -> Result<Profile, String> {
+        match name {
+            "h200" => Ok(Profile::h200()),
+            "a100" => Ok(Profile::a100()),
+            other => Err(format!("unknown GPU profile {other:?} (known: {})", PROFILES.join(", "))),
+        }
+    }
+
+    /// `base` with the fields of a JSON object overridden (unknown fields
+    /// are an error, so a typo does not go unnoticed).
+    pub fn with_overrides(base: &Profile, json: &str) -> Result<Profile, String> {
+        let mut v = serde_json::to_value(base).map_err(|e| e.to_string())?;
+        let o: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("profile JSON: {e}"))?;
+        let serde_json::Value::Object(fields) = o else { return Err("profile JSON: not an object".into()) };
+        let target = v.as_object_mut().expect("a profile serializes to an object");
+        for (k, val) in fields {
+            if !target.contains_key(&k) {
+                return Err(format!("profile JSON: unknown field {k:?}"));
+            }
+            target.insert(k, val);
+        }
+        let p: Profile = serde_json::from_value(v).map_err(|e| format!("profile JSON: {e}"))?;
+        p.check()?;
+        Ok(p)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let positive = [
+            ("hbm_bytes_per_s", self.hbm_bytes_per_s),
+            ("hbm_efficiency", self.hbm_efficiency),
+            ("peak_flops", self.peak_flops),
+            ("prefill_mfu", self.prefill_mfu),
+        ];
+        for (k, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("profile: {k} must be positive, is {v}"));
+            }
+        }
+        let costs = [
+            self.params,
+            self.bytes_per_param,
+            self.cpu_step_s,
+            self.create_s,
+            self.map_s,
+            self.set_access_s,
+            self.unmap_s,
+            self.release_s,
+            self.reserve_s,
+            self.synchronize_s,
+        ];
+        if costs.iter().any(|v| !(v.is_finite() && *v >= 0.0)) {
+            return Err("profile: sizes and costs must be finite and not negative".into());
+        }
+        Ok(())
+    }
+
+    fn bandwidth(&self) -> f64 {
+        self.hbm_bytes_per_s * self.hbm_efficiency
+    }
+
+    /// Seconds to compute the prompt KV of `tokens` tokens.
+    pub fn prefill_s(&self, tokens: u64) -> f64 {
+        tokens as f64 * 2.0 * self.params / (self.peak_flops * self.prefill_mfu)
+    }
+
+    /// Seconds of one decode step reading the weights and `kv_bytes` of KV
+    /// (0 when no request decodes).
+    pub fn decode_s(&self, kv_bytes: u64, decoding: bool) -> f64 {
+        if !decoding {
+            return 0.0;
+        }
+        (self.params * self.bytes_per_param + kv_bytes as f64) / self.bandwidth()
+    }
+
+    /// Seconds of device-to-device copies of `bytes`.
+    pub fn copy_s(&self, bytes: u64) -> f64 {
+        2.0 * bytes as f64 / self.bandwidth()
+    }
+
+    /// Driver time of the calls in `c` (a difference of two snapshots).
+    pub fn driver_s(&self, c: &Calls) -> f64 {
+        c.create_chunks as f64 * self.create_s
+            + c.map_chunks as f64 * self.map_s
+            + c.set_access_chunks as f64 * self.set_access_s
+            + c.unmap_chunks as f64 * self.unmap_s
+            + c.release_chunks as f64 * self.release_s
+            + c.reserve as f64 * self.reserve_s
+            + c.synchronize as f64 * self.synchronize_s
+    }
+}
+
+/// What happened in one step, as the model needs it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepWork {
+    /// Prompt tokens computed (prefill and recompute, less prefix hits).
+    pub prefill_tokens: u64,
+    /// KV bytes read by the decode (every running request's stored KV).
+    pub decode_kv_bytes: u64,
+    pub decoding: bool,
+    /// Bytes copied by the manager on the device.
+    pub copied_bytes: u64,
+    /// Driver time of calls made on the critical path (admission, growth, free).
+    pub alloc_critical_s: f64,
+    /// Synchronizes among those calls.
+    pub critical_syncs: u64,
+    /// Driver time of calls made between steps (`between_steps`).
+    pub alloc_between_s: f64,
+}
+
+/// A step's time and how it splits.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTime {
+    pub total_s: f64,
+    pub gpu_s: f64,
+    /// Allocator time charged: on the critical path, plus the between-steps
+    /// time the GPU did not hide.
+    pub alloc_charged_s: f64,
+    /// Between-steps allocator time hidden under the GPU.
+    pub alloc_hidden_s: f64,
+}
+
+impl Profile {
+    /// The step-time rule of the module documentation.
+    pub fn step(&self, w: &StepWork) -> StepTime {
+        let gpu_s = self.prefill_s(w.prefill_tokens)
+            + self.decode_s(w.decode_kv_bytes, w.decoding)
+            + self.copy_s(w.copied_bytes);
+        let base = if w.critical_syncs > 0 { gpu_s + self.cpu_step_s } else { gpu_s.max(self.cpu_step_s) };
+        let hidden = w.alloc_between_s.min(gpu_s);
+        let excess = w.alloc_between_s - hidden;
+        StepTime {
+            total_s: base + w.alloc_critical_s + excess,
+            gpu_s,
+            alloc_charged_s: w.alloc_critical_s + excess,
+            alloc_hidden_s: hidden,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_replace_fields_and_refuse_unknown_ones() {
+        let p = Profile::with_overrides(&Profile::h200(), r#"{"create_s": 7.6e-6, "name": "mine"}"#).unwrap();
+        assert_eq!((p.create_s, p.name.as_str(), p.map_s), (7.6e-6, "mine", 1.45e-6));
+        assert!(Profile::with_overrides(&Profile::h200(), r#"{"creat_s": 1}"#).unwrap_err().contains("creat_s"));
+        assert!(Profile::with_overrides(&Profile::h200(), r#"{"peak_flops": 0}"#).is_err());
+    }
+}

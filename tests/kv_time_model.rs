@@ -1,0 +1,229 @@
+//! The KV-serving replay's step-time model and the metrics built on it,
+//! against expectations computed by hand on tiny traces (see each test).
+
+#[path = "../examples/common/mod.rs"]
+mod common;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use common::counted::Calls;
+use common::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout};
+use common::replay::{replay, RunResult, SchedConfig};
+use common::timing::{Profile, StepWork};
+use common::trace::Request;
+
+/// Round numbers: 1 TB/s at full efficiency, 1 PFLOP/s at MFU 0.5, a 1 B
+/// parameter model in BF16 (2 GB of weights), 1 ms of CPU per step, and a
+/// driver table of 100 / 1 / 10 / 20 µs (create / map / access / unmap).
+fn profile() -> Profile {
+    Profile {
+        name: "test".into(),
+        hbm_bytes_per_s: 1e12,
+        hbm_efficiency: 1.0,
+        peak_flops: 1e15,
+        prefill_mfu: 0.5,
+        params: 1e9,
+        bytes_per_param: 2.0,
+        cpu_step_s: 1e-3,
+        create_s: 100e-6,
+        map_s: 1e-6,
+        set_access_s: 10e-6,
+        unmap_s: 20e-6,
+        release_s: 0.0,
+        reserve_s: 0.0,
+        synchronize_s: 0.0,
+    }
+}
+
+fn req(arrival_s: f64, prompt: u64, output: u64, hashes: &[u64]) -> Request {
+    Request { arrival_s, prompt, output, hash_ids: Arc::from(hashes) }
+}
+
+fn run(name: &str, kvpt: u64, capacity: u64, requests: &[Request]) -> RunResult {
+    let shape = KvShape { kv_bytes_per_token: kvpt, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
+    let arena = ArenaOptions {
+        capacity,
+        reserve: managers::arena_reserve(shape, capacity, 8),
+        retain: u64::MAX,
+        no_implicit_moves: false,
+    };
+    let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 16 };
+    let mut m = managers::build(name, shape, opts).expect("manager");
+    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: kvpt, profile: profile() };
+    let r = replay(m.as_mut(), requests, &cfg, &AtomicU64::new(0));
+    assert_eq!(r.integrity_errors, 0, "{name}: every tag read back");
+    assert!(r.aborted.is_none());
+    r
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * b.abs().max(1e-6)
+}
+
+/// Each cost of the rule, alone (`timing.rs`):
+/// step = max(gpu, cpu) + critical alloc, or gpu + cpu with a synchronize,
+/// plus between-steps time beyond the GPU's.
+#[test]
+fn step_rule_charges_each_cost() {
+    let p = profile();
+    // Driver time: 3 chunks created (300 µs), 2 mapped (2 µs), 4 under
+    // access calls (40 µs), 1 unmapped (20 µs).
+    let c = Calls { create_chunks: 3, map_chunks: 2, set_access_chunks: 4, unmap_chunks: 1, ..Calls::default() };
+    assert!(close(p.driver_s(&c), 362e-6));
+    // Prefill of 1000 tokens: 1000 x 2e9 FLOPs / 5e14 FLOP/s = 4 ms.
+    assert!(close(p.prefill_s(1000), 4e-3));
+    // Decode with 1 GB of KV: (2 GB + 1 GB) / 1 TB/s = 3 ms; none if nobody decodes.
+    assert!(close(p.decode_s(1_000_000_000, true), 3e-3));
+    assert_eq!(p.decode_s(1_000_000_000, false), 0.0);
+    // A copy of 0.5 GB reads and writes it: 1 ms.
+    assert!(close(p.copy_s(500_000_000), 1e-3));
+
+    let gpu_only =
+        StepWork { prefill_tokens: 1000, decoding: true, decode_kv_bytes: 1_000_000_000, ..Default::default() };
+    assert!(close(p.step(&gpu_only).total_s, 7e-3), "max(7 ms GPU, 1 ms CPU)");
+    let cpu_bound = StepWork { alloc_critical_s: 2e-3, ..Default::default() };
+    assert!(close(p.step(&cpu_bound).total_s, 3e-3), "max(0 GPU, 1 ms CPU) + 2 ms of driver calls");
+    let synced = StepWork { critical_syncs: 1, ..gpu_only };
+    assert!(close(p.step(&synced).total_s, 8e-3), "a synchronize loses the overlap: 7 + 1 ms");
+    let hidden = StepWork { alloc_between_s: 5e-3, ..gpu_only };
+    let t = p.step(&hidden);
+    assert!(close(t.total_s, 7e-3) && close(t.alloc_hidden_s, 5e-3) && t.alloc_charged_s == 0.0, "{t:?}");
+    let excess = StepWork { alloc_between_s: 9e-3, ..gpu_only };
+    let t = p.step(&excess);
+    assert!(close(t.total_s, 9e-3) && close(t.alloc_hidden_s, 7e-3) && close(t.alloc_charged_s, 2e-3), "{t:?}");
+}
+
+/// Three requests at time 0 on `ideal-contiguous` (no driver calls), 1 MB
+/// of KV per token:
+/// - A: prompt 1000, 2 tokens; B: prompt 2000, 1 token; C: prompt 510,
+///   3 tokens (its tensor, room for 512, doubles in step 3 with a copy of
+///   its 512 stored tokens).
+/// - step 1: prefill 3510 tokens (14.04 ms) + decode of 3510 MB of KV and
+///   2 GB of weights (5.51 ms) = 19.55 ms; B finishes;
+/// - step 2: decode (1001 + 511) MB + 2 GB = 3.512 ms; A finishes;
+/// - step 3: decode 512 MB + 2 GB = 2.512 ms, copy 2 x 512 MB = 1.024 ms:
+///   3.536 ms; C finishes.
+#[test]
+fn three_requests_take_the_hand_computed_step_times() {
+    let mb = 1_000_000;
+    let r = run(
+        "ideal-contiguous",
+        mb,
+        100_000 * mb,
+        &[req(0.0, 1000, 2, &[]), req(0.0, 2000, 1, &[]), req(0.0, 510, 3, &[])],
+    );
+    let steps = [19.55e-3, 3.512e-3, 3.536e-3];
+    assert_eq!(r.steps, 3);
+    assert!(close(r.simulated_seconds, steps.iter().sum()), "{}", r.simulated_seconds);
+    assert!(close(r.step_time_max_s, 19.55e-3) && close(r.step_time_p50_s, 3.536e-3), "{r:?}");
+    assert_eq!((r.output_tokens, r.bytes_copied, r.prefill_tokens), (6, 512 * mb, 3510));
+    assert!(close(r.tokens_per_s, 6.0 / steps.iter().sum::<f64>()));
+    // Every first token comes at the end of step 1.
+    assert!(close(r.ttft_mean_s, 19.55e-3) && close(r.ttft_p99_s, 19.55e-3));
+    // TPOT: A 3.512 ms (one more token), C (3.512 + 3.536) / 2 ms; B has none.
+    assert!(close(r.tpot_mean_s, (3.512e-3 + (3.512e-3 + 3.536e-3) / 2.0) / 2.0), "{}", r.tpot_mean_s);
+    assert_eq!((r.critical_path_alloc_s, r.critical_path_syncs), (0.0, 0));
+}
+
+/// One request on the arena, 1 MiB of KV per token and 2 MiB chunks:
+/// prompt 1, 3 tokens. Admission maps one chunk (create 100 + map 1 +
+/// access 10 µs); step 2 grows to a second chunk (the same); nothing else
+/// calls the driver (the free keeps its chunks pooled). Step 1: prefill of
+/// one token (4 µs) + decode of 1 MiB and 2 GB, + 111 µs; step 2: decode of
+/// 2 MiB + 111 µs; step 3: decode of 3 MiB.
+#[test]
+fn driver_calls_on_the_critical_path_are_charged() {
+    let mib = 1 << 20;
+    let r = run("arena", mib, 64 * mib, &[req(0.0, 1, 3, &[])]);
+    let decode = |kv: u64| (2e9 + kv as f64) / 1e12;
+    let steps = [4e-6 + decode(mib) + 111e-6, decode(2 * mib) + 111e-6, decode(3 * mib)];
+    assert!(close(r.critical_path_alloc_s, 222e-6), "{}", r.critical_path_alloc_s);
+    assert!(close(r.simulated_seconds, steps.iter().sum()), "{} vs {steps:?}", r.simulated_seconds);
+    assert!(close(r.step_time_max_s, steps[0]));
+    assert_eq!((r.critical_path_syncs, r.overlapped_alloc_s), (0, 0.0));
+}
+
+/// vLLM's prefix cache on five requests one after another (each ends
+/// before the next arrives), 1 KiB of KV per token: 16-token blocks of
+/// 16 KiB, a 2 MiB pool of 128 blocks (block 0 is the null block), taken
+/// from the front of the free queue, freed to its back last block first.
+/// Hash blocks are 512 tokens = 32 blocks.
+/// - R1 [h1 h2], 1024 tokens (65 blocks): no hit; caches h1, h2.
+/// - R2 [h1 h3]: h1 hits (512 tokens); caches h3.
+/// - R3 [h1 h2]: h1 and 31 blocks of h2 (hits stop below the last token): 1008.
+/// - R4, 980 tokens, no hashes, takes 62 blocks in LRU order: the 27 never
+///   used, R1's tail and h2's last block (h2 is cut to 31), R2's tail, and
+///   all of h3 (used by R2, before R3 used h2): 33 cached blocks evicted.
+/// - R5 [h1 h2]: h1 and the 31 blocks of h2 still cached: 1008.
+#[test]
+fn prefix_hits_follow_the_chain_and_lru_eviction() {
+    let reqs = [
+        req(0.0, 1024, 1, &[1, 2]),
+        req(10.0, 1024, 1, &[1, 3]),
+        req(20.0, 1024, 1, &[1, 2]),
+        req(30.0, 980, 1, &[]),
+        req(40.0, 1024, 1, &[1, 2]),
+    ];
+    let r = run("vllm-paged", 1024, 2 << 20, &reqs);
+    let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+    assert_eq!(extra("num_blocks"), "128");
+    assert_eq!(r.prefix_hit_tokens, 512 + 1008 + 1008);
+    assert_eq!(r.prompt_tokens, 4 * 1024 + 980);
+    assert_eq!(extra("evicted_prefix_blocks"), "33", "h2's last block and all of h3");
+    assert_eq!(extra("cached_prefixes"), "2", "h1 and h2 (made whole again by R5)");
+    assert_eq!(r.prefill_tokens, 4 * 1024 + 980 - 2528);
+    assert!(close(r.prefix_hit_rate, 2528.0 / 5076.0));
+    // Without prefix caching nothing hits.
+    let shape = KvShape { kv_bytes_per_token: 1024, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
+    let arena = ArenaOptions { capacity: 2 << 20, reserve: 0, retain: u64::MAX, no_implicit_moves: false };
+    let mut m =
+        managers::build("vllm-paged", shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
+    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: 1024, profile: profile() };
+    let off = replay(m.as_mut(), &reqs, &cfg, &AtomicU64::new(0));
+    assert_eq!((off.prefix_hit_tokens, off.integrity_errors), (0, 0));
+}
+
+/// A forced preemption on `ideal-contiguous`, 1000 bytes per token, a
+/// capacity of 50,000 bytes. A (prompt 15, 10 tokens) and B (prompt 15,
+/// 5 tokens) start with room for 16 tokens each (32,000 bytes). In step 2
+/// A's tensor doubles to 32 tokens: 32,000 more do not fit, so B (admitted
+/// last) is preempted after one token. B comes back when A ends and
+/// recomputes its 15 + 1 tokens: 46 prompt tokens computed in all.
+#[test]
+fn recompute_after_a_preemption_is_charged_as_prefill() {
+    let r = run("ideal-contiguous", 1000, 50_000, &[req(0.0, 15, 10, &[]), req(0.0, 15, 5, &[])]);
+    assert_eq!((r.preemptions, r.completed_requests), (1, 2));
+    assert_eq!(r.recomputed_tokens, 16);
+    assert_eq!(r.prefill_tokens, 46);
+    assert!(r.gpu_seconds >= profile().prefill_s(46));
+}
+
+/// One request of 100 prompt tokens and one output token: inside its step
+/// it holds 101 tokens of KV; at the end of the step it is gone.
+#[test]
+fn peak_live_is_instantaneous() {
+    let r = run("ideal-contiguous", 1000, 1_000_000, &[req(0.0, 100, 1, &[])]);
+    assert_eq!(r.peak_live_bytes, 101 * 1000);
+    assert_eq!(r.peak_live_end_of_step_bytes, 0);
+}
+
+/// Bounded host memory: on a 24 GiB machine, a 1000 GiB device with 256
+/// long requests at once could keep more tags resident than half the
+/// machine holds, and is refused up front with the limit named; the
+/// default 64 GiB run is accepted.
+#[test]
+fn replays_that_cannot_bound_host_memory_are_refused() {
+    let ram = 24 << 30;
+    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 131072 };
+    let reqs: Vec<Request> = (0..3000).map(|i| req(i as f64, 8000, 500, &[])).collect();
+    let names: Vec<String> = ["arena", "vllm-paged"].map(String::from).to_vec();
+    let e = managers::check_host_memory(ram, shape, 1000 << 30, &reqs, 256, &names, true, 2).unwrap_err();
+    assert!(e.contains("12.0 GiB"), "names the limit: {e}");
+    managers::check_host_memory(ram, shape, 64 << 30, &reqs, 256, &names, true, 2).expect("64 GiB fits");
+    // With prefix caching on a trace with hashes, every cached block counts.
+    let hashed: Vec<Request> = (0..10).map(|i| req(i as f64, 1024, 10, &[i, i + 100])).collect();
+    let only_vllm = vec!["vllm-paged".to_string()];
+    assert!(managers::check_host_memory(ram, shape, 2000 << 30, &hashed, 256, &only_vllm, true, 1).is_err());
+    managers::check_host_memory(ram, shape, 2000 << 30, &hashed, 256, &only_vllm, false, 1).expect("short requests");
+}
