@@ -120,7 +120,7 @@ fn a_crash_a_hang_or_a_missing_summary_never_stops_the_run() {
     std::fs::create_dir_all(&bin).unwrap();
     std::fs::create_dir_all(bundle.join("fuzz/corpus/ops")).unwrap();
     std::fs::copy(repo().join("scripts/gpu-check.sh"), bundle.join("gpu-check.sh")).unwrap();
-    write_exe(&bin.join("test-a_crash"), "#!/bin/sh\necho running\nkill -SEGV $$\n");
+    write_exe(&bin.join("test-a_crash"), "#!/bin/sh\nulimit -c 0\necho running\nkill -SEGV $$\n");
     write_exe(&bin.join("test-b_hang"), "#!/bin/sh\nexec sleep 60\n");
     write_exe(&bin.join("test-c_quiet"), "#!/bin/sh\necho no summary here\nexit 3\n");
     write_exe(&bin.join("test-d_nostart"), "#!/nonexistent/interpreter\n");
