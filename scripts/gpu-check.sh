@@ -122,14 +122,14 @@ PY
 #
 #   gpu-info        10 s   nvidia-smi
 #   cuda_backend    40 s   tests/cuda_backend.rs against the real driver
-#   fuzz_replay     15 s   the committed ops corpus (from the repository root)
-#   host tests      35 s   all other test binaries, sharing these 35 s; each
-#                          gets what is left (at most 20 s), the rest SKIPPED
 #   gpu_measure     55 s   driver call latencies (driver_latency.md)
 #   pytorch        190 s   three fresh processes (native, expandable segments,
 #                          vmm-arena), 60 s each: a cold `import torch` plus
 #                          CUDA and cuBLAS initialisation take most of that on
 #                          a fresh machine; 10 s for the parent
+#   fuzz_replay     15 s   the committed ops corpus (from the repository root)
+#   host tests      35 s   all other test binaries, sharing these 35 s; each
+#                          gets what is left (at most 20 s), the rest SKIPPED
 #                 -----
 #                  345 s
 #
@@ -303,6 +303,8 @@ cmd_run() {
     cd "$root" || exit 1 # every path below is absolute
     echo "gpu-check run: steps run in $root" >&2
 
+    # The GPU steps first: if the machine is taken back early, what only a
+    # GPU can tell is already in the logs (the EXIT trap writes the files).
     # 2. The CUDA backend's own tests.
     if [[ -n $nogpu ]]; then
         skip cuda_backend "$nogpu"
@@ -313,32 +315,7 @@ cmd_run() {
             "$bin/test-cuda_backend" --test-threads=8
     fi
 
-    # 3. The fuzz corpus replay.
-    if [[ ! -x $bin/test-fuzz_replay ]]; then
-        skip fuzz_replay "not built (bin/test-fuzz_replay missing)"
-    else
-        run_step fuzz_replay "$(cap $LIMIT_FUZZ)" "$WORK/test-fuzz_replay.log" \
-            "$bin/test-fuzz_replay" --nocapture
-    fi
-
-    # 4. Every other test binary (host backend), within a shared budget.
-    local host_start=$SECONDS left n=0 f
-    shopt -s nullglob
-    for f in "$bin"/test-*; do
-        name=${f##*/test-}
-        [[ $name == cuda_backend || $name == fuzz_replay ]] && continue
-        n=$((n + 1))
-        left=$((LIMIT_HOST_TOTAL - (SECONDS - host_start)))
-        if ((left < 3)); then
-            skip "$name" "host-test budget of ${LIMIT_HOST_TOTAL}s spent"
-            continue
-        fi
-        ((left > LIMIT_HOST_EACH)) && left=$LIMIT_HOST_EACH
-        run_step "$name" "$(cap $left)" "$WORK/test-$name.log" "$f" --test-threads=8
-    done
-    ((n > 0)) || skip host-tests "not built (no other bin/test-* binary)"
-
-    # 5. Driver call latencies.
+    # 3. Driver call latencies.
     if [[ -n $nogpu ]]; then
         MEASURE_STATUS="SKIPPED ($nogpu)"
         skip gpu_measure "$nogpu"
@@ -355,7 +332,7 @@ cmd_run() {
         fi
     fi
 
-    # 6. PyTorch, through the library's torch entry points.
+    # 4. PyTorch, through the library's torch entry points.
     if [[ -n $nogpu ]]; then
         TORCH_STATUS="SKIPPED ($nogpu)"
         skip pytorch "$nogpu"
@@ -375,6 +352,31 @@ cmd_run() {
             --timeout "$TORCH_CHILD" --d-model 768 --layers 8 --tokens 200 --steps 5
         TORCH_STATUS=$STEP_STATUS
     fi
+
+    # 5. The fuzz corpus replay.
+    if [[ ! -x $bin/test-fuzz_replay ]]; then
+        skip fuzz_replay "not built (bin/test-fuzz_replay missing)"
+    else
+        run_step fuzz_replay "$(cap $LIMIT_FUZZ)" "$WORK/test-fuzz_replay.log" \
+            "$bin/test-fuzz_replay" --nocapture
+    fi
+
+    # 6. Every other test binary (host backend), within a shared budget.
+    local host_start=$SECONDS left n=0 f
+    shopt -s nullglob
+    for f in "$bin"/test-*; do
+        name=${f##*/test-}
+        [[ $name == cuda_backend || $name == fuzz_replay ]] && continue
+        n=$((n + 1))
+        left=$((LIMIT_HOST_TOTAL - (SECONDS - host_start)))
+        if ((left < 3)); then
+            skip "$name" "host-test budget of ${LIMIT_HOST_TOTAL}s spent"
+            continue
+        fi
+        ((left > LIMIT_HOST_EACH)) && left=$LIMIT_HOST_EACH
+        run_step "$name" "$(cap $left)" "$WORK/test-$name.log" "$f" --test-threads=8
+    done
+    ((n > 0)) || skip host-tests "not built (no other bin/test-* binary)"
 
     echo "gpu-check run: results in $OUT_DIR; $((SECONDS - RUN_START))s" >&2
     local rc=0
