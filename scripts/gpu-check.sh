@@ -271,6 +271,7 @@ cmd_run() {
     [[ -d $bin ]] || echo "gpu-check run: no bin/ beside $0 (run 'gpu-check.sh build' first): test steps are SKIPPED" >&2
 
     # 1. Is there a GPU? VMM_ARENA_GPU_CHECK_NO_GPU=1 says no (the host test).
+    local nogpu="no GPU"
     if [[ ${VMM_ARENA_GPU_CHECK_NO_GPU:-0} == 1 ]]; then
         skip gpu-info "no GPU (VMM_ARENA_GPU_CHECK_NO_GPU=1)"
     elif ! command -v nvidia-smi >/dev/null; then
@@ -281,9 +282,10 @@ cmd_run() {
         if [[ $STEP_STATUS == ok ]]; then
             GPU=$(head -1 "$WORK/nvidia-smi.txt")
             [[ -n $GPU && $GPU != *"No devices"* ]] || GPU=none
+        else
+            nogpu="no GPU (nvidia-smi $STEP_STATUS)" # a hung or failing driver
         fi
     fi
-    local nogpu="no GPU"
     [[ $GPU == none ]] || nogpu=
 
     export RUST_BACKTRACE=1
