@@ -174,6 +174,9 @@ pub struct Arena {
     key: u64,
     base: u64,
     reserved_bytes: u64,
+    /// The driver's reservation (base, size): `base..base + reserved_bytes`
+    /// plus the slack `reserve_chunk_aligned` needed to chunk-align `base`.
+    driver_va: (u64, u64),
     chunk: u64,
     reserve_fallbacks: u64,
 }
@@ -235,6 +238,23 @@ impl Drop for CallbackScope {
             }
         });
     }
+}
+
+/// Reserves `size` bytes starting at a multiple of `chunk`; returns that
+/// start and the driver's reservation (base, size), to free later.
+///
+/// `cuMemAddressReserve` takes only power-of-two alignments, and a chunk may
+/// be any multiple of the granularity (6 MiB, 37 pages). So the driver is
+/// asked for the largest power of two dividing `chunk` (a multiple of the
+/// power-of-two granularity, as `chunk` is) and, when `chunk` is not itself
+/// a power of two, for `chunk - align` bytes more: room to round the base up
+/// to a multiple of `chunk`, which keeps chunk-sized allocations
+/// chunk-aligned as the C ABI promises.
+fn reserve_chunk_aligned(driver: &dyn Driver, size: u64, chunk: u64) -> Result<(u64, (u64, u64))> {
+    let align = 1u64 << chunk.trailing_zeros();
+    let total = size.checked_add(chunk - align).ok_or_else(|| Error::invalid("reserve_bytes overflows"))?;
+    let raw = driver.reserve(total, align)?;
+    Ok((raw.div_ceil(chunk) * chunk, (raw, total)))
 }
 
 fn pages_for(bytes: u64, chunk: u64, what: &str) -> Result<u64> {
@@ -300,8 +320,8 @@ impl Arena {
         // Some platforms refuse large reservations: retry smaller, down to
         // what the capacity needs, and record how far we fell back.
         let mut fallbacks = 0;
-        let base = loop {
-            match driver.reserve(reserve, chunk) {
+        let (base, driver_va) = loop {
+            match reserve_chunk_aligned(&driver, reserve, chunk) {
                 Ok(b) => break b,
                 Err(e @ (Error::Unsupported(_) | Error::InvalidArgument(_))) => return Err(e),
                 Err(e) => {
@@ -321,7 +341,7 @@ impl Arena {
                 Ok(st) => st,
                 Err(e) => {
                     // Nothing else was made yet: give the reservation back.
-                    let _ = driver.free_reservation(base, reserve);
+                    let _ = driver.free_reservation(driver_va.0, driver_va.1);
                     return Err(e);
                 }
             };
@@ -333,6 +353,7 @@ impl Arena {
             key,
             base,
             reserved_bytes: reserve,
+            driver_va,
             chunk,
             reserve_fallbacks: fallbacks,
         })
@@ -1430,7 +1451,7 @@ impl Drop for Arena {
         for h in owned {
             let _ = self.driver.release(h);
         }
-        let _ = self.driver.free_reservation(self.base, self.reserved_bytes);
+        let _ = self.driver.free_reservation(self.driver_va.0, self.driver_va.1);
     }
 }
 

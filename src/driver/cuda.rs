@@ -695,6 +695,13 @@ impl Driver for CudaDriver {
     }
 
     fn reserve(&self, size: u64, align: u64) -> Result<u64> {
+        // cuMemAddressReserve refuses an alignment that is not 0 or a power
+        // of two; say so with the same error the host and mock rules give.
+        if align != 0 && !align.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "reserve: alignment {align:#x} is not a power of two (cuMemAddressReserve refuses it)"
+            )));
+        }
         let size = to_usize("size", size)?;
         let align = to_usize("alignment", align)?;
         let _cur = self.enter()?;

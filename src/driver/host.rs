@@ -301,9 +301,10 @@ mod linux {
         }
 
         fn reserve(&self, size: u64, align: u64) -> Result<u64> {
-            // Any multiple of the page size: a chunk size need not be a
-            // power of two (the C ABI allows any multiple of the page), and
-            // chunk-sized allocations are chunk-aligned.
+            // The CUDA rule (0 or a power of two) first, so that a caller
+            // passing e.g. a 6 MiB chunk as the alignment fails here, not
+            // only on a GPU.
+            self.state()?.rules.check_reserve(size, align)?;
             let align = align.max(self.page);
             if size == 0 || size % self.page != 0 || align % self.page != 0 {
                 return Err(os_error("mmap", libc::EINVAL));

@@ -53,6 +53,11 @@ impl MockDriver {
         self.state().map(|s| s.rules.live_chunks()).unwrap_or(0)
     }
 
+    /// Reservations not yet freed.
+    pub fn live_reservations(&self) -> usize {
+        self.state().map(|s| s.rules.live_reservations()).unwrap_or(0)
+    }
+
     /// Mappings currently in place.
     pub fn live_mappings(&self) -> usize {
         self.state().map(|s| s.rules.live_mappings()).unwrap_or(0)
@@ -74,6 +79,7 @@ impl Driver for MockDriver {
 
     fn reserve(&self, size: u64, align: u64) -> Result<u64> {
         let mut s = self.state()?;
+        s.rules.check_reserve(size, align)?;
         let align = align.max(self.granularity);
         let base = s.next_va.div_ceil(align) * align;
         let end = base.checked_add(size).ok_or_else(|| Error::OutOfMemory("mock VA exhausted".into()))?;

@@ -64,6 +64,25 @@ impl Rules {
         self.mappings.len()
     }
 
+    /// `cuMemAddressReserve` takes an alignment of 0 (the default) or a power
+    /// of two and refuses anything else; checking it here lets host and mock
+    /// runs catch a caller that would only fail on a GPU.
+    pub fn check_reserve(&self, size: u64, align: u64) -> Result<()> {
+        if size == 0 {
+            return Err(Error::invalid("reserve: zero-sized reservation"));
+        }
+        if align != 0 && !align.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "reserve: alignment {align:#x} is not a power of two (cuMemAddressReserve refuses it)"
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn live_reservations(&self) -> usize {
+        self.reservations.len()
+    }
+
     pub fn add_reservation(&mut self, base: u64, size: u64) {
         self.reservations.insert(base, size);
     }
@@ -245,6 +264,21 @@ mod tests {
         r.add_chunk(ChunkHandle(1), 2 * G);
         r.add_chunk(ChunkHandle(2), 2 * G);
         r
+    }
+
+    #[test]
+    fn reserve_alignment_must_be_zero_or_a_power_of_two() {
+        let r = Rules::new(G);
+        for align in [0, 1, G, 2 << 20, 1 << 40] {
+            r.check_reserve(16 * G, align).unwrap_or_else(|e| panic!("{align:#x}: {e}"));
+        }
+        for align in [3 * G, 6 << 20, 37 * G, u64::MAX] {
+            match r.check_reserve(16 * G, align) {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("power of two"), "{m}"),
+                other => panic!("{align:#x}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+        assert!(matches!(r.check_reserve(0, G), Err(Error::InvalidArgument(_))), "zero size");
     }
 
     #[test]
