@@ -516,6 +516,9 @@ pub struct Growth {
     pub stays: bool,
     /// Unpinned neighbours after it can move away so that it grows in place.
     pub evacuable_tail: bool,
+    /// The pages after it hold more occupants than the oracle decides
+    /// exactly: whether they can move away is unknown to it.
+    pub undecided: bool,
 }
 
 impl Growth {
@@ -525,11 +528,11 @@ impl Growth {
         let stays = np <= res || free.iter().any(|&(s, l)| s <= tail.0 && tail.0 + tail.1 <= s + l);
         let live: Vec<(u64, u64, bool)> =
             snap.live_pages().into_iter().map(|(other, s, l, pinned)| (s, l, pinned || other == id)).collect();
-        let evacuable_tail = !stays
-            && !no_implicit_moves
-            && tail.0 + tail.1 <= total
-            && evacuable(tail.0, tail.0 + tail.1, &free, &live);
-        Growth { stays, evacuable_tail }
+        let fits = !stays && !no_implicit_moves && tail.0 + tail.1 <= total;
+        let evacuable_tail = fits && evacuable(tail.0, tail.0 + tail.1, &free, &live);
+        let occupants = live.iter().filter(|&&(s, l, _)| s < tail.0 + tail.1 && s + l > tail.0).count();
+        let undecided = fits && !evacuable_tail && occupants > EXACT_OCCUPANTS;
+        Growth { stays, evacuable_tail, undecided }
     }
 
     /// The allocation itself has to move (a pinned one: PINNED).
