@@ -160,8 +160,8 @@ struct Model {
     size: u64,
     growable: bool,
     pinned: bool,
-    /// Packed in a slab (a non-growable allocation of at most half a chunk
-    /// bytes, until a resize beyond the small classes promotes it).
+    /// Packed in a slab (a non-growable allocation of at most half a chunk,
+    /// until a resize beyond the small classes promotes it).
     small: bool,
     ptr: u64,
     /// Bytes reserved for it: its reservation, or its size class if small.
