@@ -8,6 +8,13 @@
 //! address. Every few hundred operations all threads meet at a barrier and,
 //! while nobody changes the arena, check that the address table the move
 //! callback maintains agrees with `query` for every allocation.
+//!
+//! Backend: the host (64 KiB chunks), or device 0 with 2 MiB chunks when
+//! `VMM_ARENA_TEST_BACKEND=cuda` (see `common::test_backend`); sizes are in
+//! chunks, and every byte is checked through `Arena::read`, which on CUDA is
+//! `cuMemcpy`.
+
+mod common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,10 +23,8 @@ use std::sync::{Arc, Barrier, Mutex, OnceLock, Weak};
 use std::thread;
 use std::time::Duration;
 
-use vmm_arena::driver::host::HostDriver;
+use common::test_backend;
 use vmm_arena::{Arena, ArenaConfig, Id, MoveEvent, Status};
-
-const C: u64 = 64 << 10;
 const THREADS: usize = 4;
 /// Rounds of churn; `VMM_ARENA_CHURN_ROUNDS` raises it for a longer soak.
 const ROUNDS: usize = 10;
@@ -46,10 +51,11 @@ fn byte(thread: usize, gen: u64, offset: u64) -> u8 {
     (offset.wrapping_mul(131) ^ gen.wrapping_mul(7) ^ ((thread as u64) << 5)) as u8
 }
 
-/// Offsets checked in an allocation of `size` bytes: the ends and each
-/// chunk's first and last bytes (what moves by remapping could lose).
-fn probes(size: u64) -> Vec<u64> {
-    let mut v: Vec<u64> = (0..size.div_ceil(C)).flat_map(|k| [k * C, (k * C + C - 1).min(size - 1)]).collect();
+/// Offsets checked in an allocation of `size` bytes in chunks of `c`: the
+/// ends and each chunk's first and last bytes (what moves by remapping
+/// could lose).
+fn probes(size: u64, c: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (0..size.div_ceil(c)).flat_map(|k| [k * c, (k * c + c - 1).min(size - 1)]).collect();
     v.push(size - 1);
     v.sort_unstable();
     v.dedup();
@@ -64,14 +70,14 @@ struct Owned {
 }
 
 fn write_pattern(a: &Arena, thread: usize, o: &Owned) {
-    for off in probes(o.size) {
+    for off in probes(o.size, a.chunk_bytes()) {
         a.write(o.id, off, &[byte(thread, o.gen, off)]).unwrap();
     }
 }
 
 fn verify(a: &Arena, thread: usize, o: &Owned, what: &str) {
     let mut b = [0u8; 1];
-    for off in probes(o.size) {
+    for off in probes(o.size, a.chunk_bytes()) {
         a.read(o.id, off, &mut b).unwrap();
         assert_eq!(b[0], byte(thread, o.gen, off), "thread {thread}: {what}: {} lost byte {off}", o.id);
     }
@@ -84,15 +90,16 @@ fn tolerated(s: Status) -> bool {
 
 #[test]
 fn threads_churning_one_arena_keep_their_data_and_the_move_table_agrees() {
-    let driver = Arc::new(HostDriver::new().unwrap());
+    let backend = test_backend();
+    let (driver, c) = (backend.driver(), backend.chunk());
     let cfg = ArenaConfig {
-        capacity_bytes: 64 * C,
-        reserve_bytes: 96 * C,
-        chunk_bytes: C,
-        retain_bytes: 8 * C,
+        capacity_bytes: 64 * c,
+        reserve_bytes: 96 * c,
+        chunk_bytes: c,
+        retain_bytes: 8 * c,
         ..ArenaConfig::default()
     };
-    let arena = Arc::new(Arena::with_driver(driver.clone(), cfg).unwrap());
+    let arena = Arc::new(Arena::with_driver(driver.fault.clone(), cfg).unwrap());
     let table: Arc<Mutex<HashMap<Id, u64>>> = Arc::default();
     let events = Arc::new(AtomicU64::new(0));
     let broken_chains = Arc::new(AtomicU64::new(0));
@@ -129,11 +136,11 @@ fn threads_churning_one_arena_keep_their_data_and_the_move_table_agrees() {
                         match rng.below(100) {
                             0..=24 => {
                                 let size = match rng.below(3) {
-                                    0 => 1 + rng.below(C / 2),
-                                    _ => 1 + rng.below(4 * C),
+                                    0 => 1 + rng.below(c / 2),
+                                    _ => 1 + rng.below(4 * c),
                                 };
                                 let r = if rng.below(3) == 0 {
-                                    a.alloc_growable(size, size + rng.below(6) * C)
+                                    a.alloc_growable(size, size + rng.below(6) * c)
                                 } else {
                                     a.alloc(size)
                                 };
@@ -149,16 +156,16 @@ fn threads_churning_one_arena_keep_their_data_and_the_move_table_agrees() {
                             }
                             25..=44 if !mine.is_empty() => {
                                 let i = pick(&mut rng, mine.len());
-                                let new = 1 + rng.below(5 * C);
+                                let new = 1 + rng.below(5 * c);
                                 match a.resize(mine[i].id, new) {
                                     Ok(_) => {
                                         let o = &mut mine[i];
-                                        let old = probes(o.size);
+                                        let old = probes(o.size, c);
                                         let old_size = o.size;
                                         o.size = new;
                                         // The surviving probes keep their bytes; write the new ones
                                         // (the grown tail, and a shrunk allocation's new last byte).
-                                        for off in probes(new) {
+                                        for off in probes(new, c) {
                                             if off >= old_size || !old.contains(&off) {
                                                 a.write(o.id, off, &[byte(t, o.gen, off)]).unwrap();
                                             }
@@ -193,7 +200,7 @@ fn threads_churning_one_arena_keep_their_data_and_the_move_table_agrees() {
                             }
                             90..=92 => a.release_retired().unwrap(),
                             93 => {
-                                a.trim(4 * C).unwrap();
+                                a.trim(4 * c).unwrap();
                             }
                             94..=99 if !mine.is_empty() => {
                                 let i = pick(&mut rng, mine.len());
@@ -242,7 +249,7 @@ fn threads_churning_one_arena_keep_their_data_and_the_move_table_agrees() {
     assert!(s.moves > 0, "the churn should move something");
     assert_eq!((s.live_allocations, s.live_bytes, s.mapped_bytes), (0, 0, 0));
     arena.trim(0).unwrap();
-    assert_eq!((driver.live_chunks(), driver.live_mappings()), (0, 0), "nothing leaked");
+    assert_eq!((driver.fault.live_chunks(), driver.fault.live_mappings()), (0, 0), "nothing leaked");
     println!("{} moves, {} driver maps, {} creates", s.moves, s.driver_maps, s.driver_creates);
 }
 
@@ -266,9 +273,11 @@ fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
 #[test]
 fn a_callback_calling_back_into_its_arena_gets_invalid_argument() {
     within(30, || {
-        let cfg = ArenaConfig { capacity_bytes: 8 * C, reserve_bytes: 8 * C, chunk_bytes: C, ..Default::default() };
-        let arena = Arc::new(Arena::with_driver(HostDriver::new().unwrap(), cfg).unwrap());
-        let other = Arc::new(Arena::with_driver(HostDriver::new().unwrap(), cfg).unwrap());
+        let backend = test_backend();
+        let c = backend.chunk();
+        let cfg = ArenaConfig { capacity_bytes: 8 * c, reserve_bytes: 8 * c, chunk_bytes: c, ..Default::default() };
+        let arena = Arc::new(Arena::with_driver(backend.driver().fault, cfg).unwrap());
+        let other = Arc::new(Arena::with_driver(backend.driver().fault, cfg).unwrap());
         let me: Arc<OnceLock<Weak<Arena>>> = Arc::default();
         me.set(Arc::downgrade(&arena)).unwrap();
         let seen: Arc<Mutex<Vec<(&'static str, Status)>>> = Arc::default();
@@ -282,13 +291,13 @@ fn a_callback_calling_back_into_its_arena_gets_invalid_argument() {
                     let mut s = seen.lock().unwrap();
                     s.push(("stats", status(a.stats().map(drop))));
                     s.push(("query", status(a.query(e.id).map(drop))));
-                    s.push(("alloc", status(a.alloc(C).map(drop))));
+                    s.push(("alloc", status(a.alloc(c).map(drop))));
                     s.push(("free", status(a.free(e.id))));
                     s.push(("compact", status(a.compact().map(drop))));
                     s.push(("snapshot", status(a.snapshot_json().map(drop))));
                     s.push(("set_move_callback", status(a.set_move_callback(None))));
                     // Another arena is not locked: calls into it work.
-                    if let Ok((id, _)) = other.alloc(C) {
+                    if let Ok((id, _)) = other.alloc(c) {
                         other.free(id).unwrap();
                         other_ok.fetch_add(1, Ordering::Relaxed);
                     }
@@ -296,10 +305,10 @@ fn a_callback_calling_back_into_its_arena_gets_invalid_argument() {
                 .unwrap();
         }
         // Force a move: a full-reservation growable allocation grows beyond it.
-        let (g, _) = arena.alloc_growable(C, C).unwrap();
-        let (_b, _) = arena.alloc(C).unwrap();
+        let (g, _) = arena.alloc_growable(c, c).unwrap();
+        let (_b, _) = arena.alloc(c).unwrap();
         arena.write(g, 0, b"kept").unwrap();
-        arena.resize(g, 2 * C).unwrap();
+        arena.resize(g, 2 * c).unwrap();
         let seen = seen.lock().unwrap();
         assert!(!seen.is_empty(), "the move ran the callback");
         for (call, status) in seen.iter() {
@@ -322,8 +331,10 @@ fn callbacks_of_concurrent_moves_do_not_deadlock_with_other_threads() {
     // One thread keeps moving its allocation while others hammer the arena;
     // the callback takes a lock the other threads also take between calls.
     within(60, || {
-        let cfg = ArenaConfig { capacity_bytes: 32 * C, reserve_bytes: 48 * C, chunk_bytes: C, ..Default::default() };
-        let arena = Arc::new(Arena::with_driver(HostDriver::new().unwrap(), cfg).unwrap());
+        let backend = test_backend();
+        let c = backend.chunk();
+        let cfg = ArenaConfig { capacity_bytes: 32 * c, reserve_bytes: 48 * c, chunk_bytes: c, ..Default::default() };
+        let arena = Arc::new(Arena::with_driver(backend.driver().fault, cfg).unwrap());
         let shared = Arc::new(Mutex::new(0u64));
         {
             let shared = shared.clone();
@@ -334,14 +345,14 @@ fn callbacks_of_concurrent_moves_do_not_deadlock_with_other_threads() {
                 let (a, shared) = (arena.clone(), shared.clone());
                 thread::spawn(move || {
                     for i in 0..200u64 {
-                        let (id, _) = match a.alloc_growable(C, C) {
+                        let (id, _) = match a.alloc_growable(c, c) {
                             Ok(x) => x,
                             Err(e) => {
                                 assert!(tolerated(e.status()));
                                 continue;
                             }
                         };
-                        match a.resize(id, (2 + (i + t as u64) % 3) * C) {
+                        match a.resize(id, (2 + (i + t as u64) % 3) * c) {
                             Ok(_) => {}
                             Err(e) => assert!(tolerated(e.status())),
                         }

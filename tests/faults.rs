@@ -29,21 +29,21 @@
 //!
 //! The test prints the matrix: per case, the calls by kind and the faults
 //! injected, and the total.
+//!
+//! Backend: the host (64 KiB chunks), or device 0 with 2 MiB chunks when
+//! `VMM_ARENA_TEST_BACKEND=cuda` (see `common::test_backend`); sizes are in
+//! chunks, so the cases are the same. Bytes are compared through
+//! `Arena::read`, which on CUDA is `cuMemcpy`. Only the memfd's committed
+//! bytes are a host-only check.
 
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use common::{read_all, stats_sans_driver, Kind, Snap};
-use vmm_arena::driver::fault::{FaultDriver, FaultKind};
-use vmm_arena::driver::host::HostDriver;
+use common::{read_all, stats_sans_driver, test_backend, Kind, Snap, TestDriver};
+use vmm_arena::driver::fault::FaultKind;
 use vmm_arena::driver::CallKind;
 use vmm_arena::{Arena, ArenaConfig, Id, Result, Stats, Status};
-
-const C: u64 = 64 << 10;
-
-type Fd = Arc<FaultDriver<HostDriver>>;
 
 /// What a failed driver call must leave behind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,11 +61,12 @@ struct Case {
     cap: u64,
     reserve: u64,
     retain: u64,
-    /// Builds the starting state; returns the live allocations (all of them).
-    setup: fn(&Arena) -> Vec<Id>,
+    /// Builds the starting state from chunks of the given size; returns
+    /// the live allocations (all of them).
+    setup: fn(&Arena, u64) -> Vec<Id>,
     /// The operation under test; may use and change the ids (it removes the
-    /// ones it frees).
-    op: fn(&Arena, &mut Vec<Id>) -> Result<()>,
+    /// ones it frees). Gets the chunk size too.
+    op: fn(&Arena, &mut Vec<Id>, u64) -> Result<()>,
     expect: Expect,
 }
 
@@ -81,8 +82,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| vec![alloc(a, 2 * C)],
-            op: |a, ids| a.alloc(3 * C).map(|(id, _)| ids.push(id)),
+            setup: |a, c| vec![alloc(a, 2 * c)],
+            op: |a, ids, c| a.alloc(3 * c).map(|(id, _)| ids.push(id)),
             expect: Expect::Atomic,
         },
         Case {
@@ -90,15 +91,15 @@ fn cases() -> Vec<Case> {
             cap: 3,
             reserve: 16,
             retain: KEEP,
-            setup: |a| {
-                let (x, y, z) = (alloc(a, C), alloc(a, C), alloc(a, C));
+            setup: |a, c| {
+                let (x, y, z) = (alloc(a, c), alloc(a, c), alloc(a, c));
                 a.free(x).unwrap(); // page 0 cached, a hole of one page
                 a.free(z).unwrap(); // page 2 cached at the start of the big free range
                 vec![y]
             },
             // Lands at page 2 (adopting its chunk); page 3 gets page 0's
             // chunk: an unmap there, since the capacity allows no create.
-            op: |a, ids| a.alloc(2 * C).map(|(id, _)| ids.push(id)),
+            op: |a, ids, c| a.alloc(2 * c).map(|(id, _)| ids.push(id)),
             expect: Expect::Atomic,
         },
         Case {
@@ -106,14 +107,14 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 8,
             retain: KEEP,
-            setup: |a| {
-                let v: Vec<Id> = (0..7).map(|_| alloc(a, C)).collect();
+            setup: |a, c| {
+                let v: Vec<Id> = (0..7).map(|_| alloc(a, c)).collect();
                 for &i in &[0, 2, 4] {
                     a.free(v[i]).unwrap();
                 }
                 vec![v[1], v[3], v[5], v[6]] // holes of one page at 0, 2, 4 and 7
             },
-            op: |a, ids| a.alloc(4 * C).map(|(id, _)| ids.push(id)),
+            op: |a, ids, c| a.alloc(4 * c).map(|(id, _)| ids.push(id)),
             expect: Expect::Atomic,
         },
         Case {
@@ -121,13 +122,13 @@ fn cases() -> Vec<Case> {
             cap: 4,
             reserve: 16,
             retain: KEEP,
-            setup: |a| {
+            setup: |a, c| {
                 let x = alloc(a, 100);
-                a.resize(x, C / 4).unwrap(); // slab 1 now holds only x's retired old place
-                vec![x, alloc(a, C)]
+                a.resize(x, c / 4).unwrap(); // slab 1 now holds only x's retired old place
+                vec![x, alloc(a, c)]
             },
             // Two chunks: a new one and slab 1's, unmapped from where it was.
-            op: |a, ids| a.alloc(2 * C).map(|(id, _)| ids.push(id)),
+            op: |a, ids, c| a.alloc(2 * c).map(|(id, _)| ids.push(id)),
             expect: Expect::Atomic,
         },
         Case {
@@ -135,8 +136,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| vec![alloc(a, C)],
-            op: |a, ids| a.alloc_growable(2 * C, 6 * C).map(|(id, _)| ids.push(id)),
+            setup: |a, c| vec![alloc(a, c)],
+            op: |a, ids, c| a.alloc_growable(2 * c, 6 * c).map(|(id, _)| ids.push(id)),
             expect: Expect::Atomic,
         },
         Case {
@@ -144,13 +145,13 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 8,
             retain: KEEP,
-            setup: |a| {
-                let v: Vec<Id> = (0..6).map(|_| alloc(a, C)).collect();
+            setup: |a, c| {
+                let v: Vec<Id> = (0..6).map(|_| alloc(a, c)).collect();
                 a.free(v[1]).unwrap();
                 a.free(v[3]).unwrap();
                 vec![v[0], v[2], v[4], v[5]]
             },
-            op: |a, ids| a.alloc_growable(C, 3 * C).map(|(id, _)| ids.push(id)),
+            op: |a, ids, c| a.alloc_growable(c, 3 * c).map(|(id, _)| ids.push(id)),
             expect: Expect::Atomic,
         },
         Case {
@@ -158,8 +159,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| vec![alloc(a, 2 * C)],
-            op: |a, ids| a.alloc(1000).map(|(id, _)| ids.push(id)),
+            setup: |a, c| vec![alloc(a, 2 * c)],
+            op: |a, ids, _| a.alloc(1000).map(|(id, _)| ids.push(id)),
             expect: Expect::Atomic,
         },
         Case {
@@ -167,8 +168,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: 0,
-            setup: |a| vec![alloc(a, 2 * C), alloc(a, C)],
-            op: |a, ids| a.free(ids.remove(0)),
+            setup: |a, c| vec![alloc(a, 2 * c), alloc(a, c)],
+            op: |a, ids, _| a.free(ids.remove(0)),
             expect: Expect::BestEffort,
         },
         Case {
@@ -176,8 +177,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: 0,
-            setup: |a| vec![alloc(a, 3000), alloc(a, C)],
-            op: |a, ids| a.free(ids.remove(0)),
+            setup: |a, c| vec![alloc(a, 3000), alloc(a, c)],
+            op: |a, ids, _| a.free(ids.remove(0)),
             expect: Expect::BestEffort,
         },
         Case {
@@ -185,8 +186,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| vec![a.alloc_growable(C, 6 * C).unwrap().0, alloc(a, C)],
-            op: |a, ids| a.resize(ids[0], 4 * C).map(drop),
+            setup: |a, c| vec![a.alloc_growable(c, 6 * c).unwrap().0, alloc(a, c)],
+            op: |a, ids, c| a.resize(ids[0], 4 * c).map(drop),
             expect: Expect::Atomic,
         },
         Case {
@@ -194,12 +195,12 @@ fn cases() -> Vec<Case> {
             cap: 3,
             reserve: 16,
             retain: KEEP,
-            setup: |a| {
+            setup: |a, c| {
                 let x = alloc(a, 100);
-                a.resize(x, C / 4).unwrap(); // slab 1 now holds only x's retired old place
-                vec![x, a.alloc_growable(C / 2 + 1, 2 * C).unwrap().0]
+                a.resize(x, c / 4).unwrap(); // slab 1 now holds only x's retired old place
+                vec![x, a.alloc_growable(c / 2 + 1, 2 * c).unwrap().0]
             },
-            op: |a, ids| a.resize(ids[1], C + 1).map(drop),
+            op: |a, ids, c| a.resize(ids[1], c + 1).map(drop),
             expect: Expect::Atomic,
         },
         Case {
@@ -207,8 +208,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| vec![a.alloc_growable(C, 2 * C).unwrap().0, alloc(a, C)],
-            op: |a, ids| a.resize(ids[0], 3 * C).map(drop),
+            setup: |a, c| vec![a.alloc_growable(c, 2 * c).unwrap().0, alloc(a, c)],
+            op: |a, ids, c| a.resize(ids[0], 3 * c).map(drop),
             expect: Expect::Atomic,
         },
         Case {
@@ -216,17 +217,17 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 8,
             retain: KEEP,
-            setup: |a| {
-                let x = alloc(a, 2 * C); // [0, 2)
-                let g = a.alloc_growable(C, C).unwrap().0; // [2, 3)
-                let b = alloc(a, C); // [3, 4)
-                let c = alloc(a, 2 * C); // [4, 6)
-                let d = alloc(a, C); // [6, 7)
+            setup: |a, c| {
+                let x = alloc(a, 2 * c); // [0, 2)
+                let g = a.alloc_growable(c, c).unwrap().0; // [2, 3)
+                let b = alloc(a, c); // [3, 4)
+                let y = alloc(a, 2 * c); // [4, 6)
+                let d = alloc(a, c); // [6, 7)
                 a.free(x).unwrap();
-                a.free(c).unwrap();
+                a.free(y).unwrap();
                 vec![g, b, d] // free: [0, 2), [4, 6), [7, 8)
             },
-            op: |a, ids| a.resize(ids[0], 3 * C).map(drop),
+            op: |a, ids, c| a.resize(ids[0], 3 * c).map(drop),
             expect: Expect::Atomic,
         },
         Case {
@@ -234,8 +235,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: 0,
-            setup: |a| vec![alloc(a, 4 * C), alloc(a, C)],
-            op: |a, ids| a.resize(ids[0], C).map(drop),
+            setup: |a, c| vec![alloc(a, 4 * c), alloc(a, c)],
+            op: |a, ids, c| a.resize(ids[0], c).map(drop),
             expect: Expect::BestEffort,
         },
         Case {
@@ -243,8 +244,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| vec![alloc(a, 1000), alloc(a, C)],
-            op: |a, ids| a.resize(ids[0], 20_000).map(drop),
+            setup: |a, c| vec![alloc(a, 1000), alloc(a, c)],
+            op: |a, ids, _| a.resize(ids[0], 20_000).map(drop),
             expect: Expect::Atomic,
         },
         Case {
@@ -252,8 +253,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| vec![alloc(a, 1000), alloc(a, C)],
-            op: |a, ids| a.resize(ids[0], 3 * C).map(drop),
+            setup: |a, c| vec![alloc(a, 1000), alloc(a, c)],
+            op: |a, ids, c| a.resize(ids[0], 3 * c).map(drop),
             expect: Expect::Atomic,
         },
         Case {
@@ -261,13 +262,13 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 8,
             retain: KEEP,
-            setup: |a| {
-                let v: Vec<Id> = [2 * C, C, C, 2 * C, 700].iter().map(|&s| alloc(a, s)).collect();
+            setup: |a, c| {
+                let v: Vec<Id> = [2 * c, c, c, 2 * c, 700].iter().map(|&s| alloc(a, s)).collect();
                 a.free(v[0]).unwrap();
                 a.free(v[2]).unwrap();
                 vec![v[1], v[3], v[4]]
             },
-            op: |a, _| a.compact().map(drop),
+            op: |a, _, _| a.compact().map(drop),
             expect: Expect::Atomic,
         },
         Case {
@@ -275,17 +276,17 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| {
-                let g = a.alloc_growable(C, C).unwrap().0;
-                let b = alloc(a, C);
-                a.resize(g, 2 * C).unwrap(); // moves: page 0 retired
-                let h = a.alloc_growable(2 * C, 2 * C).unwrap().0;
-                let c = alloc(a, C);
-                a.resize(h, 3 * C).unwrap(); // moves too: a second retired range
-                assert_eq!(a.stats().unwrap().retired_va_bytes, 3 * C);
-                vec![g, b, h, c]
+            setup: |a, c| {
+                let g = a.alloc_growable(c, c).unwrap().0;
+                let b = alloc(a, c);
+                a.resize(g, 2 * c).unwrap(); // moves: page 0 retired
+                let h = a.alloc_growable(2 * c, 2 * c).unwrap().0;
+                let d = alloc(a, c);
+                a.resize(h, 3 * c).unwrap(); // moves too: a second retired range
+                assert_eq!(a.stats().unwrap().retired_va_bytes, 3 * c);
+                vec![g, b, h, d]
             },
-            op: |a, _| a.release_retired(),
+            op: |a, _, _| a.release_retired(),
             expect: Expect::Atomic,
         },
         Case {
@@ -293,8 +294,8 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| {
-                let v: Vec<Id> = [2 * C, C, 2 * C, C, C].iter().map(|&s| alloc(a, s)).collect();
+            setup: |a, c| {
+                let v: Vec<Id> = [2 * c, c, 2 * c, c, c].iter().map(|&s| alloc(a, s)).collect();
                 a.free(v[0]).unwrap(); // pages 0, 1 cached
                 a.compact().unwrap(); // v[1] lands on page 0: its cached chunk is evicted to the pool
                 a.free(v[3]).unwrap();
@@ -302,7 +303,7 @@ fn cases() -> Vec<Case> {
                 assert!(s.pooled_unmapped_chunks > 0 && s.stats["cached_mapped_bytes"] > 0, "{s:?}");
                 vec![v[1], v[2], v[4]]
             },
-            op: |a, _| a.trim(0).map(drop),
+            op: |a, _, _| a.trim(0).map(drop),
             expect: Expect::Trim,
         },
         Case {
@@ -310,14 +311,14 @@ fn cases() -> Vec<Case> {
             cap: 8,
             reserve: 16,
             retain: KEEP,
-            setup: |a| {
-                let g = a.alloc_growable(C, C).unwrap().0;
-                let b = alloc(a, C);
-                a.resize(g, 2 * C).unwrap(); // moves: page 0 retired, mapping g's first chunk
+            setup: |a, c| {
+                let g = a.alloc_growable(c, c).unwrap().0;
+                let b = alloc(a, c);
+                a.resize(g, 2 * c).unwrap(); // moves: page 0 retired, mapping g's first chunk
                 a.free(g).unwrap();
                 vec![b]
             },
-            op: |a, _| a.trim(0).map(drop),
+            op: |a, _, _| a.trim(0).map(drop),
             expect: Expect::Trim,
         },
     ]
@@ -330,7 +331,8 @@ struct Recording {
     bytes: BTreeMap<Id, Vec<u8>>,
     live_chunks: usize,
     live_mappings: usize,
-    file_bytes: u64,
+    /// The memfd's committed bytes (host only).
+    file_bytes: Option<u64>,
 }
 
 impl Recording {
@@ -351,56 +353,60 @@ impl Recording {
     }
 }
 
-fn record(a: &Arena, fd: &Fd, ids: &[Id]) -> Recording {
+fn record(a: &Arena, d: &TestDriver, ids: &[Id]) -> Recording {
     Recording {
         snap: Snap::of(a).without_driver_counters(),
         stats: stats_sans_driver(a.stats().unwrap()),
         bytes: ids.iter().map(|&id| (id, read_all(a, id))).collect(),
-        live_chunks: fd.live_chunks(),
-        live_mappings: fd.live_mappings(),
-        file_bytes: fd.inner().allocated_file_bytes().unwrap(),
+        live_chunks: d.fault.live_chunks(),
+        live_mappings: d.fault.live_mappings(),
+        file_bytes: d.host.as_ref().map(|h| h.allocated_file_bytes().unwrap()),
     }
 }
 
 /// A fresh arena in the case's starting state, every allocation filled
 /// with a pattern of its own.
-fn build(case: &Case) -> (Fd, Arena, Vec<Id>) {
-    let fd: Fd = Arc::new(FaultDriver::new(HostDriver::new().unwrap()));
+fn build(case: &Case) -> (TestDriver, Arena, Vec<Id>) {
+    let backend = test_backend();
+    let (d, c) = (backend.driver(), backend.chunk());
     let cfg = ArenaConfig {
-        capacity_bytes: case.cap * C,
-        reserve_bytes: case.reserve * C,
-        chunk_bytes: C,
+        capacity_bytes: case.cap * c,
+        reserve_bytes: case.reserve * c,
+        chunk_bytes: c,
         retain_bytes: case.retain,
         ..ArenaConfig::default()
     };
-    let a = Arena::with_driver(fd.clone(), cfg).unwrap();
-    let ids = (case.setup)(&a);
+    let a = Arena::with_driver(d.fault.clone(), cfg).unwrap();
+    let ids = (case.setup)(&a, c);
     assert_eq!(a.stats().unwrap().live_allocations, ids.len() as u64, "{}: setup lists every allocation", case.name);
     for &id in &ids {
         common::fill(&a, id, id.get());
     }
-    (fd, a, ids)
+    (d, a, ids)
 }
 
 /// The invariants that hold after any outcome: nothing leaked, ranges and
 /// stats consistent.
-fn check_no_leak(what: &str, a: &Arena, fd: &Fd) {
+fn check_no_leak(what: &str, a: &Arena, d: &TestDriver) {
     let snap = Snap::of(a);
     snap.check_structure(a.va_range());
     let s = a.stats().unwrap();
-    assert_eq!(fd.live_chunks() as u64, (s.mapped_bytes + s.pooled_bytes) / C, "{what}: leaked or lost chunks");
-    assert_eq!(fd.live_mappings() as u64, snap.mapped_pages(), "{what}: leaked or lost mappings");
-    assert_eq!(
-        fd.inner().allocated_file_bytes().unwrap(),
-        s.mapped_bytes + s.pooled_bytes,
-        "{what}: memory committed in the memfd vs memory held"
-    );
+    let c = a.chunk_bytes();
+    assert_eq!(d.fault.live_chunks() as u64, (s.mapped_bytes + s.pooled_bytes) / c, "{what}: leaked or lost chunks");
+    assert_eq!(d.fault.live_mappings() as u64, snap.mapped_pages(), "{what}: leaked or lost mappings");
+    if let Some(host) = &d.host {
+        assert_eq!(
+            host.allocated_file_bytes().unwrap(),
+            s.mapped_bytes + s.pooled_bytes,
+            "{what}: memory committed in the memfd vs memory held"
+        );
+    }
 }
 
 /// The arena still works: old data verifies, and a new allocation can be
 /// made, written, read and freed.
-fn check_keeps_working(what: &str, a: &Arena, fd: &Fd, bytes: &BTreeMap<Id, Vec<u8>>, live: &[Id]) {
-    fd.clear();
+fn check_keeps_working(what: &str, a: &Arena, d: &TestDriver, bytes: &BTreeMap<Id, Vec<u8>>, live: &[Id]) {
+    d.fault.clear();
     for (&id, want) in bytes.iter().filter(|(id, _)| live.contains(id)) {
         let got = read_all(a, id);
         let n = want.len().min(got.len());
@@ -408,7 +414,8 @@ fn check_keeps_working(what: &str, a: &Arena, fd: &Fd, bytes: &BTreeMap<Id, Vec<
     }
     // Whatever fits: the capacity may be used up by the case.
     let s = a.stats().unwrap();
-    let size = if s.mapped_bytes + 2 * C <= s.capacity_bytes { C + 123 } else { 100 };
+    let c = a.chunk_bytes();
+    let size = if s.mapped_bytes + 2 * c <= s.capacity_bytes { c + 123 } else { 100 };
     if let Ok((id, _)) = a.alloc(size) {
         a.write(id, size - 5, b"alive").unwrap();
         let mut out = [0u8; 5];
@@ -420,7 +427,7 @@ fn check_keeps_working(what: &str, a: &Arena, fd: &Fd, bytes: &BTreeMap<Id, Vec<
     }
     a.release_retired().unwrap();
     a.compact().unwrap();
-    check_no_leak(what, a, fd);
+    check_no_leak(what, a, d);
 }
 
 fn status_of(kind: FaultKind) -> Status {
@@ -450,11 +457,12 @@ struct Row {
 
 fn run_case(case: &Case) -> Row {
     // The twin: count the calls, and keep its outcome for best-effort cases.
-    let (fd, a, mut ids) = build(case);
+    let (d, a, mut ids) = build(case);
+    let (fd, c) = (&d.fault, a.chunk_bytes());
     let before: BTreeMap<CallKind, u64> = CallKind::ALL.iter().map(|&k| (k, fd.calls(k))).collect();
     let total0 = fd.total_calls();
     let moves0 = a.stats().unwrap().moves;
-    (case.op)(&a, &mut ids).unwrap_or_else(|e| panic!("{}: the operation fails without a fault: {e}", case.name));
+    (case.op)(&a, &mut ids, c).unwrap_or_else(|e| panic!("{}: the operation fails without a fault: {e}", case.name));
     let calls = fd.total_calls() - total0;
     let by_kind: BTreeMap<CallKind, u64> =
         CallKind::ALL.iter().map(|&k| (k, fd.calls(k) - before[&k])).filter(|&(_, n)| n > 0).collect();
@@ -462,7 +470,7 @@ fn run_case(case: &Case) -> Row {
     let twin = Snap::of(&a);
     let twin_stats = a.stats().unwrap();
     let moves = twin_stats.moves - moves0;
-    check_no_leak(case.name, &a, &fd);
+    check_no_leak(case.name, &a, &d);
     drop(a);
     assert_eq!((fd.live_chunks(), fd.live_mappings()), (0, 0), "{}: dropping the arena releases all", case.name);
 
@@ -470,11 +478,12 @@ fn run_case(case: &Case) -> Row {
     for i in 1..=calls {
         for kind in FaultKind::ALL {
             let what = format!("{} / call {i} of {calls} fails with {kind:?}", case.name);
-            let (fd, a, mut ids) = build(case);
-            let pre = record(&a, &fd, &ids);
+            let (d, a, mut ids) = build(case);
+            let fd = &d.fault;
+            let pre = record(&a, &d, &ids);
             let releases0 = a.stats().unwrap().driver_releases;
             fd.fail_nth(None, i, kind);
-            let r = (case.op)(&a, &mut ids);
+            let r = (case.op)(&a, &mut ids, c);
             assert!(!fd.pending(), "{what}: the operation made fewer calls than its twin");
             injected += 1;
             match case.expect {
@@ -482,7 +491,7 @@ fn run_case(case: &Case) -> Row {
                     let e = r.expect_err(&what);
                     assert_eq!(e.status(), status_of(kind), "{what}: {e}");
                     let pre_ids: Vec<Id> = pre.bytes.keys().copied().collect();
-                    pre.assert_same(&record(&a, &fd, &pre_ids), &what);
+                    pre.assert_same(&record(&a, &d, &pre_ids), &what);
                 }
                 Expect::BestEffort => {
                     r.unwrap_or_else(|e| panic!("{what}: a give-back failure must not fail the call: {e}"));
@@ -511,7 +520,7 @@ fn run_case(case: &Case) -> Row {
                     let released = s.driver_releases - releases0;
                     assert_eq!(
                         pre.stats.pooled_bytes - s.pooled_bytes,
-                        released * C,
+                        released * c,
                         "{what}: what was released is gone from the pool, the rest stays pooled"
                     );
                     for (&id, want) in &pre.bytes {
@@ -519,8 +528,8 @@ fn run_case(case: &Case) -> Row {
                     }
                 }
             }
-            check_no_leak(&what, &a, &fd);
-            check_keeps_working(&what, &a, &fd, &pre.bytes, &ids);
+            check_no_leak(&what, &a, &d);
+            check_keeps_working(&what, &a, &d, &pre.bytes, &ids);
             if case.expect == Expect::Trim {
                 a.trim(0).unwrap();
                 assert_eq!(a.stats().unwrap().pooled_bytes, 0, "{what}: a second trim finishes the job");
@@ -551,21 +560,23 @@ fn every_driver_call_of_every_operation_fails_cleanly() {
 /// capacity) and reported; a failure of every size is an error, not a panic.
 #[test]
 fn a_refused_reservation_falls_back_to_a_smaller_one() {
-    let fd: Fd = Arc::new(FaultDriver::new(HostDriver::new().unwrap()));
-    fd.fail_nth(Some(CallKind::Reserve), 1, FaultKind::OutOfMemory);
-    let cfg = ArenaConfig { capacity_bytes: 4 * C, reserve_bytes: 16 * C, chunk_bytes: C, ..ArenaConfig::default() };
-    let a = Arena::with_driver(fd.clone(), cfg).unwrap();
+    let backend = test_backend();
+    let c = backend.chunk();
+    let d = backend.driver();
+    d.fault.fail_nth(Some(CallKind::Reserve), 1, FaultKind::OutOfMemory);
+    let cfg = ArenaConfig { capacity_bytes: 4 * c, reserve_bytes: 16 * c, chunk_bytes: c, ..ArenaConfig::default() };
+    let a = Arena::with_driver(d.fault.clone(), cfg).unwrap();
     let s = a.stats().unwrap();
-    assert_eq!((s.reserve_fallbacks, s.reserved_va_bytes), (1, 8 * C));
-    let (id, _) = a.alloc(4 * C).unwrap();
+    assert_eq!((s.reserve_fallbacks, s.reserved_va_bytes), (1, 8 * c));
+    let (id, _) = a.alloc(4 * c).unwrap();
     a.free(id).unwrap();
     drop(a);
     for kind in FaultKind::ALL {
-        let fd: Fd = Arc::new(FaultDriver::new(HostDriver::new().unwrap()));
-        let cfg = ArenaConfig { capacity_bytes: 4 * C, reserve_bytes: 4 * C, chunk_bytes: C, ..ArenaConfig::default() };
-        fd.fail_nth(Some(CallKind::Reserve), 1, kind);
-        let e = Arena::with_driver(fd.clone(), cfg).unwrap_err();
+        let d = backend.driver();
+        let cfg = ArenaConfig { capacity_bytes: 4 * c, reserve_bytes: 4 * c, chunk_bytes: c, ..ArenaConfig::default() };
+        d.fault.fail_nth(Some(CallKind::Reserve), 1, kind);
+        let e = Arena::with_driver(d.fault.clone(), cfg).unwrap_err();
         assert_eq!(e.status(), status_of(kind), "{e}");
-        assert_eq!((fd.live_chunks(), fd.live_mappings()), (0, 0));
+        assert_eq!((d.fault.live_chunks(), d.fault.live_mappings()), (0, 0));
     }
 }

@@ -31,20 +31,30 @@
 //!   address to its new one, and their count is the `moves` stat's increase.
 //!
 //! `PROPTEST_CASES=1000 cargo test --test model` runs a longer search.
+//!
+//! On a GPU, `VMM_ARENA_TEST_BACKEND=cuda cargo test --release --test model
+//! cuda` runs the same model on device 0 with 2 MiB chunks (sizes are drawn
+//! in chunks, so the cases scale). There every byte is checked through
+//! `Arena::read`, that is `cuMemcpy`; the raw-pointer reads are host-only.
+//! Without the variable that test is skipped; with it and no usable GPU it
+//! fails.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use common::{evacuation_exists, Growth, Snap, Stamps};
+use common::{evacuation_exists, Growth, Snap, Stamps, TestBackend, CUDA_CHUNK};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
+use vmm_arena::driver::fault::FaultDriver;
 use vmm_arena::driver::host::HostDriver;
 use vmm_arena::driver::mock::MockDriver;
+use vmm_arena::driver::Driver;
 use vmm_arena::{Arena, ArenaConfig, Error, Id, MoveEvent, Status};
 
-const C: u64 = 64 << 10;
+/// The chunk size on the host and the mock (and in the regressions).
+const C: u64 = common::HOST_CHUNK;
 
 /// Outcome counters over all cases, printed at the end (`--nocapture`), to
 /// show the search reaches the interesting paths.
@@ -62,6 +72,17 @@ fn report(backend: Backend) {
 enum Backend {
     Host,
     Mock,
+    /// Device 0; bytes are checked through `cuMemcpy` only.
+    Cuda,
+}
+
+impl Backend {
+    fn chunk(self) -> u64 {
+        match self {
+            Backend::Host | Backend::Mock => C,
+            Backend::Cuda => CUDA_CHUNK,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -88,21 +109,22 @@ enum Op {
     BadId(usize),
 }
 
-/// A size in bytes of 1..=`max_pages` chunks, not chunk-aligned in general.
-fn size(max_pages: u64) -> impl Strategy<Value = u64> {
-    (1..=max_pages, 1..=C, 0..4u8).prop_map(|(p, b, whole)| (p - 1) * C + if whole == 0 { C } else { b })
+/// A size in bytes of 1..=`max_pages` chunks of `c`, not chunk-aligned in general.
+fn size(c: u64, max_pages: u64) -> impl Strategy<Value = u64> {
+    (1..=max_pages, 1..=c, 0..4u8).prop_map(move |(p, b, whole)| (p - 1) * c + if whole == 0 { c } else { b })
 }
 
-fn op() -> impl Strategy<Value = Op> {
+/// Operations on an arena with chunks of `c` (small sizes: up to half a chunk).
+fn op(c: u64) -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => size(8).prop_map(Op::Alloc),
-        4 => (1..=C / 2).prop_map(Op::Alloc),
-        1 => size(40).prop_map(Op::Alloc),
-        4 => (size(6), 0..=12u64).prop_map(|(s, extra)| Op::AllocGrowable(s, s + extra * C)),
+        6 => size(c, 8).prop_map(Op::Alloc),
+        4 => (1..=c / 2).prop_map(Op::Alloc),
+        1 => size(c, 40).prop_map(Op::Alloc),
+        4 => (size(c, 6), 0..=12u64).prop_map(move |(s, extra)| Op::AllocGrowable(s, s + extra * c)),
         5 => any::<usize>().prop_map(Op::Free),
-        6 => (any::<usize>(), size(16)).prop_map(|(i, s)| Op::Resize(i, s)),
-        3 => (any::<usize>(), 1..=C / 2).prop_map(|(i, s)| Op::Resize(i, s)),
-        1 => (any::<usize>(), size(40)).prop_map(|(i, s)| Op::Resize(i, s)),
+        6 => (any::<usize>(), size(c, 16)).prop_map(|(i, s)| Op::Resize(i, s)),
+        3 => (any::<usize>(), 1..=c / 2).prop_map(|(i, s)| Op::Resize(i, s)),
+        1 => (any::<usize>(), size(c, 40)).prop_map(|(i, s)| Op::Resize(i, s)),
         2 => any::<usize>().prop_map(Op::Pin),
         2 => any::<usize>().prop_map(Op::Unpin),
         1 => Just(Op::Compact),
@@ -138,8 +160,8 @@ struct Model {
     size: u64,
     growable: bool,
     pinned: bool,
-    /// Packed in a slab (a non-growable allocation of at most `SMALL_MAX`
-    /// bytes, until a resize beyond the small classes promotes it).
+    /// Packed in a slab (a non-growable allocation of at most half a chunk,
+    /// until a resize beyond the small classes promotes it).
     small: bool,
     ptr: u64,
     /// Bytes reserved for it: its reservation, or its size class if small.
@@ -147,13 +169,12 @@ struct Model {
     stamps: Stamps,
 }
 
-/// The largest small allocation with 64 KiB chunks (half a chunk).
-const SMALL_MAX: u64 = C / 2;
-
 /// The driver, kept to compare its live chunks and mappings with the arena's books.
 enum Probe {
     Host(Arc<HostDriver>),
     Mock(Arc<MockDriver>),
+    /// A driver that cannot count them itself (CUDA), under a wrapper that does.
+    Counted(Arc<FaultDriver<Arc<dyn Driver>>>),
 }
 
 impl Probe {
@@ -161,6 +182,7 @@ impl Probe {
         match self {
             Probe::Host(d) => (d.live_chunks(), d.live_mappings()),
             Probe::Mock(d) => (d.live_chunks(), d.live_mappings()),
+            Probe::Counted(d) => (d.live_chunks(), d.live_mappings()),
         }
     }
 }
@@ -169,6 +191,8 @@ struct Harness {
     arena: Arena,
     probe: Probe,
     backend: Backend,
+    /// The chunk size.
+    c: u64,
     cfg: Config,
     events: Arc<Mutex<Vec<MoveEvent>>>,
     live: BTreeMap<Id, Model>,
@@ -183,17 +207,23 @@ struct Harness {
     views: Vec<(Id, u64, u64)>,
 }
 
-fn pages(bytes: u64) -> u64 {
-    bytes.div_ceil(C)
-}
-
 impl Harness {
+    fn pages(&self, bytes: u64) -> u64 {
+        bytes.div_ceil(self.c)
+    }
+
+    /// The largest small allocation: half a chunk.
+    fn small_max(&self) -> u64 {
+        self.c / 2
+    }
+
     fn new(backend: Backend, cfg: Config) -> Harness {
+        let c = backend.chunk();
         let ac = ArenaConfig {
-            capacity_bytes: cfg.cap_pages * C,
-            reserve_bytes: cfg.reserve_pages * C,
-            chunk_bytes: C,
-            retain_bytes: cfg.retain_pages.map_or(u64::MAX, |p| p * C),
+            capacity_bytes: cfg.cap_pages * c,
+            reserve_bytes: cfg.reserve_pages * c,
+            chunk_bytes: c,
+            retain_bytes: cfg.retain_pages.map_or(u64::MAX, |p| p * c),
             no_implicit_moves: cfg.no_implicit_moves,
             ..ArenaConfig::default()
         };
@@ -206,6 +236,10 @@ impl Harness {
                 let d = Arc::new(MockDriver::new(4096, 1 << 40));
                 (Arena::with_driver(d.clone(), ac), Probe::Mock(d))
             }
+            Backend::Cuda => {
+                let d = TestBackend::Cuda.driver().fault;
+                (Arena::with_driver(d.clone(), ac), Probe::Counted(d))
+            }
         };
         let arena = arena.expect("arena");
         let events = Arc::new(Mutex::new(Vec::new()));
@@ -216,6 +250,7 @@ impl Harness {
             arena,
             probe,
             backend,
+            c,
             cfg,
             events,
             live: BTreeMap::new(),
@@ -244,7 +279,7 @@ impl Harness {
     /// the slabs of retired small objects only), before the op.
     fn obtainable(&self) -> u64 {
         // Slabs of retired objects only count as pooled: reclaimable.
-        self.cfg.cap_pages - self.snap.stats["mapped_bytes"] / C
+        self.cfg.cap_pages - self.snap.stats["mapped_bytes"] / self.c
     }
 
     fn total_pages(&self) -> u64 {
@@ -271,9 +306,9 @@ impl Harness {
     }
 
     fn alloc(&mut self, size: u64, max: u64, growable: bool) {
-        let small = !growable && size <= SMALL_MAX;
+        let small = !growable && size <= self.small_max();
         // Pages the request needs at most (a small one: a new slab).
-        let (np, nr) = if small { (1, 1) } else { (pages(size), pages(max)) };
+        let (np, nr) = if small { (1, 1) } else { (self.pages(size), self.pages(max)) };
         let r = if growable { self.arena.alloc_growable(size, max) } else { self.arena.alloc(size) };
         let obtainable = self.obtainable();
         match r {
@@ -284,7 +319,7 @@ impl Harness {
                     _ => "alloc ok, after moving others",
                 });
                 assert!(np <= obtainable || small, "alloc of {np} pages succeeded beyond the capacity");
-                assert_eq!(ptr % if small { 256 } else { C }, 0, "alignment of {size} bytes at {ptr:#x}");
+                assert_eq!(ptr % if small { 256 } else { self.c }, 0, "alignment of {size} bytes at {ptr:#x}");
                 let mut m = Model { size, growable, pinned: false, small, ptr, reserved: 0, stamps: Stamps::default() };
                 m.stamps.seed = self.seed();
                 m.stamps.write(&self.arena, id, 0, size);
@@ -331,7 +366,7 @@ impl Harness {
         // needs at most, and whether that place is a small one.
         let (needs_move, need_pages, window, to_small) = if small {
             let needs_move = new_size > reserved;
-            let to_small = new_size <= SMALL_MAX;
+            let to_small = new_size <= self.small_max();
             (
                 needs_move,
                 if !needs_move {
@@ -339,19 +374,19 @@ impl Harness {
                 } else if to_small {
                     1
                 } else {
-                    pages(new_size)
+                    self.pages(new_size)
                 },
-                if to_small { 1 } else { pages(new_size) },
+                if to_small { 1 } else { self.pages(new_size) },
                 to_small,
             )
         } else {
-            let (backed, np) = (pages(old_size), pages(new_size));
-            let start = (old_ptr - self.snap.base) / C;
+            let (backed, np) = (self.pages(old_size), self.pages(new_size));
+            let start = (old_ptr - self.snap.base) / self.c;
             let g = Growth::of(
                 &self.snap,
                 id.get(),
                 start,
-                reserved / C,
+                reserved / self.c,
                 np,
                 self.total_pages(),
                 self.cfg.no_implicit_moves,
@@ -484,16 +519,16 @@ impl Harness {
             Op::Trim(keep) => {
                 let pooled = self.snap.stats["pooled_bytes"];
                 let releases = self.arena.stats().unwrap().driver_releases;
-                let released = self.arena.trim(keep * C).unwrap();
+                let released = self.arena.trim(keep * self.c).unwrap();
                 self.check("trim", &[]);
                 let now = self.snap.stats["pooled_bytes"];
                 // Slabs of retired objects only are pooled, but wait for the
                 // release of retired memory.
                 let idle_slabs = self.snap.slabs().filter(|r| r.used == 0).count() as u64;
-                assert!(now <= (keep + idle_slabs) * C, "trim keeps at most keep_bytes pooled");
+                assert!(now <= (keep + idle_slabs) * self.c, "trim keeps at most keep_bytes pooled");
                 assert!(released <= pooled, "trim gave back more than was pooled");
                 let s = self.arena.stats().unwrap();
-                assert_eq!((s.driver_releases - releases) * C, released, "trim reports what it released");
+                assert_eq!((s.driver_releases - releases) * self.c, released, "trim reports what it released");
                 assert!(released >= pooled - now.min(pooled), "trim released less than the pool shrank");
             }
             Op::Write(i) => {
@@ -534,13 +569,13 @@ impl Harness {
         let snap = Snap::of(&self.arena);
         snap.check_structure(self.arena.va_range());
         let s = &snap.stats;
-        assert_eq!(s["chunk_bytes"], C);
-        assert_eq!(s["capacity_bytes"], self.cfg.cap_pages * C);
+        assert_eq!(s["chunk_bytes"], self.c);
+        assert_eq!(s["capacity_bytes"], self.cfg.cap_pages * self.c);
         assert_eq!(s["live_allocations"], self.live.len() as u64, "{what}: live_allocations");
         assert_eq!(s["live_bytes"], self.live.values().map(|m| m.size).sum::<u64>(), "{what}: live_bytes");
-        let chunk_pages: u64 = self.live.values().filter(|m| !m.small).map(|m| pages(m.size)).sum();
+        let chunk_pages: u64 = self.live.values().filter(|m| !m.small).map(|m| self.pages(m.size)).sum();
         let idle_slabs = snap.slabs().filter(|r| r.used == 0).count() as u64;
-        assert_eq!(s["mapped_bytes"], (chunk_pages + s["small_slabs"] - idle_slabs) * C, "{what}: mapped_bytes");
+        assert_eq!(s["mapped_bytes"], (chunk_pages + s["small_slabs"] - idle_slabs) * self.c, "{what}: mapped_bytes");
         assert_eq!(
             snap.slabs().map(|r| r.used).sum::<u64>(),
             self.live.values().filter(|m| m.small).count() as u64,
@@ -549,10 +584,14 @@ impl Harness {
         assert!(s["peak_physical_bytes"] >= self.snap.stats["peak_physical_bytes"], "{what}: the peak went down");
         if let Some(r) = self.cfg.retain_pages {
             // Slabs of retired objects wait for the release of retired memory.
-            assert!(s["pooled_bytes"] <= (r + idle_slabs) * C, "{what}: pooled memory above the retain watermark");
+            assert!(s["pooled_bytes"] <= (r + idle_slabs) * self.c, "{what}: pooled memory above the retain watermark");
         }
         let (chunks, mappings) = self.probe.live();
-        assert_eq!(chunks as u64, (s["mapped_bytes"] + s["pooled_bytes"]) / C, "{what}: driver chunks vs held memory");
+        assert_eq!(
+            chunks as u64,
+            (s["mapped_bytes"] + s["pooled_bytes"]) / self.c,
+            "{what}: driver chunks vs held memory"
+        );
         assert_eq!(mappings as u64, snap.mapped_pages(), "{what}: driver mappings vs mapped pages");
         let stats = self.arena.stats().unwrap();
         assert_eq!(stats.mapped_bytes, s["mapped_bytes"]);
@@ -646,7 +685,7 @@ impl Harness {
             let Some(m) = self.live.get(&e.id) else { continue };
             // Moves by remapping only: a small object's copy leaves a
             // retired object, not an alias, and slabs' objects churn.
-            if m.small || e.old_ptr % C != 0 || !snap.retired_covers(e.old_ptr, C) {
+            if m.small || e.old_ptr % self.c != 0 || !snap.retired_covers(e.old_ptr, self.c) {
                 continue;
             }
             let len = match self.resized {
@@ -661,7 +700,7 @@ impl Harness {
             let Some(m) = self.live.get(&id) else { continue };
             // Bytes beyond a shrink are no longer the allocation's, anywhere.
             let len = len.min(m.size);
-            if !snap.retired_covers(old_ptr, pages(len) * C) {
+            if !snap.retired_covers(old_ptr, self.pages(len) * self.c) {
                 assert!(may_release, "{what}: released the old range {old_ptr:#x} of live {id}");
                 continue;
             }
@@ -692,21 +731,42 @@ fn run(backend: Backend, cfg: Config, ops: Vec<Op>) {
     h.arena.trim(0).unwrap();
     h.check("teardown", &[]);
     let s = h.arena.stats().unwrap();
-    assert_eq!((s.mapped_bytes, s.pooled_bytes, s.free_va_bytes), (0, 0, h.cfg.reserve_pages * C));
+    assert_eq!((s.mapped_bytes, s.pooled_bytes, s.free_va_bytes), (0, 0, h.cfg.reserve_pages * h.c));
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
     #[test]
-    fn host_backend_matches_the_model(cfg in config(), ops in prop::collection::vec(op(), 1..80)) {
+    fn host_backend_matches_the_model(cfg in config(), ops in prop::collection::vec(op(C), 1..80)) {
         run(Backend::Host, cfg, ops);
     }
 
     #[test]
-    fn mock_backend_matches_the_model(cfg in config(), ops in prop::collection::vec(op(), 1..80)) {
+    fn mock_backend_matches_the_model(cfg in config(), ops in prop::collection::vec(op(C), 1..80)) {
         run(Backend::Mock, cfg, ops);
     }
+}
+
+/// The model on device 0, with 2 MiB chunks: arenas of 16 to 48 of them
+/// (at most 96 MiB), fewer cases than on the host (each costs thousands of
+/// `cuMemcpy` calls); `PROPTEST_CASES` overrides the count here too. Runs
+/// only with `VMM_ARENA_TEST_BACKEND=cuda`.
+#[test]
+fn cuda_backend_matches_the_model() {
+    if !common::cuda_selected("cuda_backend_matches_the_model") {
+        return;
+    }
+    // Once, here: a missing GPU fails the test plainly, not as a case to shrink.
+    common::cuda_device();
+    proptest!(
+        ProptestConfig { cases: 16, ..ProptestConfig::default() },
+        |(cfg in config(), ops in prop::collection::vec(op(CUDA_CHUNK), 1..80))| {
+            run(Backend::Cuda, cfg, ops);
+        }
+    );
+    // Alone in the process (filtered by name), the counters are CUDA's only.
+    report(Backend::Cuda);
 }
 
 #[test]
@@ -715,7 +775,7 @@ fn outcomes_are_reached() {
     // interesting path (counters are shared with the property tests when
     // they run in the same process, which only adds to them).
     let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let strategy = (config(), prop::collection::vec(op(), 40..80));
+    let strategy = (config(), prop::collection::vec(op(C), 40..80));
     for _ in 0..64 {
         let (cfg, ops) = strategy.new_tree(&mut runner).unwrap().current();
         run(Backend::Mock, cfg, ops);

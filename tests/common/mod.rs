@@ -1,12 +1,111 @@
-//! Helpers shared by the core's integration tests: a reader for the arena's
-//! JSON snapshot (the library has no JSON dependency, and neither do its
-//! tests), byte stamps that prove contents survive moves, and the leak and
-//! equality checks the model, fault and concurrency tests have in common.
+//! Helpers shared by the core's integration tests: the backend a suite runs
+//! on (`VMM_ARENA_TEST_BACKEND`), a reader for the arena's JSON snapshot (the
+//! library has no JSON dependency, and neither do its tests), byte stamps
+//! that prove contents survive moves, and the leak and equality checks the
+//! model, fault and concurrency tests have in common.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
 
+use vmm_arena::driver::cuda::CudaDriver;
+use vmm_arena::driver::fault::FaultDriver;
+use vmm_arena::driver::host::HostDriver;
+use vmm_arena::driver::Driver;
 use vmm_arena::{Arena, Id, Stats};
+
+// ---------------------------------------------------------------- backends
+
+/// The variable that picks the backend of the model, fault and concurrency
+/// suites: unset or `host` for the host backend, `cuda` for device 0.
+pub const BACKEND_VAR: &str = "VMM_ARENA_TEST_BACKEND";
+
+/// Chunk size of the suites on the host and mock backends: small, so that
+/// small arenas have many pages.
+pub const HOST_CHUNK: u64 = 64 << 10;
+
+/// Chunk size on CUDA: the allocation granularity of current GPUs. The
+/// suites' sizes are mostly in pages, so they scale with it.
+pub const CUDA_CHUNK: u64 = 2 << 20;
+
+/// Where a suite's arenas get their memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestBackend {
+    /// `HostDriver`: mmap and a memfd; raw pointers are readable.
+    Host,
+    /// `CudaDriver` on device 0; data is checked through `cuMemcpy`.
+    Cuda,
+}
+
+/// The backend [`BACKEND_VAR`] asks for. A value it does not know is a
+/// mistake in the caller's setup, not a reason to fall back to the host.
+pub fn test_backend() -> TestBackend {
+    let v = match std::env::var(BACKEND_VAR) {
+        Err(std::env::VarError::NotPresent) => return TestBackend::Host,
+        Err(e) => panic!("{BACKEND_VAR}: {e}"),
+        Ok(v) => v,
+    };
+    match v.as_str() {
+        "" | "host" => TestBackend::Host,
+        "cuda" => TestBackend::Cuda,
+        _ => panic!("{BACKEND_VAR}={v:?}: expected unset, \"host\" or \"cuda\""),
+    }
+}
+
+/// Whether a CUDA-only test should run: it should when the backend is CUDA;
+/// otherwise it says why it is skipped (and the caller returns, passing).
+pub fn cuda_selected(test: &str) -> bool {
+    let cuda = test_backend() == TestBackend::Cuda;
+    if !cuda {
+        eprintln!("{test}: skipped, set {BACKEND_VAR}=cuda to run it on a GPU");
+    }
+    cuda
+}
+
+/// Device 0, opened once per process and shared (opening retains the
+/// primary context; once is enough). Panics when CUDA cannot be used: the
+/// caller asked for it, and passing without it would hide a broken GPU check.
+pub fn cuda_device() -> Arc<CudaDriver> {
+    static DEVICE: OnceLock<Arc<CudaDriver>> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| match CudaDriver::new(0) {
+            Ok(d) => Arc::new(d),
+            Err(e) => panic!("{BACKEND_VAR}=cuda, but CUDA device 0 cannot be used: {e}"),
+        })
+        .clone()
+}
+
+/// A driver for one arena, wrapped in a `FaultDriver` so that every backend
+/// can count its live chunks and mappings and inject failures.
+pub struct TestDriver {
+    pub fault: Arc<FaultDriver<Arc<dyn Driver>>>,
+    /// The host driver underneath, for checks only the host can make (the
+    /// memfd's committed bytes); `None` on CUDA.
+    pub host: Option<Arc<HostDriver>>,
+}
+
+impl TestBackend {
+    /// The chunk size the suites use on this backend.
+    pub fn chunk(self) -> u64 {
+        match self {
+            TestBackend::Host => HOST_CHUNK,
+            TestBackend::Cuda => CUDA_CHUNK,
+        }
+    }
+
+    /// A fresh driver: on the host a new `HostDriver` (its own memfd), on
+    /// CUDA the shared device under a new counting wrapper.
+    pub fn driver(self) -> TestDriver {
+        let (inner, host): (Arc<dyn Driver>, _) = match self {
+            TestBackend::Host => {
+                let h = Arc::new(HostDriver::new().expect("host driver"));
+                (h.clone(), Some(h))
+            }
+            TestBackend::Cuda => (cuda_device(), None),
+        };
+        TestDriver { fault: Arc::new(FaultDriver::new(inner)), host }
+    }
+}
 
 // ---------------------------------------------------------------- JSON
 
