@@ -117,30 +117,34 @@ PY
 # --- run: there -----------------------------------------------------------
 #
 # Time budget: every step has its own limit, and the limits add up to at
-# most 345 s; with the 2 s grace `timeout -k` gives each of the six steps
+# most 340 s; with the 2 s grace `timeout -k` gives each of the seven steps
 # that can hang, the worst case stays under 6 minutes (360 s):
 #
 #   gpu-info        10 s   nvidia-smi
-#   cuda_backend    40 s   tests/cuda_backend.rs against the real driver
-#   gpu_measure     55 s   driver call latencies (driver_latency.md)
+#   cuda_backend    35 s   tests/cuda_backend.rs against the real driver
+#   gpu_measure     50 s   driver call latencies (driver_latency.md)
 #   pytorch        190 s   three fresh processes (native, expandable segments,
 #                          vmm-arena), 60 s each: a cold `import torch` plus
 #                          CUDA and cuBLAS initialisation take most of that on
 #                          a fresh machine; 10 s for the parent
-#   fuzz_replay     15 s   the committed ops corpus (from the repository root)
-#   host tests      35 s   all other test binaries, sharing these 35 s; each
-#                          gets what is left (at most 20 s), the rest SKIPPED
+#   fuzz_replay     10 s   the committed ops corpus (from the repository root)
+#   cuda suites     35 s   the model test's CUDA case, the fault matrix and the
+#                          concurrency tests with VMM_ARENA_TEST_BACKEND=cuda
+#                          (data checked through cuMemcpy), sharing these 35 s
+#   host tests      10 s   all other test binaries, sharing these 10 s; each
+#                          gets what is left, the rest SKIPPED
 #                 -----
-#                  345 s
+#                  340 s
 #
 # GPU_CHECK_MAX_STEP_S caps every step's limit (for testing the script).
 
 LIMIT_INFO=10
-LIMIT_CUDA=40
-LIMIT_FUZZ=15
-LIMIT_HOST_TOTAL=35
-LIMIT_HOST_EACH=20
-LIMIT_MEASURE=55
+LIMIT_CUDA=35
+LIMIT_FUZZ=10
+LIMIT_SUITES_TOTAL=35
+LIMIT_HOST_TOTAL=10
+LIMIT_HOST_EACH=10
+LIMIT_MEASURE=50
 TORCH_CHILD=60
 LIMIT_TORCH=$((3 * TORCH_CHILD + 10))
 KILL_GRACE=2
@@ -363,12 +367,35 @@ cmd_run() {
             "$bin/test-fuzz_replay" --nocapture
     fi
 
-    # 6. Every other test binary (host backend), within a shared budget.
-    local host_start=$SECONDS left n=0 f
+    # 6. The model, fault-matrix and concurrency suites on the GPU.
+    local suites_start=$SECONDS left n=0 f suite
+    for suite in model faults concurrency; do
+        f=$bin/test-$suite
+        if [[ -n $nogpu ]]; then
+            skip "cuda-$suite" "no GPU"
+            continue
+        elif [[ ! -x $f ]]; then
+            skip "cuda-$suite" "not built (bin/test-$suite missing)"
+            continue
+        fi
+        left=$((LIMIT_SUITES_TOTAL - (SECONDS - suites_start)))
+        if ((left < 3)); then
+            skip "cuda-$suite" "suite budget of ${LIMIT_SUITES_TOTAL}s spent"
+            continue
+        fi
+        local filter=()
+        [[ $suite == model ]] && filter=(cuda_backend_matches_the_model)
+        VMM_ARENA_TEST_BACKEND=cuda run_step "cuda-$suite" "$(cap $left)" "$WORK/test-cuda-$suite.log" \
+            "$f" "${filter[@]}" --nocapture --test-threads=4
+    done
+
+    # 7. Every other test binary (host backend), within a shared budget.
+    local host_start=$SECONDS
     shopt -s nullglob
     for f in "$bin"/test-*; do
         name=${f##*/test-}
         [[ $name == cuda_backend || $name == fuzz_replay ]] && continue
+        [[ -z $nogpu && ( $name == model || $name == faults || $name == concurrency ) ]] && continue
         n=$((n + 1))
         left=$((LIMIT_HOST_TOTAL - (SECONDS - host_start)))
         if ((left < 3)); then
