@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::Id;
 
+mod config;
 pub(crate) mod small;
 pub(crate) mod state;
 pub(crate) mod txn;
@@ -255,6 +256,8 @@ impl Ctx<'_> {
 impl Arena {
     /// Creates an arena on the backend named in `config`.
     pub fn new(config: ArenaConfig) -> Result<Arena> {
+        // Before loading a backend: an invalid config is invalid everywhere.
+        config::check(&config)?;
         match config.backend {
             Backend::Host => Arena::with_driver(crate::driver::host::HostDriver::new()?, config),
             Backend::HostSparse => Arena::with_driver(
