@@ -48,6 +48,11 @@ struct Book {
     bad_frees: u64,
 }
 
+/// In `Book::pending` instead of an event: a free whose event could not be
+/// recorded and whose fallback synchronize failed too. (Event handles are
+/// never 0: CUDA's are pointers.)
+const NEEDS_SYNC: u64 = 0;
+
 type Registry = Mutex<HashMap<c_int, Arc<TorchArena>>>;
 
 fn registry() -> &'static Registry {
@@ -118,6 +123,13 @@ impl TorchArena {
         let mut i = 0;
         while i < book.pending.len() {
             let (id, ev) = book.pending[i];
+            if ev == NEEDS_SYNC {
+                // A free that has no event: the device must be idle first.
+                self.arena.synchronize()?;
+                self.arena.free(id)?;
+                book.pending.swap_remove(i);
+                continue;
+            }
             let mut done = self.arena.event_complete(ev)?;
             while wait && !done {
                 std::thread::yield_now();
@@ -161,9 +173,20 @@ impl TorchArena {
                 "vmm_arena_torch_free: {ptr:#x} was not allocated here, or was already freed"
             )));
         };
-        match self.arena.record_event(stream)? {
-            Some(ev) => book.pending.push((id, ev)),
-            None => self.arena.free(id)?,
+        match self.arena.record_event(stream) {
+            Ok(Some(ev)) => book.pending.push((id, ev)),
+            Ok(None) => self.arena.free(id)?,
+            // The id is out of the live map already: dropping it here would
+            // leak the memory for good. Without an event, only a device-wide
+            // synchronize proves the stream is done with it.
+            Err(_) => match self.arena.synchronize() {
+                Ok(()) => self.arena.free(id)?,
+                Err(sync) => {
+                    // Not safe to reuse yet: kept back, retried by reap.
+                    book.pending.push((id, NEEDS_SYNC));
+                    return Err(sync);
+                }
+            },
         }
         self.reap(&mut book, false)
     }
@@ -241,6 +264,37 @@ pub extern "C" fn vmm_arena_torch_bad_frees(device: c_int) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arena::driver::fault::{FaultDriver, FaultKind};
+    use arena::driver::host::HostDriver;
+    use arena::driver::CallKind;
+
+    /// A torch arena on the host backend behind a fault injector.
+    fn faulty() -> (Arc<FaultDriver<HostDriver>>, TorchArena) {
+        let fd = Arc::new(FaultDriver::new(HostDriver::new().unwrap()));
+        let config = ArenaConfig { capacity_bytes: 8 << 20, chunk_bytes: 64 << 10, ..ArenaConfig::default() };
+        let arena = Arena::with_driver(Arc::clone(&fd), config).unwrap();
+        (fd, TorchArena { arena, state: Mutex::new(Book::default()) })
+    }
+
+    #[test]
+    fn a_free_whose_event_cannot_be_recorded_still_frees() {
+        let (fd, t) = faulty();
+        let p = t.malloc(100_000).unwrap();
+        fd.fail_nth(Some(CallKind::Event), 1, FaultKind::Driver);
+        // The free reports nothing to PyTorch (it cannot act on it); the
+        // memory must still come back, after a synchronize.
+        let syncs = fd.calls(CallKind::Synchronize);
+        let freed = t.free(p, 0x5eed);
+        assert_eq!(fd.injected(), 1);
+        assert_eq!(t.arena.stats().unwrap().live_allocations, 0, "the allocation leaked");
+        assert_eq!(fd.calls(CallKind::Synchronize), syncs + 1, "freed without waiting for the device");
+        freed.unwrap();
+        assert!(t.book().unwrap().live.is_empty());
+        // And the allocator goes on working.
+        let q = t.malloc(100_000).unwrap();
+        t.free(q, 0).unwrap();
+        assert_eq!(t.arena.stats().unwrap().live_allocations, 0);
+    }
 
     #[test]
     fn conf_parses_keys_sizes_and_rejects_nonsense() {

@@ -770,6 +770,12 @@ impl Arena {
         self.driver.record_event(stream)
     }
 
+    /// Waits until all work on the device has finished (the fallback when a
+    /// stream event cannot be recorded).
+    pub fn synchronize(&self) -> Result<()> {
+        self.driver.synchronize()
+    }
+
     /// Whether an event from [`Arena::record_event`] has completed.
     pub fn event_complete(&self, event: u64) -> Result<bool> {
         self.driver.event_complete(event)
