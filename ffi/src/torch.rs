@@ -1,7 +1,12 @@
 //! PyTorch's pluggable-allocator entry points.
 //!
-//! `torch.cuda.memory.CUDAPluggableAllocator(path, "vmm_arena_torch_malloc",
-//! "vmm_arena_torch_free")` loads these two functions. Behind them is one
+//! `torch.cuda.memory.CUDAPluggableAllocator(path,
+//! "vmm_arena_torch_malloc_or_throw", "vmm_arena_torch_free")` loads the
+//! allocation hook of `torch_shim.cpp` and the free hook here. PyTorch does
+//! not check the pointer the allocation hook returns, so the hook it loads
+//! must throw (`std::bad_alloc`) rather than return NULL; the C++ shim calls
+//! `vmm_arena_torch_malloc` and throws, so that no exception crosses Rust
+//! frames. Behind them is one
 //! arena per device, created on first use and configured by the environment
 //! variable `VMM_ARENA_CONF` (`key:value` pairs separated by commas, like
 //! `PYTORCH_CUDA_ALLOC_CONF`):
@@ -192,9 +197,10 @@ impl TorchArena {
     }
 }
 
-/// PyTorch's allocation hook: `size` bytes on `device`, for `stream`
-/// (a `cudaStream_t`). NULL on failure (PyTorch raises out-of-memory), with
-/// the reason in `vmm_arena_last_error`.
+/// `size` bytes on `device`, for `stream` (a `cudaStream_t`). NULL on
+/// failure, with the reason in `vmm_arena_last_error`. PyTorch does not
+/// check for NULL: point it at `vmm_arena_torch_malloc_or_throw` (the C++
+/// shim over this function), not at this one.
 #[no_mangle]
 pub extern "C" fn vmm_arena_torch_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
     let _ = stream; // An allocation can be used on any stream; frees are what is ordered.
