@@ -1,10 +1,39 @@
 //! Gives the shared library a stable SONAME on Linux, so programs linked
 //! against it record `libvmm_arena.so` (found through their RPATH or the
 //! loader's path) rather than the path it was linked from.
+//!
+//! Also compiles `src/torch_shim.cpp`, the PyTorch allocation hook that
+//! throws, and links it into the shared library only: PyTorch loads a `.so`,
+//! and the static library so keeps its C users free of a C++ runtime.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
-        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libvmm_arena.so");
+    println!("cargo:rerun-if-changed=src/torch_shim.cpp");
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
+        return;
     }
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libvmm_arena.so");
+
+    let objects = cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .warnings(true)
+        .extra_warnings(true)
+        .warnings_into_errors(true)
+        .flag("-fPIC")
+        .cpp_link_stdlib(None) // linked below, for the cdylib only
+        .file("src/torch_shim.cpp")
+        .compile_intermediates();
+    for obj in &objects {
+        println!("cargo:rustc-cdylib-link-arg={}", obj.display());
+    }
+    // No Rust code refers to the hook: --undefined keeps it from
+    // --gc-sections, and a second version script exports it (rustc's own
+    // exports only the Rust symbols).
+    const HOOK: &str = "vmm_arena_torch_malloc_or_throw";
+    let script = std::path::Path::new(&std::env::var("OUT_DIR").expect("OUT_DIR")).join("torch_shim.ver");
+    std::fs::write(&script, format!("{{ global: {HOOK}; }};\n")).expect("write the version script");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--undefined={HOOK}");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={}", script.display());
+    println!("cargo:rustc-cdylib-link-arg=-lstdc++");
 }

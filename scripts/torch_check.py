@@ -15,7 +15,8 @@ steps per second side by side, as JSON and as a Markdown table.
   python3 torch_check.py --lib path/to/libvmm_arena.so --out RESULTS_DIR
 
 For vmm-arena the allocator is CUDAPluggableAllocator over the library's
-vmm_arena_torch_malloc / vmm_arena_torch_free; its peak comes from the
+vmm_arena_torch_malloc_or_throw / vmm_arena_torch_free (the hook that throws
+on failure: PyTorch does not check for NULL); its peak comes from the
 arena's own stats (vmm_arena_torch_stats), since PyTorch does not track
 memory reserved by a pluggable allocator.
 """
@@ -88,7 +89,7 @@ def child(mode, lib, args):
     import torch
     arena = None
     if mode == "vmm-arena":
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(lib, "vmm_arena_torch_malloc", "vmm_arena_torch_free")
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(lib, "vmm_arena_torch_malloc_or_throw", "vmm_arena_torch_free")
         torch.cuda.memory.change_current_allocator(alloc)
         arena = ctypes.CDLL(lib)
     torch.manual_seed(0)

@@ -44,6 +44,7 @@ programs=(
     test_torch:c:ffi/tests/c/test_torch.c
     test_faults:c:ffi/tests/c/test_faults.c
     test_wrapper:cpp:ffi/tests/cpp/test_wrapper.cpp
+    test_torch_throw:cpp:ffi/tests/cpp/test_torch_throw.cpp
     contract_program:cpp:ffi/tests/cpp/contract_program.cpp
     kv_cache:cpp:ffi/examples/kv_cache_cpp/main.cpp
 )

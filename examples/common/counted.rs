@@ -33,6 +33,8 @@ fn index(k: CallKind) -> usize {
         CallKind::Unmap => 6,
         CallKind::Synchronize => 7,
         CallKind::Data => 8,
+        // Stream events: counted, not modeled (the managers here make none).
+        CallKind::Event => 9,
     }
 }
 
@@ -93,9 +95,9 @@ impl Calls {
 pub struct Counted<D> {
     inner: D,
     capacity: u64,
-    counts: [AtomicU64; 9],
+    counts: [AtomicU64; 10],
     /// Chunks covered, by call kind (see [`Calls::create_chunks`]).
-    chunks: [AtomicU64; 9],
+    chunks: [AtomicU64; 10],
     create_failed: AtomicU64,
     live: AtomicU64,
     peak: AtomicU64,

@@ -313,6 +313,14 @@ void vmm_arena_config_default(struct vmm_arena_config *config);
 /**
  * Creates an arena. *out receives it on VMM_ARENA_OK.
  *
+ * The config is checked before the backend is loaded: a config no backend
+ * accepts (wrong struct_size, unknown backend or flags, chunk_bytes not a
+ * multiple of 4096, capacity_bytes below one chunk, reserve_bytes that
+ * overflows when rounded up) is VMM_ARENA_ERR_INVALID_ARGUMENT even where
+ * the backend is unavailable (VMM_ARENA_ERR_UNSUPPORTED otherwise, e.g. the
+ * CUDA backend without libcuda). What depends on the backend (chunk_bytes
+ * a multiple of its granularity, the device ordinal) is checked after.
+ *
  * # Safety
  * `config` is NULL or points to a config of at least its `struct_size`
  * bytes; `out` is NULL or writable.

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -400,16 +401,21 @@ class Arena {
   }
 
   /* Installs the move callback (an empty function removes it). Once this
-   * returns, the previous callback is not running and will not run again. */
+   * returns, the previous callback is not running and will not run again.
+   * Safe to call from several threads at once: the last install wins. */
   void set_move_callback(MoveCallback callback) {
-    if (!callback) {
-      detail::check(vmm_arena_set_move_callback(handle_, nullptr, nullptr));
-      callback_.reset();
-      return;
+    std::unique_ptr<MoveCallback> box;
+    if (callback) box = std::make_unique<MoveCallback>(std::move(callback));
+    {
+      // The C install and the swap of the box we keep alive are one step:
+      // otherwise another thread's swap could free the box the library now
+      // calls. The old box is freed only after the C call returned (the
+      // library then no longer runs it), and outside the lock, so that a
+      // capture's destructor may itself install a callback.
+      std::lock_guard<std::mutex> lock(callback_mutex_);
+      detail::check(vmm_arena_set_move_callback(handle_, box ? &Arena::trampoline : nullptr, box.get()));
+      std::swap(callback_, box);
     }
-    auto box = std::make_unique<MoveCallback>(std::move(callback));
-    detail::check(vmm_arena_set_move_callback(handle_, &Arena::trampoline, box.get()));
-    callback_ = std::move(box);
   }
   void clear_move_callback() { set_move_callback(MoveCallback()); }
 
@@ -426,6 +432,8 @@ class Arena {
 
   vmm_arena *handle_ = nullptr;
   std::unique_ptr<MoveCallback> callback_;
+  // Serializes set_move_callback; not moved (each Arena object has its own).
+  std::mutex callback_mutex_;
 };
 
 }  // namespace vmm

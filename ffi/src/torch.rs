@@ -1,7 +1,12 @@
 //! PyTorch's pluggable-allocator entry points.
 //!
-//! `torch.cuda.memory.CUDAPluggableAllocator(path, "vmm_arena_torch_malloc",
-//! "vmm_arena_torch_free")` loads these two functions. Behind them is one
+//! `torch.cuda.memory.CUDAPluggableAllocator(path,
+//! "vmm_arena_torch_malloc_or_throw", "vmm_arena_torch_free")` loads the
+//! allocation hook of `torch_shim.cpp` and the free hook here. PyTorch does
+//! not check the pointer the allocation hook returns, so the hook it loads
+//! must throw (`std::bad_alloc`) rather than return NULL; the C++ shim calls
+//! `vmm_arena_torch_malloc` and throws, so that no exception crosses Rust
+//! frames. Behind them is one
 //! arena per device, created on first use and configured by the environment
 //! variable `VMM_ARENA_CONF` (`key:value` pairs separated by commas, like
 //! `PYTORCH_CUDA_ALLOC_CONF`):
@@ -47,6 +52,11 @@ struct Book {
     pending: Vec<(Id, u64)>,
     bad_frees: u64,
 }
+
+/// In `Book::pending` instead of an event: a free whose event could not be
+/// recorded and whose fallback synchronize failed too. (Event handles are
+/// never 0: CUDA's are pointers.)
+const NEEDS_SYNC: u64 = 0;
 
 type Registry = Mutex<HashMap<c_int, Arc<TorchArena>>>;
 
@@ -118,6 +128,13 @@ impl TorchArena {
         let mut i = 0;
         while i < book.pending.len() {
             let (id, ev) = book.pending[i];
+            if ev == NEEDS_SYNC {
+                // A free that has no event: the device must be idle first.
+                self.arena.synchronize()?;
+                self.arena.free(id)?;
+                book.pending.swap_remove(i);
+                continue;
+            }
             let mut done = self.arena.event_complete(ev)?;
             while wait && !done {
                 std::thread::yield_now();
@@ -161,17 +178,29 @@ impl TorchArena {
                 "vmm_arena_torch_free: {ptr:#x} was not allocated here, or was already freed"
             )));
         };
-        match self.arena.record_event(stream)? {
-            Some(ev) => book.pending.push((id, ev)),
-            None => self.arena.free(id)?,
+        match self.arena.record_event(stream) {
+            Ok(Some(ev)) => book.pending.push((id, ev)),
+            Ok(None) => self.arena.free(id)?,
+            // The id is out of the live map already: dropping it here would
+            // leak the memory for good. Without an event, only a device-wide
+            // synchronize proves the stream is done with it.
+            Err(_) => match self.arena.synchronize() {
+                Ok(()) => self.arena.free(id)?,
+                Err(sync) => {
+                    // Not safe to reuse yet: kept back, retried by reap.
+                    book.pending.push((id, NEEDS_SYNC));
+                    return Err(sync);
+                }
+            },
         }
         self.reap(&mut book, false)
     }
 }
 
-/// PyTorch's allocation hook: `size` bytes on `device`, for `stream`
-/// (a `cudaStream_t`). NULL on failure (PyTorch raises out-of-memory), with
-/// the reason in `vmm_arena_last_error`.
+/// `size` bytes on `device`, for `stream` (a `cudaStream_t`). NULL on
+/// failure, with the reason in `vmm_arena_last_error`. PyTorch does not
+/// check for NULL: point it at `vmm_arena_torch_malloc_or_throw` (the C++
+/// shim over this function), not at this one.
 #[no_mangle]
 pub extern "C" fn vmm_arena_torch_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
     let _ = stream; // An allocation can be used on any stream; frees are what is ordered.
@@ -241,6 +270,37 @@ pub extern "C" fn vmm_arena_torch_bad_frees(device: c_int) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arena::driver::fault::{FaultDriver, FaultKind};
+    use arena::driver::host::HostDriver;
+    use arena::driver::CallKind;
+
+    /// A torch arena on the host backend behind a fault injector.
+    fn faulty() -> (Arc<FaultDriver<HostDriver>>, TorchArena) {
+        let fd = Arc::new(FaultDriver::new(HostDriver::new().unwrap()));
+        let config = ArenaConfig { capacity_bytes: 8 << 20, chunk_bytes: 64 << 10, ..ArenaConfig::default() };
+        let arena = Arena::with_driver(Arc::clone(&fd), config).unwrap();
+        (fd, TorchArena { arena, state: Mutex::new(Book::default()) })
+    }
+
+    #[test]
+    fn a_free_whose_event_cannot_be_recorded_still_frees() {
+        let (fd, t) = faulty();
+        let p = t.malloc(100_000).unwrap();
+        fd.fail_nth(Some(CallKind::Event), 1, FaultKind::Driver);
+        // The free reports nothing to PyTorch (it cannot act on it); the
+        // memory must still come back, after a synchronize.
+        let syncs = fd.calls(CallKind::Synchronize);
+        let freed = t.free(p, 0x5eed);
+        assert_eq!(fd.injected(), 1);
+        assert_eq!(t.arena.stats().unwrap().live_allocations, 0, "the allocation leaked");
+        assert_eq!(fd.calls(CallKind::Synchronize), syncs + 1, "freed without waiting for the device");
+        freed.unwrap();
+        assert!(t.book().unwrap().live.is_empty());
+        // And the allocator goes on working.
+        let q = t.malloc(100_000).unwrap();
+        t.free(q, 0).unwrap();
+        assert_eq!(t.arena.stats().unwrap().live_allocations, 0);
+    }
 
     #[test]
     fn conf_parses_keys_sizes_and_rejects_nonsense() {

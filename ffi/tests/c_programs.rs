@@ -241,6 +241,14 @@ fn torch_entry_points_on_the_host_backend() {
     run_and_expect_pass(&exe);
 }
 
+/// The throwing PyTorch hook (a C++ shim in the shared library).
+#[test]
+fn torch_malloc_or_throw_throws_bad_alloc() {
+    let exe =
+        compile("test_torch_throw", Lang::Cxx, &[source("cpp/test_torch_throw.cpp")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
 #[test]
 fn cpp_wrapper_test() {
     let exe = compile("test_wrapper", Lang::Cxx, &[source("cpp/test_wrapper.cpp")], &our_include(), Link::Shared);

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::Id;
 
+mod config;
 pub(crate) mod small;
 pub(crate) mod state;
 pub(crate) mod txn;
@@ -281,6 +282,8 @@ impl Ctx<'_> {
 impl Arena {
     /// Creates an arena on the backend named in `config`.
     pub fn new(config: ArenaConfig) -> Result<Arena> {
+        // Before loading a backend: an invalid config is invalid everywhere.
+        config::check(&config)?;
         match config.backend {
             Backend::Host => Arena::with_driver(crate::driver::host::HostDriver::new()?, config),
             Backend::HostSparse => Arena::with_driver(
@@ -826,6 +829,12 @@ impl Arena {
     /// `None` on backends without asynchronous streams (the host).
     pub fn record_event(&self, stream: u64) -> Result<Option<u64>> {
         self.driver.record_event(stream)
+    }
+
+    /// Waits until all work on the device has finished (the fallback when a
+    /// stream event cannot be recorded).
+    pub fn synchronize(&self) -> Result<()> {
+        self.driver.synchronize()
     }
 
     /// Whether an event from [`Arena::record_event`] has completed.

@@ -206,12 +206,15 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.inner.copy(dst, src, len)
     }
     fn record_event(&self, stream: u64) -> Result<Option<u64>> {
+        self.enter(CallKind::Event)?;
         self.inner.record_event(stream)
     }
     fn event_complete(&self, event: u64) -> Result<bool> {
+        self.enter(CallKind::Event)?;
         self.inner.event_complete(event)
     }
     fn destroy_event(&self, event: u64) -> Result<()> {
+        self.enter(CallKind::Event)?;
         self.inner.destroy_event(event)
     }
 }

@@ -53,11 +53,13 @@ pub enum CallKind {
     Synchronize,
     /// Data movement: `read`, `write`, `copy` (not VMM calls, but they can fail).
     Data,
+    /// Stream events: `record_event`, `event_complete`, `destroy_event`.
+    Event,
 }
 
 impl CallKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [CallKind; 9] = [
+    pub const ALL: [CallKind; 10] = [
         CallKind::Reserve,
         CallKind::FreeReservation,
         CallKind::Create,
@@ -67,6 +69,7 @@ impl CallKind {
         CallKind::Unmap,
         CallKind::Synchronize,
         CallKind::Data,
+        CallKind::Event,
     ];
 }
 

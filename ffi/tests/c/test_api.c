@@ -243,6 +243,28 @@ static void test_config_and_create(void) {
       EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_UNSUPPORTED);
       CHECK(a == sentinel);
     }
+    /* Arguments are checked before the backend is loaded: an invalid config
+     * is INVALID_ARGUMENT with or without a CUDA driver (issue 13). */
+    b.device = 0;
+    const uint64_t cuda_bad_chunks[] = {(3ull << 20) + 5, 1, 4097, (2ull << 20) + 512};
+    for (size_t i = 0; i < sizeof cuda_bad_chunks / sizeof cuda_bad_chunks[0]; i++) {
+      vmm_arena_config c = b;
+      c.chunk_bytes = cuda_bad_chunks[i];
+      EXPECT(vmm_arena_create(&c, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+      CHECK(a == sentinel);
+      CHECK(strstr(vmm_arena_last_error(), "chunk_bytes") != NULL);
+    }
+    vmm_arena_config c = b;
+    c.reserve_bytes = UINT64_MAX; /* overflows when rounded up to any chunk */
+    EXPECT(vmm_arena_create(&c, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    c = b;
+    c.chunk_bytes = 2ull << 20;
+    c.capacity_bytes = 1ull << 20; /* below one chunk */
+    EXPECT(vmm_arena_create(&c, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    c = b;
+    c.capacity_bytes = 1ull << 20; /* below the smallest default chunk, 2 MiB */
+    EXPECT(vmm_arena_create(&c, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    CHECK(a == sentinel);
   }
 
   /* A success leaves the last error as it was: same text, same pointer. */

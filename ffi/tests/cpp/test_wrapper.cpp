@@ -299,6 +299,53 @@ void test_threads() {
               soft_failures.load());
 }
 
+// Several threads installing move callbacks at once while another thread
+// keeps moving allocations: the callback the C library holds must always be
+// the one the wrapper keeps alive (issue 16: it was once freed by the other
+// installer, a heap-use-after-free in the trampoline).
+void test_concurrent_callback_installs() {
+  vmm::Arena arena(small(64, 256));
+  std::atomic<uint64_t> calls{0};
+  std::atomic<bool> stop{false};
+  std::thread mover([&] {
+    while (!stop.load()) {
+      vmm::Allocation g = arena.alloc_growable(K, K);
+      vmm::Allocation n = arena.alloc(K);  // right after g: g's growth must move
+      g.resize(3 * K);
+      g.reset();
+      n.reset();
+      arena.release_retired();
+    }
+  });
+  std::vector<std::thread> installers;
+  for (int t = 0; t < 4; t++) {
+    installers.emplace_back([&, t] {
+      for (int it = 0; it < 5000; it++) {
+        // A capture large enough to live on the heap, so that a freed
+        // callback is a freed allocation that ASan sees being used.
+        std::vector<uint64_t> tag(8, static_cast<uint64_t>(t * 1000 + it));
+        if (it % 50 == 49) {
+          arena.clear_move_callback();
+        } else {
+          arena.set_move_callback([&calls, tag](const vmm::MoveEvent &) { calls += tag.size() == 8 ? 1 : 0; });
+        }
+      }
+    });
+  }
+  for (auto &th : installers) th.join();
+  stop = true;
+  mover.join();
+  // The callback installed last is alive and is the one called.
+  uint64_t before = calls.load();
+  arena.set_move_callback([&](const vmm::MoveEvent &) { calls++; });
+  vmm::Allocation g = arena.alloc_growable(K, K);
+  vmm::Allocation n = arena.alloc(K);
+  g.resize(3 * K);
+  CHECK(calls.load() == before + 1);
+  std::printf("test_wrapper: concurrent callback installs: %llu moves, %llu callback calls\n",
+              static_cast<unsigned long long>(arena.stats().moves), static_cast<unsigned long long>(calls.load()));
+}
+
 }  // namespace
 
 int main() {
@@ -313,5 +360,7 @@ int main() {
   test_stats_trim_snapshot();
   std::printf("test_wrapper: threads\n");
   test_threads();
+  std::printf("test_wrapper: concurrent_callback_installs\n");
+  test_concurrent_callback_installs();
   FINISH("test_wrapper");
 }

@@ -1,0 +1,102 @@
+/*
+ * For the ThreadSanitizer build of the C/C++ thread tests (scripts/tsan.sh)
+ * only: tells TSan where the library's lock orders threads.
+ *
+ * libvmm_arena is Rust and is not TSan-instrumented (that needs nightly
+ * -Zsanitizer=thread and a rebuilt std). Its arena lock is a futex on
+ * uninstrumented atomics, so TSan cannot see the happens-before edges it
+ * creates: memory handed from one thread's free to another thread's alloc,
+ * or a callback box installed by one thread and called by another inside
+ * the lock, would all be reported as races that cannot happen.
+ *
+ * This file interposes every function of vmm_arena.h (the program's
+ * definitions win over the shared library's; the real ones are found with
+ * dlsym(RTLD_NEXT)) and runs each call under one process-wide recursive
+ * pthread mutex, which TSan does see. That is exactly the ordering the
+ * arena lock gives, and more: calls on different arenas are ordered too,
+ * which can only hide races between code that touches two arenas, none of
+ * which the tests share. Everything the C/C++ code does outside a library
+ * call (the wrapper's own state, touching allocation memory, the move
+ * callback's captured state) is checked as it is. Recursive, because a move
+ * callback runs inside a call and may call the library again.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "vmm_arena.h"
+
+static pthread_mutex_t big_lock;
+static pthread_once_t big_lock_once = PTHREAD_ONCE_INIT;
+
+static void big_lock_init(void) {
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
+  pthread_mutex_init(&big_lock, &attr);
+  pthread_mutexattr_destroy(&attr);
+}
+
+static void enter(void) {
+  pthread_once(&big_lock_once, big_lock_init);
+  pthread_mutex_lock(&big_lock);
+}
+
+static void leave(void) { pthread_mutex_unlock(&big_lock); }
+
+/* The library's definition of `name` (looked up under the lock, once). */
+static void *real(const char *name) {
+  void *f = dlsym(RTLD_NEXT, name);
+  if (f == NULL) {
+    fprintf(stderr, "serialize_calls: %s not found: %s\n", name, dlerror());
+    abort();
+  }
+  return f;
+}
+
+#define WRAP(ret, name, params, args)                          \
+  ret name params {                                            \
+    static ret(*real_fn) params;                               \
+    enter();                                                   \
+    if (real_fn == NULL) real_fn = (ret(*) params)real(#name); \
+    ret ret_ = real_fn args;                                    \
+    leave();                                                   \
+    return ret_;                                              \
+  }
+
+#define WRAP_VOID(name, params, args)                           \
+  void name params {                                            \
+    static void(*real_fn) params;                               \
+    enter();                                                    \
+    if (real_fn == NULL) real_fn = (void(*) params)real(#name); \
+    real_fn args;                                               \
+    leave();                                                    \
+  }
+
+WRAP(uint32_t, vmm_arena_abi_version, (void), ())
+WRAP(const char *, vmm_arena_status_name, (vmm_arena_status s), (s))
+WRAP(const char *, vmm_arena_last_error, (void), ())
+WRAP_VOID(vmm_arena_config_default, (vmm_arena_config * c), (c))
+WRAP(vmm_arena_status, vmm_arena_create, (const vmm_arena_config *c, vmm_arena **out), (c, out))
+WRAP_VOID(vmm_arena_destroy, (vmm_arena * a), (a))
+WRAP(vmm_arena_status, vmm_arena_alloc, (vmm_arena * a, uint64_t size, vmm_arena_id *id, uint64_t *p),
+     (a, size, id, p))
+WRAP(vmm_arena_status, vmm_arena_alloc_growable,
+     (vmm_arena * a, uint64_t size, uint64_t max, vmm_arena_id *id, uint64_t *p), (a, size, max, id, p))
+WRAP(vmm_arena_status, vmm_arena_free, (vmm_arena * a, vmm_arena_id id), (a, id))
+WRAP(vmm_arena_status, vmm_arena_resize, (vmm_arena * a, vmm_arena_id id, uint64_t size, uint64_t *p),
+     (a, id, size, p))
+WRAP(vmm_arena_status, vmm_arena_query, (vmm_arena * a, vmm_arena_id id, uint64_t *p, uint64_t *size),
+     (a, id, p, size))
+WRAP(vmm_arena_status, vmm_arena_pin, (vmm_arena * a, vmm_arena_id id), (a, id))
+WRAP(vmm_arena_status, vmm_arena_unpin, (vmm_arena * a, vmm_arena_id id), (a, id))
+WRAP(vmm_arena_status, vmm_arena_compact, (vmm_arena * a, vmm_arena_compact_report *r), (a, r))
+WRAP(vmm_arena_status, vmm_arena_release_retired, (vmm_arena * a), (a))
+WRAP(vmm_arena_status, vmm_arena_trim, (vmm_arena * a, uint64_t keep, uint64_t *out), (a, keep, out))
+WRAP(vmm_arena_status, vmm_arena_stats_get, (vmm_arena * a, vmm_arena_stats *s), (a, s))
+WRAP(vmm_arena_status, vmm_arena_set_move_callback, (vmm_arena * a, vmm_arena_move_fn fn, void *user),
+     (a, fn, user))
+WRAP(vmm_arena_status, vmm_arena_snapshot_json, (vmm_arena * a, char *buf, size_t cap, size_t *len),
+     (a, buf, cap, len))
