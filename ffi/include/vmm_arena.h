@@ -209,7 +209,9 @@ typedef struct vmm_arena_stats {
    */
   uint64_t live_bytes;
   /**
-   * physical bytes backing live allocations
+   * physical bytes backing live allocations (each chunk once); every
+   * other chunk held is in pooled_bytes (a slab holding only retired
+   * objects included)
    */
   uint64_t mapped_bytes;
   /**

@@ -427,10 +427,15 @@ static void test_bad_arguments(void) {
   OK(vmm_arena_alloc(a, K, &y, &py));
   CHECK(py == px + K); /* y sits right after x: x cannot grow in place */
   OK(vmm_arena_pin(a, x));
+  OK(vmm_arena_pin(a, y)); /* y cannot move out of x's way either */
   EXPECT(vmm_arena_resize(a, x, 0, &ptr), INV);
   EXPECT(vmm_arena_resize(a, x, 100 * K, &ptr), VMM_ARENA_ERR_PINNED); /* not OOM */
   EXPECT(vmm_arena_resize(a, x, 2 * K, &ptr), VMM_ARENA_ERR_PINNED);
   CHECK(ptr_of(a, x) == px);
+  /* With y movable, pinned x grows where it stands: y moves away. */
+  OK(vmm_arena_unpin(a, y));
+  OK(vmm_arena_resize(a, x, 2 * K, &ptr));
+  CHECK(ptr == px && ptr_of(a, y) != py);
   OK(vmm_arena_unpin(a, x));
   EXPECT(vmm_arena_resize(a, x, 100 * K, &ptr), VMM_ARENA_ERR_OUT_OF_MEMORY);
   OK(vmm_arena_free(a, x));
@@ -749,11 +754,13 @@ static void test_pin(void) {
   OK(vmm_arena_resize(a, g, 2 * K, &q)); /* within its reservation: in place */
   CHECK(q == p);
   q = 0x99;
+  OK(vmm_arena_pin(a, n)); /* its neighbour cannot move out of the way */
   EXPECT(vmm_arena_resize(a, g, 3 * K, &q), VMM_ARENA_ERR_PINNED);
   CHECK(q == 0x99 && ptr_of(a, g) == p && intact(p, K, 9));
   CHECK(strstr(vmm_arena_last_error(), "pinned") != NULL);
   OK(vmm_arena_compact(a, NULL));
   CHECK(ptr_of(a, g) == p);
+  OK(vmm_arena_unpin(a, n));
   OK(vmm_arena_unpin(a, g));
   OK(vmm_arena_unpin(a, g)); /* unpinning an unpinned allocation is fine */
   OK(vmm_arena_resize(a, g, 3 * K, &q));

@@ -172,6 +172,7 @@ void test_growth_moves_and_callback() {
   CHECK(m.ptr() == h.ptr() + K);
   {
     vmm::PinGuard pin(h);
+    vmm::PinGuard pin_m(m);  // m cannot move out of h's way either
     CHECK(thrown_status([&] { h.resize(4 * K); }) == vmm::Status::Pinned);
     CHECK(h.try_resize(4 * K).status() == vmm::Status::Pinned);
   }
