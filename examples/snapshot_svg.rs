@@ -23,8 +23,9 @@
 //! after the last used range is cut short (`--full` draws all of it).
 //!
 //! The snapshot is read with `serde_json` into the typed [`Snapshot`]: ranges
-//! need `kind`, `addr` and `bytes`; every other field defaults to zero, so
-//! snapshots from older or newer versions of the library still draw.
+//! need `kind`, `addr` and `bytes`; every other field may be missing (zero,
+//! false or unknown) and unknown ones are ignored, so snapshots from older or
+//! newer versions of the library still draw.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

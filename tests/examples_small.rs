@@ -192,6 +192,15 @@ fn trace_parsing_accepts_both_formats_inline() {
     assert_eq!((a[1].arrive_s, a[1].prompt, a[1].output), (0.5, 200, 20));
     assert_eq!(b.len(), 2);
     assert_eq!((b[1].arrive_s, b[1].prompt, b[1].output), (2.5, 400, 40));
+    // A Mooncake line that lacks a field, or is not JSON, is an error naming the line.
+    let broken = temp("broken.jsonl");
+    for text in ["{\"timestamp\": 1000, \"input_length\": 300}\n", "{\"timestamp\": 1000, \"input_length\": 3\n"] {
+        std::fs::write(&broken, format!("{{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}}\n{text}"))
+            .unwrap();
+        let e = multi_tenant::load_trace(&broken, 10).unwrap_err();
+        assert!(e.contains("broken.jsonl:2:"), "{e}");
+    }
+    let _ = std::fs::remove_file(&broken);
     assert_eq!(multi_tenant::parse_bytes("40GiB").unwrap(), 40 << 30);
     assert_eq!(multi_tenant::parse_bytes("128k").unwrap(), 128 << 10);
 }
