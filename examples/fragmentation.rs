@@ -18,27 +18,52 @@
 #[path = "common/mod.rs"]
 mod common;
 
+use std::path::PathBuf;
+
+use clap::Parser;
 use common::scenario;
-use common::util::{fmt_bytes, json_f64, json_str, parse_size};
+use common::util::{fmt_bytes, parse_size};
+use serde::Serialize;
+
+/// The textbook fragmentation failure: PyTorch's caching allocator against
+/// vmm-arena on the same device.
+#[derive(Debug, Parser)]
+#[command(name = "fragmentation")]
+struct Cli {
+    /// Device capacity (`256MiB`, `1GiB`, plain bytes).
+    #[arg(long, value_name = "SIZE", default_value = "256MiB", value_parser = parse_size)]
+    capacity: u64,
+    /// The one large request made after the fill.
+    #[arg(long, value_name = "SIZE", default_value = "32MiB", value_parser = parse_size)]
+    request: u64,
+    /// Also write the outcomes as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct JsonDoc<'a> {
+    capacity_bytes: u64,
+    outcomes: Vec<JsonOutcome<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonOutcome<'a> {
+    name: &'a str,
+    allocations: u64,
+    freed: u64,
+    free_total_bytes: u64,
+    largest_hole_bytes: u64,
+    request_bytes: u64,
+    succeeded: bool,
+    moves: u64,
+    integrity_errors: u64,
+    detail: &'a str,
+    free_over_request: f64,
+}
 
 fn main() {
-    let mut capacity = 256u64 << 20;
-    let mut request = 32u64 << 20;
-    let mut json: Option<String> = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = |name: &str| args.next().unwrap_or_else(|| die(&format!("{name} needs a value")));
-        match a.as_str() {
-            "--capacity" => capacity = parse_size(&val("--capacity")).unwrap_or_else(|e| die(&e)),
-            "--request" => request = parse_size(&val("--request")).unwrap_or_else(|e| die(&e)),
-            "--json" => json = Some(val("--json")),
-            "-h" | "--help" => {
-                println!("usage: fragmentation [--capacity SIZE] [--request SIZE] [--json PATH]");
-                return;
-            }
-            other => die(&format!("unknown option {other:?} (try --help)")),
-        }
-    }
+    let Cli { capacity, request, json } = Cli::parse();
     let outcomes = scenario::run_all(capacity, request);
     println!(
         "Fragmentation: {} device, allocations of 3-6 MiB until full, every other one freed, then one of {}\n",
@@ -65,29 +90,30 @@ fn main() {
     let integrity: u64 = outcomes.iter().map(|o| o.integrity_errors).sum();
     println!("\nintegrity errors (tags of surviving allocations): {integrity}");
     if let Some(path) = json {
-        let items: Vec<String> = outcomes
-            .iter()
-            .map(|o| {
-                format!(
-                    "{{\"name\": {}, \"allocations\": {}, \"freed\": {}, \"free_total_bytes\": {}, \
-                     \"largest_hole_bytes\": {}, \"request_bytes\": {}, \"succeeded\": {}, \"moves\": {}, \
-                     \"integrity_errors\": {}, \"detail\": {}, \"free_over_request\": {}}}",
-                    json_str(&o.name),
-                    o.allocations,
-                    o.freed,
-                    o.free_total,
-                    o.largest_hole,
-                    o.request,
-                    o.succeeded,
-                    o.moves,
-                    o.integrity_errors,
-                    json_str(&o.detail),
-                    json_f64(o.free_total as f64 / o.request as f64)
-                )
-            })
-            .collect();
-        let doc = format!("{{\"capacity_bytes\": {capacity}, \"outcomes\": [\n  {}\n]}}\n", items.join(",\n  "));
-        std::fs::write(&path, doc).unwrap_or_else(|e| die(&format!("cannot write {path}: {e}")));
+        let doc = JsonDoc {
+            capacity_bytes: capacity,
+            outcomes: outcomes
+                .iter()
+                .map(|o| JsonOutcome {
+                    name: &o.name,
+                    allocations: o.allocations,
+                    freed: o.freed,
+                    free_total_bytes: o.free_total,
+                    largest_hole_bytes: o.largest_hole,
+                    request_bytes: o.request,
+                    succeeded: o.succeeded,
+                    moves: o.moves,
+                    integrity_errors: o.integrity_errors,
+                    detail: &o.detail,
+                    // JSON has no infinity (a zero request): 0, as before.
+                    free_over_request: Some(o.free_total as f64 / o.request as f64)
+                        .filter(|r| r.is_finite())
+                        .unwrap_or(0.0),
+                })
+                .collect(),
+        };
+        let text = serde_json::to_string_pretty(&doc).expect("plain data serializes") + "\n";
+        std::fs::write(&path, text).unwrap_or_else(|e| die(&format!("cannot write {}: {e}", path.display())));
     }
     let arena_failed = outcomes.iter().any(|o| o.name.starts_with("arena (") && !o.succeeded)
         || outcomes.iter().any(|o| o.name == "arena" && !o.succeeded);

@@ -23,8 +23,12 @@
 //! `--quick` cuts repetitions and sizes, for a smoke run.
 
 use std::fmt::Write as _;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
+
+use clap::Parser;
+use serde::Serialize;
 
 use vmm_arena::driver::cuda::CudaDriver;
 use vmm_arena::driver::{ChunkHandle, Driver};
@@ -33,31 +37,20 @@ use vmm_arena::{Arena, ArenaConfig};
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
+/// Measures the CUDA virtual memory calls the arena is built on; prints a
+/// Markdown report (exits 0, saying so, where CUDA cannot run).
+#[derive(Debug, Parser)]
+#[command(name = "gpu_measure")]
 struct Args {
+    /// Also write gpu-measure.json and gpu-measure.md into DIR.
+    #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// CUDA device ordinal.
+    #[arg(long, value_name = "N", default_value_t = 0)]
     device: i32,
+    /// Fewer repetitions and sizes, for a smoke run.
+    #[arg(long)]
     quick: bool,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args { out: None, device: 0, quick: false };
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--out" => args.out = Some(it.next().ok_or("--out needs a directory")?.into()),
-            "--device" => {
-                let v = it.next().ok_or("--device needs a number")?;
-                args.device = v.parse().map_err(|_| format!("bad device {v}"))?;
-            }
-            "--quick" => args.quick = true,
-            "-h" | "--help" => {
-                println!("usage: gpu_measure [--out DIR] [--device N] [--quick]");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    Ok(args)
 }
 
 /// Latency samples in nanoseconds.
@@ -109,33 +102,27 @@ impl Stats {
         self.ns.iter().sum::<u64>() as f64 / self.ns.len() as f64 / 1e3
     }
 
-    fn json(&self) -> String {
-        format!(
-            "{{\"n\": {}, \"median_us\": {:.3}, \"p99_us\": {:.3}, \"mean_us\": {:.3}, \"min_us\": {:.3}, \"max_us\": {:.3}}}",
-            self.ns.len(),
-            self.median_us(),
-            self.p99_us(),
-            self.mean_us(),
-            self.pct_us(0.0),
-            self.pct_us(100.0)
-        )
+    /// The summary written to JSON (no samples: NaN, written as null).
+    fn json(&self) -> LatencyJson {
+        LatencyJson {
+            n: self.ns.len(),
+            median_us: self.median_us(),
+            p99_us: self.p99_us(),
+            mean_us: self.mean_us(),
+            min_us: self.pct_us(0.0),
+            max_us: self.pct_us(100.0),
+        }
     }
 }
 
-fn json_str(s: &str) -> String {
-    let mut o = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
+#[derive(Serialize)]
+struct LatencyJson {
+    n: usize,
+    median_us: f64,
+    p99_us: f64,
+    mean_us: f64,
+    min_us: f64,
+    max_us: f64,
 }
 
 fn size_label(bytes: u64) -> String {
@@ -387,10 +374,11 @@ fn run(d: &CudaDriver, device: i32, quick: bool, out: &mut Report) -> Res<()> {
     out.granularity = (g.minimum, g.recommended);
     out.total = total;
 
+    let progress = Stages::new(4);
     let n = if quick { 50 } else { 500 };
     let t = Instant::now();
     out.calls = measure_calls(d, chunk, n)?;
-    eprintln!("gpu_measure: per-call latencies done in {:.1?}", t.elapsed());
+    progress.done(format!("per-call latencies done in {:.1?}", t.elapsed()));
 
     let budget = total / 4; // the move test holds 2x the largest size.
     let spans: Vec<(u64, usize)> = [(1u64, 200usize), (8, 100), (64, 30), (512, 10)]
@@ -400,7 +388,7 @@ fn run(d: &CudaDriver, device: i32, quick: bool, out: &mut Report) -> Res<()> {
         .collect();
     let t = Instant::now();
     out.spans = measure_spans(d, chunk, &spans)?;
-    eprintln!("gpu_measure: span latencies done in {:.1?}", t.elapsed());
+    progress.done(format!("span latencies done in {:.1?}", t.elapsed()));
 
     let max_move = if quick { 512 * MIB } else { 4 * GIB }.min(budget);
     let mut sizes = Vec::new();
@@ -414,12 +402,46 @@ fn run(d: &CudaDriver, device: i32, quick: bool, out: &mut Report) -> Res<()> {
     }
     let t = Instant::now();
     out.moves = measure_moves(d, chunk, &sizes, quick)?;
-    eprintln!("gpu_measure: remap vs copy done in {:.1?}", t.elapsed());
+    progress.done(format!("remap vs copy done in {:.1?}", t.elapsed()));
 
     let t = Instant::now();
     out.pool = measure_pool(device, chunk, if quick { 1000 } else { 10_000 })?;
-    eprintln!("gpu_measure: pooled alloc/free done in {:.1?}", t.elapsed());
+    progress.done(format!("pooled alloc/free done in {:.1?}", t.elapsed()));
     Ok(())
+}
+
+/// The measurement stages: a progress bar on a terminal; otherwise one line
+/// per stage on standard error, which `scripts/gpu-check.sh` keeps as its log.
+struct Stages(Option<indicatif::ProgressBar>);
+
+impl Stages {
+    fn new(stages: u64) -> Stages {
+        Stages(std::io::stderr().is_terminal().then(|| {
+            indicatif::ProgressBar::new(stages).with_style(
+                indicatif::ProgressStyle::with_template("gpu_measure {bar:20} {pos}/{len} stages, {elapsed}")
+                    .expect("a valid template"),
+            )
+        }))
+    }
+
+    fn done(&self, what: String) {
+        match &self.0 {
+            Some(bar) => {
+                bar.println(format!("gpu_measure: {what}"));
+                bar.inc(1);
+            }
+            None => eprintln!("gpu_measure: {what}"),
+        }
+    }
+}
+
+impl Drop for Stages {
+    // Also on an early error return, so the error is not printed after a stale bar.
+    fn drop(&mut self) {
+        if let Some(bar) = &self.0 {
+            bar.finish_and_clear();
+        }
+    }
 }
 
 #[derive(Default)]
@@ -533,69 +555,106 @@ impl Report {
     }
 
     fn json(&self) -> String {
-        let mut j = String::from("{\n  \"status\": \"ok\",\n");
-        let _ = writeln!(j, "  \"device\": {},", json_str(&self.device));
-        let _ = writeln!(j, "  \"driver_version\": {},", self.driver_version);
-        let _ = writeln!(j, "  \"total_memory_bytes\": {},", self.total);
-        let _ = writeln!(
-            j,
-            "  \"granularity\": {{\"minimum\": {}, \"recommended\": {}}},",
-            self.granularity.0, self.granularity.1
-        );
-        let _ = writeln!(j, "  \"chunk_bytes\": {},", self.chunk);
-        let _ = writeln!(j, "  \"quick\": {},", self.quick);
-        let _ = writeln!(j, "  \"seconds\": {:.3},", self.seconds);
-        let calls: Vec<String> = self
-            .calls
-            .iter()
-            .map(|r| format!("    {{\"call\": {}, \"latency\": {}}}", json_str(&r.call), r.stats.json()))
-            .collect();
-        let _ = writeln!(j, "  \"calls\": [\n{}\n  ],", calls.join(",\n"));
-        let spans: Vec<String> = self
-            .spans
-            .iter()
-            .map(|r| {
-                format!(
-                    "    {{\"chunks\": {}, \"bytes\": {}, \"set_access\": {}, \"unmap\": {}}}",
-                    r.chunks,
-                    r.chunks * self.chunk,
-                    r.set_access.json(),
-                    r.unmap.json()
-                )
-            })
-            .collect();
-        let _ = writeln!(j, "  \"set_access_spans\": [\n{}\n  ],", spans.join(",\n"));
-        let moves: Vec<String> = self
-            .moves
-            .iter()
-            .map(|r| {
-                format!(
-                    "    {{\"bytes\": {}, \"remap\": {}, \"deferred_unmap\": {}, \"copy\": {}, \"copy_over_remap\": {:.4}}}",
-                    r.bytes,
-                    r.remap.json(),
-                    r.unmap_old.json(),
-                    r.copy.json(),
-                    r.copy.median_us() / r.remap.median_us()
-                )
-            })
-            .collect();
-        let _ = writeln!(j, "  \"moves\": [\n{}\n  ],", moves.join(",\n"));
-        let pool: Vec<String> = self
-            .pool
-            .iter()
-            .map(|r| {
-                format!(
-                    "    {{\"bytes\": {}, \"alloc_free_pair\": {}, \"driver_calls\": {}}}",
-                    r.bytes,
-                    r.pair.json(),
-                    r.driver_calls
-                )
-            })
-            .collect();
-        let _ = writeln!(j, "  \"pooled_alloc_free\": [\n{}\n  ]", pool.join(",\n"));
-        j.push_str("}\n");
-        j
+        let doc = ReportJson {
+            status: "ok",
+            device: &self.device,
+            driver_version: self.driver_version,
+            total_memory_bytes: self.total,
+            granularity: GranularityJson { minimum: self.granularity.0, recommended: self.granularity.1 },
+            chunk_bytes: self.chunk,
+            quick: self.quick,
+            seconds: self.seconds,
+            calls: self.calls.iter().map(|r| CallJson { call: &r.call, latency: r.stats.json() }).collect(),
+            set_access_spans: self
+                .spans
+                .iter()
+                .map(|r| SpanJson {
+                    chunks: r.chunks,
+                    bytes: r.chunks * self.chunk,
+                    set_access: r.set_access.json(),
+                    unmap: r.unmap.json(),
+                })
+                .collect(),
+            moves: self
+                .moves
+                .iter()
+                .map(|r| MoveJson {
+                    bytes: r.bytes,
+                    remap: r.remap.json(),
+                    deferred_unmap: r.unmap_old.json(),
+                    copy: r.copy.json(),
+                    copy_over_remap: r.copy.median_us() / r.remap.median_us(),
+                })
+                .collect(),
+            pooled_alloc_free: self
+                .pool
+                .iter()
+                .map(|r| PoolJson { bytes: r.bytes, alloc_free_pair: r.pair.json(), driver_calls: r.driver_calls })
+                .collect(),
+        };
+        // Pretty: `scripts/gpu-check.sh` greps for `"status": "unsupported"` with its space.
+        serde_json::to_string_pretty(&doc).expect("plain data serializes") + "\n"
     }
+}
+
+// The JSON layout of the report (field names are what scripts read).
+
+#[derive(Serialize)]
+struct ReportJson<'a> {
+    status: &'static str,
+    device: &'a str,
+    driver_version: i32,
+    total_memory_bytes: u64,
+    granularity: GranularityJson,
+    chunk_bytes: u64,
+    quick: bool,
+    seconds: f64,
+    calls: Vec<CallJson<'a>>,
+    set_access_spans: Vec<SpanJson>,
+    moves: Vec<MoveJson>,
+    pooled_alloc_free: Vec<PoolJson>,
+}
+
+#[derive(Serialize)]
+struct GranularityJson {
+    minimum: u64,
+    recommended: u64,
+}
+
+#[derive(Serialize)]
+struct CallJson<'a> {
+    call: &'a str,
+    latency: LatencyJson,
+}
+
+#[derive(Serialize)]
+struct SpanJson {
+    chunks: u64,
+    bytes: u64,
+    set_access: LatencyJson,
+    unmap: LatencyJson,
+}
+
+#[derive(Serialize)]
+struct MoveJson {
+    bytes: u64,
+    remap: LatencyJson,
+    deferred_unmap: LatencyJson,
+    copy: LatencyJson,
+    copy_over_remap: f64,
+}
+
+#[derive(Serialize)]
+struct PoolJson {
+    bytes: u64,
+    alloc_free_pair: LatencyJson,
+    driver_calls: u64,
+}
+
+#[derive(Serialize)]
+struct UnsupportedJson {
+    status: &'static str,
+    reason: String,
 }
 
 fn write_out(dir: &Option<PathBuf>, json: &str, md: &str) {
@@ -610,18 +669,13 @@ fn write_out(dir: &Option<PathBuf>, json: &str, md: &str) {
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("gpu_measure: {e}");
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse();
     let driver = match CudaDriver::new(args.device) {
         Ok(d) => d,
         Err(e) => {
             println!("gpu_measure: CUDA is unsupported here, nothing measured: {e}");
-            let json = format!("{{\"status\": \"unsupported\", \"reason\": {}}}\n", json_str(&e.to_string()));
+            let doc = UnsupportedJson { status: "unsupported", reason: e.to_string() };
+            let json = serde_json::to_string_pretty(&doc).expect("plain data serializes") + "\n";
             let md = format!("# CUDA VMM measurements\n\nNot run: CUDA is unsupported here: {e}\n");
             write_out(&args.out, &json, &md);
             return;

@@ -44,9 +44,12 @@
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use clap::{CommandFactory, Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
 use vmm_arena::{Arena, ArenaConfig, Backend, Error, Id};
 
 const KIB: u64 = 1 << 10;
@@ -132,6 +135,8 @@ pub struct Config {
     pub snapshot: Option<PathBuf>,
     /// Simulated time of the snapshot; `None`: the middle of the time when A and B both receive requests.
     pub snapshot_at_s: Option<f64>,
+    /// Show a progress bar of the simulated time on standard error.
+    pub progress: bool,
 }
 
 impl Default for Config {
@@ -163,6 +168,7 @@ impl Default for Config {
             backend: Backend::HostSparse,
             snapshot: None,
             snapshot_at_s: None,
+            progress: false,
         }
     }
 }
@@ -277,13 +283,14 @@ pub fn synthetic(s: &Synthetic, n: usize, seed: u64) -> Vec<Request> {
         .collect()
 }
 
-fn json_number(line: &str, key: &str) -> Option<f64> {
-    let pat = format!("\"{key}\"");
-    let rest = &line[line.find(&pat)? + pat.len()..];
-    let rest = rest.trim_start().strip_prefix(':')?.trim_start();
-    let end =
-        rest.find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E'))).unwrap_or(rest.len());
-    rest[..end].parse().ok()
+/// The fields of a Mooncake JSONL line that the replay uses (others, such as
+/// `hash_ids`, are skipped).
+#[derive(Deserialize)]
+struct MooncakeLine {
+    /// Milliseconds.
+    timestamp: f64,
+    input_length: f64,
+    output_length: f64,
 }
 
 /// Reads the first `limit` requests of an Azure CSV or Mooncake JSONL trace,
@@ -301,11 +308,8 @@ pub fn load_trace(path: &Path, limit: usize) -> Result<Vec<Request>, String> {
         }
         let bad = || format!("{}:{}: cannot parse {line:?}", path.display(), n + 1);
         let r = if line.starts_with('{') {
-            Request {
-                arrive_s: json_number(line, "timestamp").ok_or_else(bad)? / 1000.0,
-                prompt: json_number(line, "input_length").ok_or_else(bad)? as u64,
-                output: json_number(line, "output_length").ok_or_else(bad)? as u64,
-            }
+            let m: MooncakeLine = serde_json::from_str(line).map_err(|e| format!("{} ({e})", bad()))?;
+            Request { arrive_s: m.timestamp / 1000.0, prompt: m.input_length as u64, output: m.output_length as u64 }
         } else {
             let f: Vec<&str> = line.split(',').map(str::trim).collect();
             if f.len() < 3 || f[0].parse::<f64>().is_err() {
@@ -482,6 +486,17 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
     let mut cur_phase = usize::MAX;
     let trim_steps = if cfg.trim_every_s > 0.0 { (cfg.trim_every_s / step_s).round().max(1.0) as u64 } else { 0 };
     let (mut trims, mut periodic_trimmed) = (0u64, 0u64);
+    // Simulated milliseconds until the last arrival; the drain after it shows as the bar's end.
+    let bar = if cfg.progress {
+        indicatif::ProgressBar::new((end_arrivals * 1000.0) as u64)
+            .with_style(
+                indicatif::ProgressStyle::with_template("multi_tenant {bar:40} simulated {msg} s, {elapsed} elapsed")
+                    .expect("a valid template"),
+            )
+            .with_message("0")
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     loop {
         let now = step as f64 * step_s;
         // Arrivals.
@@ -621,6 +636,10 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
         a.held_peak = a.held_peak.max(held);
         held_sum += held as f64;
         step += 1;
+        if step % 256 == 0 {
+            bar.set_position((now * 1000.0) as u64);
+            bar.set_message(format!("{now:.0}"));
+        }
         if ts.iter().all(|t| t.next == t.reqs.len() && t.waiting.is_empty() && t.running.is_empty()) {
             break;
         }
@@ -628,6 +647,7 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
             return Err("the simulation does not finish".into());
         }
     }
+    bar.finish_and_clear();
     let sim_seconds = step as f64 * step_s;
     acc[nphase].to_s = sim_seconds.max(acc[nphase].from_s);
 
@@ -731,30 +751,6 @@ fn human(b: u64) -> String {
         format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
     } else {
         format!("{:.0} KiB", b as f64 / KIB as f64)
-    }
-}
-
-fn json_str(s: &str) -> String {
-    let mut o = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
-}
-
-fn json_f(v: f64) -> String {
-    if v.is_finite() {
-        format!("{v:.6}")
-    } else {
-        "null".into()
     }
 }
 
@@ -889,100 +885,174 @@ impl Report {
 
     /// The figures as a JSON document.
     pub fn to_json(&self) -> String {
-        let mut o = String::from("{\"workload\":{");
-        let _ = write!(
-            o,
-            "\"example\":\"multi_tenant\",\"backend\":{},\"capacity_bytes\":{},\"chunk_bytes\":{},\"retain_bytes\":{},\
-             \"trim_every_seconds\":{},\"trim_keep_bytes\":{},\"steps\":{},\"sim_seconds\":{}}},\"tenants\":[",
-            json_str(&self.backend),
-            self.capacity_bytes,
-            self.chunk_bytes,
-            if self.retain_bytes == u64::MAX { "null".into() } else { self.retain_bytes.to_string() },
-            json_f(self.trim_every_s),
-            self.trim_keep_bytes,
-            self.steps,
-            json_f(self.sim_seconds)
-        );
-        for (i, t) in self.tenants.iter().enumerate() {
-            if i > 0 {
-                o.push(',');
-            }
-            let _ = write!(
-                o,
-                "{{\"name\":{},\"source\":{},\"kv_bytes_per_token\":{},\"start_s\":{},\"requests\":{},\
-                 \"completed_requests\":{},\"skipped_too_large\":{},\"preemptions\":{},\"tokens_written\":{},\
-                 \"peak_mapped_bytes\":{},\"mean_mapped_bytes\":{},\"mean_queue_seconds\":{},\
-                 \"max_queue_seconds\":{},\"integrity_errors\":{}}}",
-                json_str(&t.name),
-                json_str(&t.source),
-                t.kv_bytes_per_token,
-                json_f(t.start_s),
-                t.requests,
-                t.completed,
-                t.skipped_too_large,
-                t.preemptions,
-                t.tokens_written,
-                t.peak_mapped_bytes,
-                json_f(t.mean_mapped_bytes),
-                json_f(t.mean_queue_s),
-                json_f(t.max_queue_s),
-                t.integrity_errors
-            );
-        }
-        o.push_str("],\"phases\":[");
-        for (i, p) in self.phases.iter().enumerate() {
-            if i > 0 {
-                o.push(',');
-            }
-            let list_f = |v: &[f64]| v.iter().map(|x| json_f(*x)).collect::<Vec<_>>().join(",");
-            let list_u = |v: &[u64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",");
-            let _ = write!(
-                o,
-                "{{\"name\":{},\"from_s\":{},\"to_s\":{},\"steps\":{},\"mean_mapped_bytes\":[{}],\
-                 \"peak_mapped_bytes\":[{}],\"mean_running\":[{}],\"peak_pooled_bytes\":{},\"mean_held_bytes\":{},\
-                 \"peak_held_bytes\":{},\"driver_creates\":{},\"driver_releases\":{}}}",
-                json_str(&p.name),
-                json_f(p.from_s),
-                json_f(p.to_s),
-                p.steps,
-                list_f(&p.mean_mapped),
-                list_u(&p.peak_mapped),
-                list_f(&p.mean_running),
-                p.peak_pooled,
-                json_f(p.mean_held),
-                p.peak_held,
-                p.creates,
-                p.releases
-            );
-        }
-        let _ = write!(
-            o,
-            "],\"shared\":{{\"peak_physical_bytes\":{},\"mean_held_bytes\":{},\"idle_held_before_trim_bytes\":{},\
-             \"idle_held_after_trim_bytes\":{},\"trimmed_bytes\":{},\"moves\":{},\"driver_calls\":{{\"create\":{},\
-             \"release\":{},\"map\":{},\"unmap\":{},\"set_access\":{}}},\"periodic_trims\":{},\
-             \"periodic_trimmed_bytes\":{}}},\"static_partitions\":{{\"total_bytes\":{},\
-             \"per_tenant_bytes\":[{}]}},\"accounting_errors\":{},\"integrity_errors\":{},\"wall_seconds\":{}}}",
-            self.shared_peak_bytes,
-            json_f(self.shared_mean_held),
-            self.idle_held_before_trim,
-            self.idle_held_after_trim,
-            self.trimmed_bytes,
-            self.moves,
-            self.driver_creates,
-            self.driver_releases,
-            self.driver_maps,
-            self.driver_unmaps,
-            self.driver_access_calls,
-            self.periodic_trims,
-            self.periodic_trimmed_bytes,
-            self.static_bytes,
-            self.tenants.iter().map(|t| t.peak_mapped_bytes.to_string()).collect::<Vec<_>>().join(","),
-            self.accounting_errors,
-            self.integrity_errors,
-            json_f(self.wall_seconds)
-        );
-        o
+        let doc = ReportJson {
+            workload: WorkloadJson {
+                example: "multi_tenant",
+                backend: &self.backend,
+                capacity_bytes: self.capacity_bytes,
+                chunk_bytes: self.chunk_bytes,
+                // u64::MAX means "keep everything": null, not a number no reader expects.
+                retain_bytes: Some(self.retain_bytes).filter(|&b| b != u64::MAX),
+                trim_every_seconds: self.trim_every_s,
+                trim_keep_bytes: self.trim_keep_bytes,
+                steps: self.steps,
+                sim_seconds: self.sim_seconds,
+            },
+            tenants: self
+                .tenants
+                .iter()
+                .map(|t| TenantJson {
+                    name: &t.name,
+                    source: &t.source,
+                    kv_bytes_per_token: t.kv_bytes_per_token,
+                    start_s: t.start_s,
+                    requests: t.requests,
+                    completed_requests: t.completed,
+                    skipped_too_large: t.skipped_too_large,
+                    preemptions: t.preemptions,
+                    tokens_written: t.tokens_written,
+                    peak_mapped_bytes: t.peak_mapped_bytes,
+                    mean_mapped_bytes: t.mean_mapped_bytes,
+                    mean_queue_seconds: t.mean_queue_s,
+                    max_queue_seconds: t.max_queue_s,
+                    integrity_errors: t.integrity_errors,
+                })
+                .collect(),
+            phases: self
+                .phases
+                .iter()
+                .map(|p| PhaseJson {
+                    name: &p.name,
+                    from_s: p.from_s,
+                    to_s: p.to_s,
+                    steps: p.steps,
+                    mean_mapped_bytes: &p.mean_mapped,
+                    peak_mapped_bytes: &p.peak_mapped,
+                    mean_running: &p.mean_running,
+                    peak_pooled_bytes: p.peak_pooled,
+                    mean_held_bytes: p.mean_held,
+                    peak_held_bytes: p.peak_held,
+                    driver_creates: p.creates,
+                    driver_releases: p.releases,
+                })
+                .collect(),
+            shared: SharedJson {
+                peak_physical_bytes: self.shared_peak_bytes,
+                mean_held_bytes: self.shared_mean_held,
+                idle_held_before_trim_bytes: self.idle_held_before_trim,
+                idle_held_after_trim_bytes: self.idle_held_after_trim,
+                trimmed_bytes: self.trimmed_bytes,
+                moves: self.moves,
+                driver_calls: DriverCallsJson {
+                    create: self.driver_creates,
+                    release: self.driver_releases,
+                    map: self.driver_maps,
+                    unmap: self.driver_unmaps,
+                    set_access: self.driver_access_calls,
+                },
+                periodic_trims: self.periodic_trims,
+                periodic_trimmed_bytes: self.periodic_trimmed_bytes,
+            },
+            static_partitions: StaticJson {
+                total_bytes: self.static_bytes,
+                per_tenant_bytes: self.tenants.iter().map(|t| t.peak_mapped_bytes).collect(),
+            },
+            accounting_errors: self.accounting_errors,
+            integrity_errors: self.integrity_errors,
+            wall_seconds: self.wall_seconds,
+        };
+        serde_json::to_string_pretty(&doc).expect("plain data serializes") + "\n"
     }
+}
+
+// The JSON layout of a `Report` (field names are what scripts read; floats
+// that are not finite become null).
+
+#[derive(Serialize)]
+struct ReportJson<'a> {
+    workload: WorkloadJson<'a>,
+    tenants: Vec<TenantJson<'a>>,
+    phases: Vec<PhaseJson<'a>>,
+    shared: SharedJson,
+    static_partitions: StaticJson,
+    accounting_errors: u64,
+    integrity_errors: u64,
+    wall_seconds: f64,
+}
+
+#[derive(Serialize)]
+struct WorkloadJson<'a> {
+    example: &'static str,
+    backend: &'a str,
+    capacity_bytes: u64,
+    chunk_bytes: u64,
+    retain_bytes: Option<u64>,
+    trim_every_seconds: f64,
+    trim_keep_bytes: u64,
+    steps: u64,
+    sim_seconds: f64,
+}
+
+#[derive(Serialize)]
+struct TenantJson<'a> {
+    name: &'a str,
+    source: &'a str,
+    kv_bytes_per_token: u64,
+    start_s: f64,
+    requests: u64,
+    completed_requests: u64,
+    skipped_too_large: u64,
+    preemptions: u64,
+    tokens_written: u64,
+    peak_mapped_bytes: u64,
+    mean_mapped_bytes: f64,
+    mean_queue_seconds: f64,
+    max_queue_seconds: f64,
+    integrity_errors: u64,
+}
+
+#[derive(Serialize)]
+struct PhaseJson<'a> {
+    name: &'a str,
+    from_s: f64,
+    to_s: f64,
+    steps: u64,
+    mean_mapped_bytes: &'a [f64],
+    peak_mapped_bytes: &'a [u64],
+    mean_running: &'a [f64],
+    peak_pooled_bytes: u64,
+    mean_held_bytes: f64,
+    peak_held_bytes: u64,
+    driver_creates: u64,
+    driver_releases: u64,
+}
+
+#[derive(Serialize)]
+struct SharedJson {
+    peak_physical_bytes: u64,
+    mean_held_bytes: f64,
+    idle_held_before_trim_bytes: u64,
+    idle_held_after_trim_bytes: u64,
+    trimmed_bytes: u64,
+    moves: u64,
+    driver_calls: DriverCallsJson,
+    periodic_trims: u64,
+    periodic_trimmed_bytes: u64,
+}
+
+#[derive(Serialize)]
+struct DriverCallsJson {
+    create: u64,
+    release: u64,
+    map: u64,
+    unmap: u64,
+    set_access: u64,
+}
+
+#[derive(Serialize)]
+struct StaticJson {
+    total_bytes: u64,
+    per_tenant_bytes: Vec<u64>,
 }
 
 // ---------------------------------------------------------------- command line
@@ -1004,99 +1074,144 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok((v * mult as f64) as u64)
 }
 
-struct Cli {
-    cfg: Config,
-    json: Option<PathBuf>,
+/// The arena's backends a run can use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    Host,
+    HostSparse,
 }
 
-fn parse_args(args: impl Iterator<Item = String>) -> Result<Cli, String> {
-    let mut cfg = Config::default();
-    let mut json = None;
-    let mut traces: [Option<PathBuf>; 3] = [None, None, None];
-    let mut kv = [320 * KIB, 128 * KIB, 512 * KIB];
-    let mut ntenants = 2;
-    let mut it = args;
-    while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
-        let num = |v: String| v.parse::<u64>().map_err(|_| format!("bad number {v:?}"));
-        match a.as_str() {
-            "--trace-a" => traces[0] = Some(val()?.into()),
-            "--trace-b" => traces[1] = Some(val()?.into()),
-            "--trace-c" => traces[2] = Some(val()?.into()),
-            "--kv-a" => kv[0] = parse_bytes(&val()?)?,
-            "--kv-b" => kv[1] = parse_bytes(&val()?)?,
-            "--kv-c" => kv[2] = parse_bytes(&val()?)?,
-            "--tenants" => ntenants = num(val()?)? as usize,
-            "--limit" => cfg.limit = num(val()?)? as usize,
-            "--shift" => cfg.shift_s = Some(val()?.parse().map_err(|_| "bad --shift".to_string())?),
-            "--capacity" => cfg.capacity_bytes = parse_bytes(&val()?)?,
-            "--chunk" => cfg.chunk_bytes = parse_bytes(&val()?)?,
-            "--retain" => cfg.retain_bytes = parse_bytes(&val()?)?,
-            "--trim-every" => cfg.trim_every_s = val()?.parse().map_err(|_| "bad --trim-every".to_string())?,
-            "--trim-keep" => cfg.trim_keep_bytes = parse_bytes(&val()?)?,
-            "--step-ms" => cfg.step_ms = val()?.parse().map_err(|_| "bad --step-ms".to_string())?,
-            "--max-batch" => cfg.max_batch = num(val()?)? as usize,
-            "--phases" => cfg.phases = num(val()?)? as usize,
-            "--seed" => cfg.seed = num(val()?)?,
-            "--backend" => {
-                cfg.backend = match val()?.as_str() {
-                    "host" => Backend::Host,
-                    "host-sparse" => Backend::HostSparse,
-                    b => return Err(format!("unknown backend {b:?} (host, host-sparse)")),
-                }
-            }
-            "--json" => json = Some(val()?.into()),
-            "--snapshot" => cfg.snapshot = Some(val()?.into()),
-            "--snapshot-at" => cfg.snapshot_at_s = Some(val()?.parse().map_err(|_| "bad --snapshot-at".to_string())?),
-            "-h" | "--help" => return Err(String::new()),
-            _ => return Err(format!("unknown argument {a:?}")),
+/// Several models' KV caches share one arena as load shifts between them;
+/// compares the shared arena with static per-model partitions.
+#[derive(Debug, Parser)]
+#[command(name = "multi_tenant")]
+pub struct Cli {
+    /// Tenant A's trace (Azure CSV or Mooncake JSONL); without it, synthetic Azure-like load at 5.5 req/s.
+    #[arg(long, value_name = "PATH")]
+    pub trace_a: Option<PathBuf>,
+    /// Tenant B's trace; without it, synthetic Mooncake-like load at 3.4 req/s.
+    #[arg(long, value_name = "PATH")]
+    pub trace_b: Option<PathBuf>,
+    /// Tenant C's trace; without it, synthetic Azure-like load at 2 req/s.
+    #[arg(long, value_name = "PATH")]
+    pub trace_c: Option<PathBuf>,
+    /// Number of tenants.
+    #[arg(long, value_name = "1|2|3", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=3))]
+    pub tenants: u64,
+    /// Requests per tenant.
+    #[arg(long, value_name = "N", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub limit: u64,
+    /// Tenant A's KV bytes per token (`320KiB`: llama3-70b).
+    #[arg(long, value_name = "BYTES", default_value = "320KiB", value_parser = parse_bytes)]
+    pub kv_a: u64,
+    /// Tenant B's KV bytes per token (`128KiB`: llama3-8b).
+    #[arg(long, value_name = "BYTES", default_value = "128KiB", value_parser = parse_bytes)]
+    pub kv_b: u64,
+    /// Tenant C's KV bytes per token (`512KiB`: llama2-7b).
+    #[arg(long, value_name = "BYTES", default_value = "512KiB", value_parser = parse_bytes)]
+    pub kv_c: u64,
+    /// Seconds between tenants' starts [default: half of tenant A's arrival span].
+    #[arg(long, value_name = "SECONDS")]
+    pub shift: Option<f64>,
+    /// Physical capacity of the device.
+    #[arg(long, value_name = "BYTES", default_value = "80GiB", value_parser = parse_bytes)]
+    pub capacity: u64,
+    /// Chunk size; 0: 2 MiB, or the driver's recommended granularity if larger.
+    #[arg(long, value_name = "BYTES", default_value = "0", value_parser = parse_bytes)]
+    pub chunk: u64,
+    /// Pooled memory kept after frees (beyond it chunks go back to the driver) [default: all].
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    pub retain: Option<u64>,
+    /// Every this many simulated seconds the engine calls trim(--trim-keep); 0: never.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    pub trim_every: f64,
+    /// What the periodic trim keeps pooled.
+    #[arg(long, value_name = "BYTES", default_value = "4GiB", value_parser = parse_bytes)]
+    pub trim_keep: u64,
+    /// Simulated milliseconds per scheduler step.
+    #[arg(long, value_name = "MS", default_value_t = 30.0)]
+    pub step_ms: f64,
+    /// Most running requests per tenant.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_batch: u64,
+    /// Phases (windows of simulated time) the table reports.
+    #[arg(long, value_name = "N", default_value_t = 6)]
+    pub phases: u64,
+    /// Seed of the synthetic load and the tags.
+    #[arg(long, value_name = "N", default_value_t = 42)]
+    pub seed: u64,
+    /// The arena's backend (host-sparse commits no chunk, so replays larger than RAM run).
+    #[arg(long, value_enum, default_value_t = BackendArg::HostSparse)]
+    pub backend: BackendArg,
+    /// Also write the report as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+    /// Write the arena's snapshot (for `snapshot_svg`) to PATH.
+    #[arg(long, value_name = "PATH")]
+    pub snapshot: Option<PathBuf>,
+    /// Simulated time of the snapshot [default: the middle of the time when A and B both receive requests].
+    #[arg(long, value_name = "SECONDS")]
+    pub snapshot_at: Option<f64>,
+}
+
+impl Cli {
+    /// The run this command line asks for.
+    pub fn config(&self) -> Result<Config, String> {
+        if self.step_ms.is_nan() || self.step_ms <= 0.0 {
+            return Err("--step-ms must be positive".into());
         }
-    }
-    if !(1..=3).contains(&ntenants) {
-        return Err("--tenants takes 1, 2 or 3".into());
-    }
-    if cfg.step_ms <= 0.0 || cfg.limit == 0 || cfg.max_batch == 0 {
-        return Err("--step-ms, --limit and --max-batch must be positive".into());
-    }
-    let names = ["A", "B", "C"];
-    let models = |b: u64| match b {
-        x if x == 128 * KIB => " llama3-8b",
-        x if x == 320 * KIB => " llama3-70b",
-        x if x == 512 * KIB => " llama2-7b",
-        _ => "",
-    };
-    let synth = [Synthetic::AZURE, Synthetic::MOONCAKE, Synthetic { rate_per_s: 2.0, ..Synthetic::AZURE }];
-    cfg.tenants = (0..ntenants)
-        .map(|i| TenantSpec {
-            name: format!("{}{}", names[i], models(kv[i])),
-            kv_bytes_per_token: kv[i],
-            source: match &traces[i] {
-                Some(p) => Source::Trace(p.clone()),
-                None => Source::Synthetic(synth[i]),
+        let traces = [&self.trace_a, &self.trace_b, &self.trace_c];
+        let kv = [self.kv_a, self.kv_b, self.kv_c];
+        let names = ["A", "B", "C"];
+        let models = |b: u64| match b {
+            x if x == 128 * KIB => " llama3-8b",
+            x if x == 320 * KIB => " llama3-70b",
+            x if x == 512 * KIB => " llama2-7b",
+            _ => "",
+        };
+        let synth = [Synthetic::AZURE, Synthetic::MOONCAKE, Synthetic { rate_per_s: 2.0, ..Synthetic::AZURE }];
+        let defaults = Config::default();
+        Ok(Config {
+            tenants: (0..self.tenants as usize)
+                .map(|i| TenantSpec {
+                    name: format!("{}{}", names[i], models(kv[i])),
+                    kv_bytes_per_token: kv[i],
+                    source: match traces[i] {
+                        Some(p) => Source::Trace(p.clone()),
+                        None => Source::Synthetic(synth[i]),
+                    },
+                })
+                .collect(),
+            limit: self.limit as usize,
+            shift_s: self.shift,
+            capacity_bytes: self.capacity,
+            chunk_bytes: self.chunk,
+            retain_bytes: self.retain.unwrap_or(defaults.retain_bytes),
+            trim_every_s: self.trim_every,
+            trim_keep_bytes: self.trim_keep,
+            step_ms: self.step_ms,
+            max_batch: self.max_batch as usize,
+            phases: self.phases as usize,
+            seed: self.seed,
+            backend: match self.backend {
+                BackendArg::Host => Backend::Host,
+                BackendArg::HostSparse => Backend::HostSparse,
             },
+            snapshot: self.snapshot.clone(),
+            snapshot_at_s: self.snapshot_at,
+            progress: false,
         })
-        .collect();
-    Ok(Cli { cfg, json })
+    }
 }
 
 #[allow(dead_code)]
 fn main() {
-    let cli = match parse_args(std::env::args().skip(1)) {
-        Ok(c) => c,
-        Err(e) => {
-            let usage = "usage: multi_tenant [--trace-a PATH] [--trace-b PATH] [--trace-c PATH] [--tenants 2|3] \
-                         [--limit N] [--kv-a B] [--kv-b B] [--kv-c B] [--shift S] [--capacity B] [--chunk B] \
-                         [--retain B] [--trim-every S] [--trim-keep B] [--step-ms MS] [--max-batch N] [--phases N] [--seed N] \
-                         [--backend host|host-sparse] [--json PATH] [--snapshot PATH] [--snapshot-at S]";
-            if e.is_empty() {
-                println!("{usage}");
-                return;
-            }
-            eprintln!("{e}\n{usage}");
-            std::process::exit(2);
-        }
+    let cli = Cli::parse();
+    let cfg = match cli.config() {
+        Ok(c) => Config { progress: std::io::stderr().is_terminal(), ..c },
+        Err(e) => Cli::command().error(clap::error::ErrorKind::ValueValidation, e).exit(),
     };
-    let report = match run(&cli.cfg) {
+    let report = match run(&cfg) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("multi_tenant: {e}");

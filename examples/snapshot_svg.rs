@@ -22,224 +22,65 @@
 //! range shows its details (`<title>`). By default the free address space
 //! after the last used range is cut short (`--full` draws all of it).
 //!
-//! The JSON parser is a minimal one written here: the project takes no
-//! dependency for this.
+//! The snapshot is read with `serde_json` into the typed [`Snapshot`]: ranges
+//! need `kind`, `addr` and `bytes`; every other field may be missing (zero,
+//! false or unknown) and unknown ones are ignored, so snapshots from older or
+//! newer versions of the library still draw.
 
 use std::fmt::Write as _;
+use std::path::PathBuf;
 
-// ---------------------------------------------------------------- JSON
+use clap::Parser;
+use serde::Deserialize;
 
-/// A parsed JSON value (numbers kept as text, so u64 addresses stay exact).
-#[derive(Clone, Debug, PartialEq)]
-pub enum Json {
-    Null,
-    Bool(bool),
-    Num(String),
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(Vec<(String, Json)>),
+// ---------------------------------------------------------------- snapshot format
+
+/// A snapshot document, as `Arena::snapshot_json` writes it.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Snapshot {
+    #[serde(default)]
+    pub backend: Option<String>,
+    /// Start of the reserved range; absent: the first range's address.
+    #[serde(default)]
+    pub base: Option<u64>,
+    #[serde(default)]
+    pub chunk_bytes: u64,
+    #[serde(default)]
+    pub pooled_unmapped_chunks: u64,
+    pub ranges: Vec<Range>,
+    #[serde(default)]
+    pub stats: SnapshotStats,
 }
 
-impl Json {
-    /// Parses a whole document.
-    pub fn parse(text: &str) -> Result<Json, String> {
-        let mut p = Parser { s: text.as_bytes(), i: 0 };
-        let v = p.value(0)?;
-        p.ws();
-        if p.i != p.s.len() {
-            return Err(format!("trailing characters at byte {}", p.i));
-        }
-        Ok(v)
-    }
-
-    pub fn get(&self, key: &str) -> Option<&Json> {
-        match self {
-            Json::Obj(kv) => kv.iter().find(|(k, _)| k == key).map(|(_, v)| v),
-            _ => None,
-        }
-    }
-
-    pub fn as_u64(&self) -> Option<u64> {
-        match self {
-            Json::Num(n) => {
-                n.parse::<u64>().ok().or_else(|| n.parse::<f64>().ok().filter(|f| *f >= 0.0).map(|f| f as u64))
-            }
-            _ => None,
-        }
-    }
-
-    pub fn as_str(&self) -> Option<&str> {
-        match self {
-            Json::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn as_bool(&self) -> Option<bool> {
-        match self {
-            Json::Bool(b) => Some(*b),
-            _ => None,
-        }
-    }
-
-    pub fn as_arr(&self) -> Option<&[Json]> {
-        match self {
-            Json::Arr(a) => Some(a),
-            _ => None,
-        }
-    }
-
-    fn u(&self, key: &str) -> u64 {
-        self.get(key).and_then(Json::as_u64).unwrap_or(0)
-    }
+/// The stats the map shows (the snapshot carries more; they are ignored).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct SnapshotStats {
+    pub live_allocations: u64,
+    pub live_bytes: u64,
+    pub mapped_bytes: u64,
+    pub pooled_bytes: u64,
+    pub peak_physical_bytes: u64,
+    pub capacity_bytes: u64,
+    pub reserved_va_bytes: u64,
+    pub free_va_bytes: u64,
+    pub largest_free_va_bytes: u64,
+    pub retired_va_bytes: u64,
+    pub moves: u64,
+    pub driver_creates: u64,
+    pub driver_releases: u64,
+    pub driver_maps: u64,
+    pub driver_unmaps: u64,
+    pub driver_access_calls: u64,
+    pub driver_syncs: u64,
+    pub cached_mapped_bytes: u64,
+    pub bytes_copied: u64,
+    pub small_slabs: u64,
 }
 
-struct Parser<'a> {
-    s: &'a [u8],
-    i: usize,
-}
-
-impl Parser<'_> {
-    fn ws(&mut self) {
-        while self.i < self.s.len() && matches!(self.s[self.i], b' ' | b'\t' | b'\n' | b'\r') {
-            self.i += 1;
-        }
-    }
-
-    fn err<T>(&self, what: &str) -> Result<T, String> {
-        Err(format!("JSON: {what} at byte {}", self.i))
-    }
-
-    fn lit(&mut self, word: &str, v: Json) -> Result<Json, String> {
-        if self.s[self.i..].starts_with(word.as_bytes()) {
-            self.i += word.len();
-            Ok(v)
-        } else {
-            self.err("unexpected word")
-        }
-    }
-
-    fn value(&mut self, depth: usize) -> Result<Json, String> {
-        if depth > 64 {
-            return self.err("nesting too deep");
-        }
-        self.ws();
-        match self.s.get(self.i) {
-            None => self.err("unexpected end"),
-            Some(b'{') => {
-                self.i += 1;
-                let mut kv = Vec::new();
-                self.ws();
-                if self.s.get(self.i) == Some(&b'}') {
-                    self.i += 1;
-                    return Ok(Json::Obj(kv));
-                }
-                loop {
-                    self.ws();
-                    let k = self.string()?;
-                    self.ws();
-                    if self.s.get(self.i) != Some(&b':') {
-                        return self.err("expected ':'");
-                    }
-                    self.i += 1;
-                    let v = self.value(depth + 1)?;
-                    kv.push((k, v));
-                    self.ws();
-                    match self.s.get(self.i) {
-                        Some(b',') => self.i += 1,
-                        Some(b'}') => {
-                            self.i += 1;
-                            return Ok(Json::Obj(kv));
-                        }
-                        _ => return self.err("expected ',' or '}'"),
-                    }
-                }
-            }
-            Some(b'[') => {
-                self.i += 1;
-                let mut a = Vec::new();
-                self.ws();
-                if self.s.get(self.i) == Some(&b']') {
-                    self.i += 1;
-                    return Ok(Json::Arr(a));
-                }
-                loop {
-                    a.push(self.value(depth + 1)?);
-                    self.ws();
-                    match self.s.get(self.i) {
-                        Some(b',') => self.i += 1,
-                        Some(b']') => {
-                            self.i += 1;
-                            return Ok(Json::Arr(a));
-                        }
-                        _ => return self.err("expected ',' or ']'"),
-                    }
-                }
-            }
-            Some(b'"') => Ok(Json::Str(self.string()?)),
-            Some(b't') => self.lit("true", Json::Bool(true)),
-            Some(b'f') => self.lit("false", Json::Bool(false)),
-            Some(b'n') => self.lit("null", Json::Null),
-            Some(c) if *c == b'-' || c.is_ascii_digit() => {
-                let start = self.i;
-                while self.i < self.s.len() && matches!(self.s[self.i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')
-                {
-                    self.i += 1;
-                }
-                let t = std::str::from_utf8(&self.s[start..self.i]).map_err(|e| e.to_string())?;
-                if t.parse::<f64>().is_err() {
-                    return self.err("bad number");
-                }
-                Ok(Json::Num(t.to_string()))
-            }
-            Some(_) => self.err("unexpected character"),
-        }
-    }
-
-    fn string(&mut self) -> Result<String, String> {
-        if self.s.get(self.i) != Some(&b'"') {
-            return self.err("expected a string");
-        }
-        self.i += 1;
-        let mut out = Vec::new();
-        loop {
-            match self.s.get(self.i) {
-                None => return self.err("unterminated string"),
-                Some(b'"') => {
-                    self.i += 1;
-                    return String::from_utf8(out).map_err(|e| e.to_string());
-                }
-                Some(b'\\') => {
-                    let c = *self.s.get(self.i + 1).ok_or("JSON: unterminated escape")?;
-                    self.i += 2;
-                    let ch = match c {
-                        b'"' => '"',
-                        b'\\' => '\\',
-                        b'/' => '/',
-                        b'b' => '\u{8}',
-                        b'f' => '\u{c}',
-                        b'n' => '\n',
-                        b'r' => '\r',
-                        b't' => '\t',
-                        b'u' => {
-                            let hex = self.s.get(self.i..self.i + 4).ok_or("JSON: short \\u escape")?;
-                            let code = u32::from_str_radix(std::str::from_utf8(hex).map_err(|e| e.to_string())?, 16)
-                                .map_err(|e| e.to_string())?;
-                            self.i += 4;
-                            char::from_u32(code).unwrap_or('\u{fffd}')
-                        }
-                        _ => return self.err("bad escape"),
-                    };
-                    let mut b = [0u8; 4];
-                    out.extend_from_slice(ch.encode_utf8(&mut b).as_bytes());
-                }
-                Some(&c) => {
-                    out.push(c);
-                    self.i += 1;
-                }
-            }
-        }
-    }
+/// Parses a snapshot document.
+pub fn parse(json: &str) -> Result<Snapshot, String> {
+    serde_json::from_str(json).map_err(|e| format!("not a snapshot: {e}"))
 }
 
 // ---------------------------------------------------------------- rendering
@@ -286,50 +127,33 @@ fn hue_of(id: u64) -> u64 {
     z.wrapping_mul(0xbf58_476d_1ce4_e5b9) >> 40
 }
 
-/// One range as the snapshot gives it.
-#[derive(Clone, Debug, PartialEq)]
+/// One range as the snapshot gives it: `kind`, `addr` and `bytes` are
+/// required, the rest depends on the kind.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct Range {
     pub kind: String,
     pub addr: u64,
     pub bytes: u64,
+    #[serde(default)]
     pub id: u64,
+    #[serde(default)]
     pub size: u64,
+    #[serde(default)]
     pub mapped_bytes: u64,
+    #[serde(default)]
     pub pooled_mapped_bytes: u64,
+    #[serde(default)]
     pub pinned: bool,
+    #[serde(default)]
     pub growable: bool,
+    #[serde(default)]
     pub class_bytes: u64,
+    #[serde(default)]
     pub objects: u64,
+    #[serde(default)]
     pub used: u64,
+    #[serde(default)]
     pub retired_bytes: u64,
-}
-
-/// Reads the ranges of a parsed snapshot.
-pub fn ranges(doc: &Json) -> Result<Vec<Range>, String> {
-    let arr = doc.get("ranges").and_then(Json::as_arr).ok_or("the snapshot has no \"ranges\" array")?;
-    arr.iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let kind = r.get("kind").and_then(Json::as_str).ok_or(format!("range {i} has no kind"))?;
-            let addr = r.get("addr").and_then(Json::as_u64).ok_or(format!("range {i} has no addr"))?;
-            let bytes = r.get("bytes").and_then(Json::as_u64).ok_or(format!("range {i} has no bytes"))?;
-            Ok(Range {
-                kind: kind.to_string(),
-                addr,
-                bytes,
-                id: r.u("id"),
-                size: r.u("size"),
-                mapped_bytes: r.u("mapped_bytes"),
-                pooled_mapped_bytes: r.u("pooled_mapped_bytes"),
-                pinned: r.get("pinned").and_then(Json::as_bool).unwrap_or(false),
-                growable: r.get("growable").and_then(Json::as_bool).unwrap_or(false),
-                class_bytes: r.u("class_bytes"),
-                objects: r.u("objects"),
-                used: r.u("used"),
-                retired_bytes: r.u("retired_bytes"),
-            })
-        })
-        .collect()
 }
 
 struct Map {
@@ -367,12 +191,11 @@ impl Map {
 
 /// Renders a snapshot document as SVG.
 pub fn render(json: &str, opts: &Options) -> Result<String, String> {
-    let doc = Json::parse(json)?;
-    let rs = ranges(&doc)?;
-    let stats = doc.get("stats").cloned().unwrap_or(Json::Obj(Vec::new()));
-    let st = |k: &str| stats.u(k);
-    let chunk = doc.u("chunk_bytes").max(1);
-    let base = doc.get("base").and_then(Json::as_u64).or_else(|| rs.first().map(|r| r.addr)).unwrap_or(0);
+    let doc = parse(json)?;
+    let rs = &doc.ranges;
+    let st = &doc.stats;
+    let chunk = doc.chunk_bytes.max(1);
+    let base = doc.base.or_else(|| rs.first().map(|r| r.addr)).unwrap_or(0);
     let total_end = rs.iter().map(|r| r.addr + r.bytes).max().unwrap_or(base + chunk);
     let used_end = rs.iter().filter(|r| r.kind != "free").map(|r| r.addr + r.bytes).max().unwrap_or(base);
     let view_end = if opts.full || used_end <= base {
@@ -406,7 +229,7 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
          </defs>\n",
     );
     let _ = writeln!(o, "<rect x=\"0\" y=\"0\" width=\"{width:.0}\" height=\"{height:.0}\" fill=\"#ffffff\"/>");
-    let backend = doc.get("backend").and_then(Json::as_str).unwrap_or("?");
+    let backend = doc.backend.as_deref().unwrap_or("?");
     let _ =
         writeln!(o, "<text x=\"{margin}\" y=\"28\" font-size=\"18\" font-weight=\"bold\">{}</text>", esc(&opts.title));
     let _ = writeln!(
@@ -415,7 +238,7 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
         esc(backend),
         human(chunk),
         rs.len(),
-        human(st("reserved_va_bytes").max(total_end - base))
+        human(st.reserved_va_bytes.max(total_end - base))
     );
 
     // Legend.
@@ -447,35 +270,35 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
     let lines = [
         format!(
             "live {} allocations, {} asked, {} mapped; peak physical {} of capacity {}",
-            st("live_allocations"),
-            human(st("live_bytes")),
-            human(st("mapped_bytes")),
-            human(st("peak_physical_bytes")),
-            human(st("capacity_bytes"))
+            st.live_allocations,
+            human(st.live_bytes),
+            human(st.mapped_bytes),
+            human(st.peak_physical_bytes),
+            human(st.capacity_bytes)
         ),
         format!(
             "pooled {} ({} mapped and cached, {} chunks unmapped); small slabs {}, bytes copied {}",
-            human(st("pooled_bytes")),
-            human(st("cached_mapped_bytes")),
-            doc.u("pooled_unmapped_chunks"),
-            st("small_slabs"),
-            human(st("bytes_copied"))
+            human(st.pooled_bytes),
+            human(st.cached_mapped_bytes),
+            doc.pooled_unmapped_chunks,
+            st.small_slabs,
+            human(st.bytes_copied)
         ),
         format!(
             "free VA {} (largest {}), retired {}; moves {}",
-            human(st("free_va_bytes")),
-            human(st("largest_free_va_bytes")),
-            human(st("retired_va_bytes")),
-            st("moves")
+            human(st.free_va_bytes),
+            human(st.largest_free_va_bytes),
+            human(st.retired_va_bytes),
+            st.moves
         ),
         format!(
             "driver calls: create {}, release {}, map {}, unmap {}, set access {}, sync {}",
-            st("driver_creates"),
-            st("driver_releases"),
-            st("driver_maps"),
-            st("driver_unmaps"),
-            st("driver_access_calls"),
-            st("driver_syncs")
+            st.driver_creates,
+            st.driver_releases,
+            st.driver_maps,
+            st.driver_unmaps,
+            st.driver_access_calls,
+            st.driver_syncs
         ),
     ];
     for (i, l) in lines.iter().enumerate() {
@@ -483,13 +306,13 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
     }
 
     // Physical capacity bar.
-    let cap = st("capacity_bytes").max(1);
+    let cap = st.capacity_bytes.max(1);
     let bar_y = 190.0;
     let bar_w = width - 2.0 * margin;
     let parts = [
-        (st("mapped_bytes"), "hsl(210,65%,48%)", "mapped"),
-        (st("cached_mapped_bytes"), "url(#pooled)", "pooled, mapped"),
-        (doc.u("pooled_unmapped_chunks") * chunk, "#7fd1d1", "pooled, unmapped"),
+        (st.mapped_bytes, "hsl(210,65%,48%)", "mapped"),
+        (st.cached_mapped_bytes, "url(#pooled)", "pooled, mapped"),
+        (doc.pooled_unmapped_chunks * chunk, "#7fd1d1", "pooled, unmapped"),
     ];
     let _ =
         writeln!(o, "<text x=\"{margin}\" y=\"{}\" fill=\"#444\">physical capacity {}</text>", bar_y - 5.0, human(cap));
@@ -683,45 +506,49 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
     Ok(o)
 }
 
-fn parse_args(mut it: impl Iterator<Item = String>) -> Result<(String, String, Options), String> {
-    let mut opts = Options::default();
-    let mut files = Vec::new();
-    let mut title = None;
-    while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--width" => opts.width = val()?.parse().map_err(|_| "bad --width".to_string())?,
-            "--rows" => opts.rows = val()?.parse().map_err(|_| "bad --rows".to_string())?,
-            "--full" => opts.full = true,
-            "--title" => title = Some(val()?),
-            "-h" | "--help" => return Err(String::new()),
-            s if s.starts_with("--") => return Err(format!("unknown argument {s:?}")),
-            _ => files.push(a),
+/// Draws an arena snapshot (`Arena::snapshot_json`) as an SVG map of its address space.
+#[derive(Debug, Parser)]
+#[command(name = "snapshot_svg")]
+pub struct Cli {
+    /// The snapshot to draw (JSON).
+    #[arg(value_name = "SNAPSHOT.json")]
+    pub input: PathBuf,
+    /// Where to write the SVG.
+    #[arg(value_name = "OUT.svg")]
+    pub output: PathBuf,
+    /// Width of the picture, in pixels.
+    #[arg(long, value_name = "PX", default_value_t = Options::default().width)]
+    pub width: u32,
+    /// Rows the address space is drawn in.
+    #[arg(long, value_name = "N", default_value_t = Options::default().rows)]
+    pub rows: u32,
+    /// Draw all the trailing free address space instead of cutting it short.
+    #[arg(long)]
+    pub full: bool,
+    /// Title above the map [default: "vmm-arena address space: SNAPSHOT.json"].
+    #[arg(long, value_name = "TEXT")]
+    pub title: Option<String>,
+}
+
+impl Cli {
+    pub fn options(&self) -> Options {
+        Options {
+            width: self.width,
+            rows: self.rows,
+            full: self.full,
+            title: self.title.clone().unwrap_or_else(|| format!("vmm-arena address space: {}", self.input.display())),
         }
     }
-    let [input, output]: [String; 2] = files.try_into().map_err(|_| "give SNAPSHOT.json and OUT.svg".to_string())?;
-    opts.title = title.unwrap_or_else(|| format!("vmm-arena address space: {input}"));
-    Ok((input, output, opts))
 }
 
 #[allow(dead_code)]
 fn main() {
-    let usage = "usage: snapshot_svg SNAPSHOT.json OUT.svg [--width PX] [--rows N] [--full] [--title TEXT]";
-    let (input, output, opts) = match parse_args(std::env::args().skip(1)) {
-        Ok(a) => a,
-        Err(e) if e.is_empty() => {
-            println!("{usage}");
-            return;
-        }
-        Err(e) => {
-            eprintln!("{e}\n{usage}");
-            std::process::exit(2);
-        }
-    };
-    let result = std::fs::read_to_string(&input)
+    let cli = Cli::parse();
+    let (input, output) = (cli.input.display(), cli.output.display());
+    let result = std::fs::read_to_string(&cli.input)
         .map_err(|e| format!("cannot read {input}: {e}"))
-        .and_then(|json| render(&json, &opts))
-        .and_then(|svg| std::fs::write(&output, svg).map_err(|e| format!("cannot write {output}: {e}")));
+        .and_then(|json| render(&json, &cli.options()))
+        .and_then(|svg| std::fs::write(&cli.output, svg).map_err(|e| format!("cannot write {output}: {e}")));
     if let Err(e) = result {
         eprintln!("snapshot_svg: {e}");
         std::process::exit(1);

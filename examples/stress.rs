@@ -28,10 +28,14 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use clap::{CommandFactory, Parser, ValueEnum};
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
 use vmm_arena::{Arena, ArenaConfig, Backend, Error, Id, MoveEvent};
 
 const MIB: u64 = 1 << 20;
@@ -57,6 +61,8 @@ pub struct Config {
     pub seed: u64,
     pub backend: Backend,
     pub snapshot: Option<PathBuf>,
+    /// Show a progress bar of the run's time on standard error.
+    pub progress: bool,
 }
 
 impl Default for Config {
@@ -75,6 +81,7 @@ impl Default for Config {
             seed: 1,
             backend: Backend::Host,
             snapshot: None,
+            progress: false,
         }
     }
 }
@@ -541,6 +548,20 @@ impl Worker<'_> {
     }
 }
 
+/// Draws the elapsed share of the run until its deadline (the workers stop
+/// on their own; this thread would only wait for them anyway).
+fn show_progress(start: Instant, deadline: Instant) {
+    let total = deadline.saturating_duration_since(start);
+    let bar = indicatif::ProgressBar::new(total.as_millis() as u64).with_style(
+        indicatif::ProgressStyle::with_template("stress {bar:40} {elapsed}/{duration}").expect("a valid template"),
+    );
+    while Instant::now() < deadline {
+        bar.set_position(start.elapsed().as_millis() as u64);
+        std::thread::sleep(Duration::from_millis(100).min(deadline.saturating_duration_since(Instant::now())));
+    }
+    bar.finish_and_clear();
+}
+
 /// Runs the stress test.
 pub fn run(cfg: &Config) -> Result<Report, String> {
     let capacity = cfg.capacity_bytes;
@@ -609,6 +630,9 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
                 })
             })
             .collect();
+        if cfg.progress {
+            show_progress(start, deadline);
+        }
         handles
             .into_iter()
             .map(|h| h.join().map_err(|p| format!("a worker panicked: {:?}", p.downcast_ref::<String>())))
@@ -741,22 +765,6 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
     })
 }
 
-fn json_str(s: &str) -> String {
-    let mut o = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
-}
-
 impl Report {
     /// The printed summary.
     pub fn table(&self) -> String {
@@ -817,49 +825,89 @@ impl Report {
 
     /// The figures as a JSON document.
     pub fn to_json(&self) -> String {
-        let mut o = String::new();
-        let _ = write!(
-            o,
-            "{{\"example\":\"stress\",\"threads\":{},\"seconds\":{:.3},\"ops\":{},\"ops_per_second\":{:.1},\"ops_by_kind\":{{",
-            self.threads,
-            self.seconds,
-            self.ops,
-            self.ops_per_second()
-        );
-        for (i, (k, n)) in self.ops_by_kind.iter().enumerate() {
-            let _ = write!(o, "{}\"{k}\":{n}", if i > 0 { "," } else { "" });
+        let doc = ReportJson {
+            example: "stress",
+            threads: self.threads,
+            seconds: self.seconds,
+            ops: self.ops,
+            ops_per_second: self.ops_per_second(),
+            ops_by_kind: InOrder(&self.ops_by_kind),
+            refused_out_of_memory: self.refused_out_of_memory,
+            refused_out_of_address_space: self.refused_out_of_address_space,
+            refused_pinned: self.refused_pinned,
+            bytes_written: self.bytes_written,
+            bytes_verified: self.bytes_verified,
+            pointer_checks: self.pointer_checks,
+            pointer_checks_raced: self.pointer_checks_raced,
+            move_events: self.move_events,
+            moves: self.moves,
+            compact_moved_allocations: self.compact_moved_allocations,
+            compact_shrank_largest_hole: self.compact_shrank_largest_hole,
+            trimmed_bytes: self.trimmed_bytes,
+            peak_physical_bytes: self.peak_physical_bytes,
+            driver_calls: DriverCalls {
+                create: self.driver_creates,
+                release: self.driver_releases,
+                map: self.driver_maps,
+                unmap: self.driver_unmaps,
+                sync: self.driver_syncs,
+            },
+            live_at_end: self.live_at_end,
+            errors: self.errors,
+            error_samples: &self.error_samples,
+        };
+        serde_json::to_string_pretty(&doc).expect("plain data serializes") + "\n"
+    }
+}
+
+/// The JSON layout of a [`Report`] (field names are what scripts read).
+#[derive(Serialize)]
+struct ReportJson<'a> {
+    example: &'static str,
+    threads: usize,
+    seconds: f64,
+    ops: u64,
+    ops_per_second: f64,
+    ops_by_kind: InOrder<'a>,
+    refused_out_of_memory: u64,
+    refused_out_of_address_space: u64,
+    refused_pinned: u64,
+    bytes_written: u64,
+    bytes_verified: u64,
+    pointer_checks: u64,
+    pointer_checks_raced: u64,
+    move_events: u64,
+    moves: u64,
+    compact_moved_allocations: u64,
+    compact_shrank_largest_hole: u64,
+    trimmed_bytes: u64,
+    peak_physical_bytes: u64,
+    driver_calls: DriverCalls,
+    live_at_end: u64,
+    errors: u64,
+    error_samples: &'a [String],
+}
+
+#[derive(Serialize)]
+struct DriverCalls {
+    create: u64,
+    release: u64,
+    map: u64,
+    unmap: u64,
+    sync: u64,
+}
+
+/// Pairs as a JSON object in their own order (the report's operation order),
+/// which a map type would sort.
+struct InOrder<'a>(&'a [(&'static str, u64)]);
+
+impl Serialize for InOrder<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in self.0 {
+            m.serialize_entry(k, v)?;
         }
-        let _ = write!(
-            o,
-            "}},\"refused_out_of_memory\":{},\"refused_out_of_address_space\":{},\"refused_pinned\":{},\
-             \"bytes_written\":{},\"bytes_verified\":{},\"pointer_checks\":{},\"pointer_checks_raced\":{},\
-             \"move_events\":{},\"moves\":{},\"compact_moved_allocations\":{},\"compact_shrank_largest_hole\":{},\
-             \"trimmed_bytes\":{},\
-             \"peak_physical_bytes\":{},\"driver_calls\":{{\"create\":{},\"release\":{},\"map\":{},\"unmap\":{},\
-             \"sync\":{}}},\"live_at_end\":{},\"errors\":{},\"error_samples\":[{}]}}",
-            self.refused_out_of_memory,
-            self.refused_out_of_address_space,
-            self.refused_pinned,
-            self.bytes_written,
-            self.bytes_verified,
-            self.pointer_checks,
-            self.pointer_checks_raced,
-            self.move_events,
-            self.moves,
-            self.compact_moved_allocations,
-            self.compact_shrank_largest_hole,
-            self.trimmed_bytes,
-            self.peak_physical_bytes,
-            self.driver_creates,
-            self.driver_releases,
-            self.driver_maps,
-            self.driver_unmaps,
-            self.driver_syncs,
-            self.live_at_end,
-            self.errors,
-            self.error_samples.iter().map(|m| json_str(m)).collect::<Vec<_>>().join(",")
-        );
-        o
+        m.end()
     }
 }
 
@@ -879,59 +927,98 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok((v * mult as f64) as u64)
 }
 
-fn parse_args(mut it: impl Iterator<Item = String>) -> Result<(Config, Option<PathBuf>), String> {
-    let mut cfg = Config::default();
-    let mut json = None;
-    while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
-        let num = |v: String| v.parse::<u64>().map_err(|_| format!("bad number {v:?}"));
-        match a.as_str() {
-            "--threads" => cfg.threads = num(val()?)? as usize,
-            "--seconds" => cfg.seconds = val()?.parse().map_err(|_| "bad --seconds".to_string())?,
-            "--capacity" => cfg.capacity_bytes = parse_bytes(&val()?)?,
-            "--reserve" => cfg.reserve_bytes = parse_bytes(&val()?)?,
-            "--chunk" => cfg.chunk_bytes = parse_bytes(&val()?)?,
-            "--max-alloc" => cfg.max_alloc_bytes = parse_bytes(&val()?)?,
-            "--max-live" => cfg.max_live_per_thread = num(val()?)? as usize,
-            "--retain" => cfg.retain_bytes = parse_bytes(&val()?)?,
-            "--no-implicit-moves" => cfg.no_implicit_moves = true,
-            "--no-pins" => cfg.pins = false,
-            "--seed" => cfg.seed = num(val()?)?,
-            "--backend" => {
-                cfg.backend = match val()?.as_str() {
-                    "host" => Backend::Host,
-                    "host-sparse" => Backend::HostSparse,
-                    b => return Err(format!("unknown backend {b:?} (host, host-sparse)")),
-                }
-            }
-            "--json" => json = Some(val()?.into()),
-            "--snapshot" => cfg.snapshot = Some(val()?.into()),
-            "-h" | "--help" => return Err(String::new()),
-            _ => return Err(format!("unknown argument {a:?}")),
+/// The arena's backends a run can use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    Host,
+    HostSparse,
+}
+
+/// Several threads churn one arena and check every byte and every address;
+/// exits non-zero on any error.
+#[derive(Debug, Parser)]
+#[command(name = "stress")]
+pub struct Cli {
+    /// Worker threads.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    pub threads: u64,
+    /// How long the threads run.
+    #[arg(long, value_name = "S", default_value_t = 5.0)]
+    pub seconds: f64,
+    /// Physical capacity (`256MiB`, `1.5G`, `512k`, plain bytes).
+    #[arg(long, value_name = "BYTES", default_value = "256MiB", value_parser = parse_bytes)]
+    pub capacity: u64,
+    /// Reserved address space; 0: twice the capacity (tight, so implicit moves happen).
+    #[arg(long, value_name = "BYTES", default_value = "0", value_parser = parse_bytes)]
+    pub reserve: u64,
+    /// Chunk size; 0: 2 MiB, or the driver's recommended granularity if larger.
+    #[arg(long, value_name = "BYTES", default_value = "0", value_parser = parse_bytes)]
+    pub chunk: u64,
+    /// Largest allocation a thread asks for.
+    #[arg(long, value_name = "BYTES", default_value = "16MiB", value_parser = parse_bytes)]
+    pub max_alloc: u64,
+    /// Most allocations a thread holds at once.
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_live: u64,
+    /// Pooled memory kept after frees (beyond it chunks go back to the driver).
+    #[arg(long, value_name = "BYTES", default_value = "64MiB", value_parser = parse_bytes)]
+    pub retain: u64,
+    /// Forbid the arena's implicit moves.
+    #[arg(long)]
+    pub no_implicit_moves: bool,
+    /// Never pin allocations.
+    #[arg(long)]
+    pub no_pins: bool,
+    /// Seed of the threads' random choices.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+    /// The arena's backend.
+    #[arg(long, value_enum, default_value_t = BackendArg::Host)]
+    pub backend: BackendArg,
+    /// Also write the report as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+    /// Write the arena's snapshot (for `snapshot_svg`) to PATH at the end of the run.
+    #[arg(long, value_name = "PATH")]
+    pub snapshot: Option<PathBuf>,
+}
+
+impl Cli {
+    /// The run this command line asks for.
+    pub fn config(&self) -> Result<Config, String> {
+        if self.max_alloc == 0 {
+            return Err("--max-alloc must be positive".into());
         }
+        Ok(Config {
+            threads: self.threads as usize,
+            seconds: self.seconds,
+            capacity_bytes: self.capacity,
+            reserve_bytes: self.reserve,
+            chunk_bytes: self.chunk,
+            max_alloc_bytes: self.max_alloc,
+            max_live_per_thread: self.max_live as usize,
+            retain_bytes: self.retain,
+            no_implicit_moves: self.no_implicit_moves,
+            pins: !self.no_pins,
+            seed: self.seed,
+            backend: match self.backend {
+                BackendArg::Host => Backend::Host,
+                BackendArg::HostSparse => Backend::HostSparse,
+            },
+            snapshot: self.snapshot.clone(),
+            progress: false,
+        })
     }
-    if cfg.threads == 0 || cfg.max_live_per_thread == 0 || cfg.max_alloc_bytes == 0 {
-        return Err("--threads, --max-live and --max-alloc must be positive".into());
-    }
-    Ok((cfg, json))
 }
 
 #[allow(dead_code)]
 fn main() {
-    let (cfg, json) = match parse_args(std::env::args().skip(1)) {
-        Ok(c) => c,
-        Err(e) => {
-            let usage = "usage: stress [--threads N] [--seconds S] [--capacity B] [--reserve B] [--chunk B] \
-                         [--max-alloc B] [--max-live N] [--retain B] [--no-implicit-moves] [--no-pins] [--seed N] \
-                         [--backend host|host-sparse] [--json PATH] [--snapshot PATH]";
-            if e.is_empty() {
-                println!("{usage}");
-                return;
-            }
-            eprintln!("{e}\n{usage}");
-            std::process::exit(2);
-        }
+    let cli = Cli::parse();
+    let cfg = match cli.config() {
+        Ok(c) => Config { progress: std::io::stderr().is_terminal(), ..c },
+        Err(e) => Cli::command().error(clap::error::ErrorKind::ValueValidation, e).exit(),
     };
+    let json = cli.json;
     let report = match run(&cfg) {
         Ok(r) => r,
         Err(e) => {

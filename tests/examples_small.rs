@@ -15,7 +15,8 @@ mod stress;
 
 use std::path::{Path, PathBuf};
 
-use snapshot_svg::{render, Json, Options};
+use serde_json::Value;
+use snapshot_svg::{render, Options};
 use vmm_arena::{Arena, ArenaConfig, Backend};
 
 const C: u64 = 2 << 20;
@@ -26,8 +27,7 @@ fn temp(name: &str) -> PathBuf {
 
 /// Every range of the snapshot has at least one `<rect>` of its own.
 fn assert_rect_per_range(json: &str, svg: &str) -> usize {
-    let doc = Json::parse(json).expect("the snapshot is valid JSON");
-    let ranges = doc.get("ranges").and_then(Json::as_arr).expect("ranges").len();
+    let ranges = snapshot_svg::parse(json).expect("the snapshot parses").ranges.len();
     assert!(ranges > 0);
     for i in 0..ranges {
         assert!(svg.contains(&format!("data-range=\"{i}\"")), "range {i} has no rect");
@@ -38,12 +38,12 @@ fn assert_rect_per_range(json: &str, svg: &str) -> usize {
 
 /// The ranges of a snapshot tile the reserved range in address order.
 fn assert_ranges_tile(json: &str) {
-    let doc = Json::parse(json).unwrap();
-    let rs = snapshot_svg::ranges(&doc).unwrap();
-    let base = doc.get("base").and_then(Json::as_u64).unwrap();
-    let reserved = doc.get("stats").and_then(|s| s.get("reserved_va_bytes")).and_then(Json::as_u64).unwrap();
+    let doc = snapshot_svg::parse(json).unwrap();
+    let base = doc.base.expect("the snapshot gives its base");
+    let reserved = doc.stats.reserved_va_bytes;
+    assert!(reserved > 0);
     let mut at = base;
-    for r in &rs {
+    for r in &doc.ranges {
         assert_eq!(r.addr, at, "ranges leave a gap or overlap at {at:#x}");
         at += r.bytes;
     }
@@ -71,8 +71,11 @@ fn stress_two_threads_for_a_second() {
     }
     assert!(r.bytes_verified > 0 && r.pointer_checks > 0);
     assert_eq!(r.driver_creates, r.driver_releases);
-    let doc = Json::parse(&r.to_json()).expect("the report is valid JSON");
-    assert_eq!(doc.get("errors").and_then(Json::as_u64), Some(0));
+    let doc: Value = serde_json::from_str(&r.to_json()).expect("the report is valid JSON");
+    assert_eq!(doc["errors"].as_u64(), Some(0));
+    assert_eq!(doc["ops"].as_u64(), Some(r.ops));
+    assert_eq!(doc["ops_by_kind"]["alloc"].as_u64(), r.ops_by_kind.iter().find(|(k, _)| *k == "alloc").map(|k| k.1));
+    assert_eq!(doc["driver_calls"]["create"].as_u64(), Some(r.driver_creates));
 
     let json = std::fs::read_to_string(&snap).unwrap();
     let _ = std::fs::remove_file(&snap);
@@ -139,9 +142,13 @@ fn multi_tenant_small_synthetic() {
     assert_eq!(r.static_bytes, r.tenants.iter().map(|t| t.peak_mapped_bytes).sum::<u64>());
     assert!(r.static_bytes > 0);
     assert_eq!(r.driver_creates, r.driver_releases);
-    let doc = Json::parse(&r.to_json()).expect("the report is valid JSON");
-    assert_eq!(doc.get("tenants").and_then(Json::as_arr).map(|a| a.len()), Some(2));
-    assert_eq!(doc.get("integrity_errors").and_then(Json::as_u64), Some(0));
+    let doc: Value = serde_json::from_str(&r.to_json()).expect("the report is valid JSON");
+    assert_eq!(doc["tenants"].as_array().map(|a| a.len()), Some(2));
+    assert_eq!(doc["integrity_errors"].as_u64(), Some(0));
+    assert_eq!(doc["tenants"][1]["peak_mapped_bytes"].as_u64(), Some(r.tenants[1].peak_mapped_bytes));
+    assert_eq!(doc["static_partitions"]["total_bytes"].as_u64(), Some(r.static_bytes));
+    assert_eq!(doc["phases"].as_array().map(|a| a.len()), Some(6));
+    assert_eq!(doc["workload"]["example"], "multi_tenant");
 
     let json = std::fs::read_to_string(&snap).unwrap();
     let _ = std::fs::remove_file(&snap);
@@ -185,6 +192,15 @@ fn trace_parsing_accepts_both_formats_inline() {
     assert_eq!((a[1].arrive_s, a[1].prompt, a[1].output), (0.5, 200, 20));
     assert_eq!(b.len(), 2);
     assert_eq!((b[1].arrive_s, b[1].prompt, b[1].output), (2.5, 400, 40));
+    // A Mooncake line that lacks a field, or is not JSON, is an error naming the line.
+    let broken = temp("broken.jsonl");
+    for text in ["{\"timestamp\": 1000, \"input_length\": 300}\n", "{\"timestamp\": 1000, \"input_length\": 3\n"] {
+        std::fs::write(&broken, format!("{{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}}\n{text}"))
+            .unwrap();
+        let e = multi_tenant::load_trace(&broken, 10).unwrap_err();
+        assert!(e.contains("broken.jsonl:2:"), "{e}");
+    }
+    let _ = std::fs::remove_file(&broken);
     assert_eq!(multi_tenant::parse_bytes("40GiB").unwrap(), 40 << 30);
     assert_eq!(multi_tenant::parse_bytes("128k").unwrap(), 128 << 10);
 }
@@ -207,8 +223,7 @@ fn svg_of_every_kind_of_range() {
     a.free(v).unwrap(); // its chunks stay mapped (cached) in a free range
     let json = a.snapshot_json().unwrap();
     assert_ranges_tile(&json);
-    let doc = Json::parse(&json).unwrap();
-    let kinds: Vec<String> = snapshot_svg::ranges(&doc).unwrap().into_iter().map(|r| r.kind).collect();
+    let kinds: Vec<String> = snapshot_svg::parse(&json).unwrap().ranges.into_iter().map(|r| r.kind).collect();
     for k in ["live", "free", "retired", "slab"] {
         assert!(kinds.iter().any(|x| x == k), "no {k} range in {json}");
     }
@@ -231,13 +246,68 @@ fn svg_of_every_kind_of_range() {
 }
 
 #[test]
-fn json_parser_handles_the_basics_and_rejects_garbage() {
-    let v = Json::parse(r#"{"a": [1, 2.5, -3e2, true, false, null], "s": "q\"\u0041\n", "big": 18446744073709551615}"#)
+fn snapshot_parsing_keeps_u64_exact_and_rejects_garbage() {
+    // Addresses near the top of the 64-bit range must not go through f64.
+    let top = u64::MAX - 4095;
+    let doc = snapshot_svg::parse(&format!(
+        r#"{{"base": {top}, "chunk_bytes": 4096, "ranges": [{{"kind": "live", "addr": {top}, "bytes": 4096, "id": 7,
+             "pinned": true, "future_field": [1, 2]}}], "stats": {{"moves": 3}}}}"#
+    ))
+    .unwrap();
+    assert_eq!(doc.base, Some(top));
+    assert_eq!(doc.ranges[0].addr, top);
+    assert!(doc.ranges[0].pinned && !doc.ranges[0].growable);
+    assert_eq!((doc.ranges[0].id, doc.ranges[0].mapped_bytes), (7, 0));
+    assert_eq!(doc.stats.moves, 3);
+    for bad in [
+        "",
+        "{",
+        "[1,]",
+        r#"{"chunk_bytes": 1}"#,
+        r#"{"ranges": [{"kind": "free", "addr": 0}]}"#,
+        r#"{"ranges": [{"kind": "free", "addr": -1, "bytes": 1}]}"#,
+        r#"{"ranges": []} x"#,
+    ] {
+        assert!(snapshot_svg::parse(bad).is_err(), "{bad:?} parsed");
+        assert!(render(bad, &Options::default()).is_err(), "{bad:?} rendered");
+    }
+}
+
+#[test]
+fn command_lines_parse_with_their_defaults() {
+    use clap::Parser;
+    let cli =
+        snapshot_svg::Cli::try_parse_from(["snapshot_svg", "in.json", "out.svg", "--rows", "4", "--full"]).unwrap();
+    let o = cli.options();
+    assert_eq!((o.width, o.rows, o.full), (Options::default().width, 4, true));
+    assert_eq!(o.title, "vmm-arena address space: in.json");
+    assert!(snapshot_svg::Cli::try_parse_from(["snapshot_svg", "in.json"]).is_err());
+    assert!(snapshot_svg::Cli::try_parse_from(["snapshot_svg", "a", "b", "--rows", "x"]).is_err());
+
+    // The command lines' defaults are the library-style `Config` defaults the tests use.
+    assert_eq!(stress::Cli::try_parse_from(["stress"]).unwrap().config().unwrap(), stress::Config::default());
+    let c = stress::Cli::try_parse_from(["stress", "--backend", "host-sparse", "--no-pins", "--max-alloc", "1.5M"])
+        .unwrap()
+        .config()
         .unwrap();
-    assert_eq!(v.get("a").and_then(Json::as_arr).map(|a| a.len()), Some(6));
-    assert_eq!(v.get("s").and_then(Json::as_str), Some("q\"A\n"));
-    assert_eq!(v.get("big").and_then(Json::as_u64), Some(u64::MAX));
-    for bad in ["", "{", "[1,]", "{\"a\" 1}", "tru", "[1] x", "\"open"] {
-        assert!(Json::parse(bad).is_err(), "{bad:?} parsed");
+    assert_eq!((c.backend, c.pins, c.max_alloc_bytes), (Backend::HostSparse, false, 3 << 19));
+    assert!(stress::Cli::try_parse_from(["stress", "--threads", "0"]).is_err());
+    assert!(stress::Cli::try_parse_from(["stress", "--max-alloc", "0"]).unwrap().config().is_err());
+    assert!(stress::Cli::try_parse_from(["stress", "--backend", "cuda"]).is_err());
+
+    let mt = |args: &[&str]| {
+        multi_tenant::Cli::try_parse_from(std::iter::once("multi_tenant").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())
+            .and_then(|c| c.config())
+    };
+    assert_eq!(mt(&[]).unwrap(), multi_tenant::Config::default());
+    let c = mt(&["--tenants", "3", "--kv-c", "128KiB", "--trace-b", "b.jsonl", "--retain", "1GiB", "--limit", "100"])
+        .unwrap();
+    assert_eq!(c.tenants.len(), 3);
+    assert_eq!(c.tenants[2].name, "C llama3-8b");
+    assert_eq!(c.tenants[1].source, multi_tenant::Source::Trace("b.jsonl".into()));
+    assert_eq!((c.retain_bytes, c.limit), (1 << 30, 100));
+    for bad in [&["--tenants", "4"][..], &["--limit", "0"], &["--step-ms", "0"], &["--kv-a", "lots"]] {
+        assert!(mt(bad).is_err(), "{bad:?} accepted");
     }
 }
