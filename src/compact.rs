@@ -247,6 +247,8 @@ mod tests {
                         growable: reserved > backed,
                         pinned,
                         owner: Owner::User,
+                        tag: 0,
+                        sleep: None,
                     };
                     slots.push(st.insert_alloc(a));
                     at += reserved;

@@ -24,6 +24,7 @@ pub enum Status {
     Unsupported = 6,
     Driver = 7,
     Internal = 8,
+    Asleep = 9,
 }
 
 impl Status {
@@ -39,6 +40,7 @@ impl Status {
             Status::Unsupported => "VMM_ARENA_ERR_UNSUPPORTED",
             Status::Driver => "VMM_ARENA_ERR_DRIVER",
             Status::Internal => "VMM_ARENA_ERR_INTERNAL",
+            Status::Asleep => "VMM_ARENA_ERR_ASLEEP",
         }
     }
 
@@ -54,6 +56,7 @@ impl Status {
             6 => Status::Unsupported,
             7 => Status::Driver,
             8 => Status::Internal,
+            9 => Status::Asleep,
             _ => return None,
         })
     }
@@ -99,6 +102,9 @@ pub enum Error {
         /// A human-readable explanation.
         message: String,
     },
+    /// The allocation is asleep (`Arena::sleep`) and the call needs its memory.
+    #[error("allocation {0:#x} is asleep")]
+    Asleep(u64),
     /// A bug inside the library (a caught panic, a poisoned lock).
     #[error("internal error: {0}")]
     Internal(String),
@@ -116,6 +122,7 @@ impl Error {
             Error::Unsupported(_) => Status::Unsupported,
             Error::Driver { .. } => Status::Driver,
             Error::Internal(_) => Status::Internal,
+            Error::Asleep(_) => Status::Asleep,
         }
     }
 
@@ -130,12 +137,13 @@ mod tests {
 
     #[test]
     fn status_values_are_the_abi_values() {
-        for raw in 0..=8u32 {
+        for raw in 0..=9u32 {
             let s = Status::from_raw(raw).unwrap();
             assert_eq!(s as u32, raw);
             assert!(s.name().starts_with("VMM_ARENA_"));
         }
-        assert_eq!(Status::from_raw(9), None);
+        assert_eq!(Status::from_raw(9).map(Status::name), Some("VMM_ARENA_ERR_ASLEEP"));
+        assert_eq!(Status::from_raw(10), None);
     }
 
     #[test]
@@ -149,8 +157,10 @@ mod tests {
             Error::Unsupported(String::new()),
             Error::Driver { call: "x", code: 1, name: "E".into(), message: String::new() },
             Error::Internal(String::new()),
+            Error::Asleep(1),
         ];
         let mut seen = std::collections::HashSet::new();
+        assert_eq!(errs.len(), 9, "one error per status but Ok");
         for e in &errs {
             assert_ne!(e.status(), Status::Ok);
             assert!(seen.insert(e.status()), "{e:?} reuses a status");

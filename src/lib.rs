@@ -46,7 +46,8 @@ mod sync;
 mod va;
 
 pub use arena::{
-    AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, DEFAULT_CHUNK_BYTES,
+    AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, ALL_TAGS,
+    DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,
 };
 pub use error::{Error, Result, Status};
 pub use id::Id;

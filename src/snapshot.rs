@@ -1,6 +1,8 @@
 //! The JSON snapshot of an arena: every range in address order and the stats.
 //!
-//! Slabs of small allocations appear as `"kind":"slab"` ranges.
+//! Slabs of small allocations appear as `"kind":"slab"` ranges. A live
+//! range carries its `tag`, whether it is `asleep` (it maps nothing then:
+//! `mapped_bytes` 0) and the `backup_bytes` it holds while asleep.
 //! Written by hand (the library has no serialization dependency); the format
 //! is documented in DESIGN.md and read by the `snapshot_svg` example.
 
@@ -56,19 +58,22 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                 }
                 let _ = write!(
                     s,
-                    "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{}}}",
+                    "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{},\"tag\":{},\"asleep\":{},\"backup_bytes\":{}}}",
                     st.user_id(slot).get(),
                     a.size,
                     a.backed * c,
                     cached_in(start + a.backed, start + len),
                     a.pinned,
-                    a.growable
+                    a.growable,
+                    a.tag,
+                    a.sleep.is_some(),
+                    a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len())
                 );
             }
         }
     }
     s.push_str("],\"stats\":{");
-    let fields: [(&str, u64); 23] = [
+    let fields: [(&str, u64); 25] = [
         ("live_allocations", stats.live_allocations),
         ("live_bytes", stats.live_bytes),
         ("mapped_bytes", stats.mapped_bytes),
@@ -92,6 +97,8 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         ("reserve_fallbacks", stats.reserve_fallbacks),
         ("bytes_copied", stats.bytes_copied),
         ("small_slabs", stats.small_slabs),
+        ("asleep_bytes", stats.asleep_bytes),
+        ("backup_bytes", stats.backup_bytes),
     ];
     for (i, (k, v)) in fields.iter().enumerate() {
         if i > 0 {

@@ -21,11 +21,19 @@
 //!    - `Trim`: as [`Arena::trim`] documents, chunks released before the
 //!      failure stay released (and counted), the rest stay pooled, the error
 //!      is returned;
+//!    - `Sleep` ([`Arena::sleep`]): a failure up to its unmaps is `Atomic`
+//!      (nothing has slept); a failed release, after them, keeps that chunk
+//!      pooled, counts in `release_failures`, and the sleep succeeds as in
+//!      the twin;
 //!
 //!    and in every case: no chunk or mapping leaked (the driver's live
 //!    chunks equal the arena's held memory, its live mappings the arena's
 //!    mapped pages), and the arena keeps working (data still verifies, a
-//!    follow-up alloc, write, read and free succeed).
+//!    follow-up wake of everything, alloc, write, read and free succeed).
+//!
+//! A case's setup may leave allocations asleep (for `wake`): it fills each
+//! with `fill(id.get())` and sleeps it with a backup, and the check after
+//! the fault wakes it and verifies that pattern.
 //!
 //! The test prints the matrix: per case, the calls by kind and the faults
 //! injected, and the total.
@@ -43,7 +51,7 @@ use std::collections::BTreeMap;
 use common::{read_all, stats_sans_driver, test_backend, Kind, Snap, TestDriver};
 use vmm_arena::driver::fault::FaultKind;
 use vmm_arena::driver::CallKind;
-use vmm_arena::{Arena, ArenaConfig, Id, Result, Stats, Status};
+use vmm_arena::{Arena, ArenaConfig, Id, Result, Stats, Status, ALL_TAGS, SLEEP_BACKUP};
 
 /// What a failed driver call must leave behind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,6 +62,9 @@ enum Expect {
     BestEffort,
     /// Error; what was released stays released, the rest pooled.
     Trim,
+    /// `Atomic`, but a failed release (after the point of no return)
+    /// succeeds, keeps the chunk pooled and counts the failure.
+    Sleep,
 }
 
 struct Case {
@@ -321,6 +332,61 @@ fn cases() -> Vec<Case> {
             op: |a, _, _| a.trim(0).map(drop),
             expect: Expect::Trim,
         },
+        Case {
+            name: "sleep a tag with backup (a retired range, a cached chunk)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let g = a.alloc_growable(c, c).unwrap().0;
+                let b = alloc(a, c);
+                a.resize(g, 2 * c).unwrap(); // moves: page 0 retired, mapping g's first chunk
+                let w = alloc(a, 2 * c);
+                let t = alloc(a, c);
+                a.free(t).unwrap(); // one cached chunk
+                a.set_tag(g, 1).unwrap();
+                a.set_tag(w, 1).unwrap();
+                vec![g, b, w]
+            },
+            op: |a, _, _| a.sleep(1, SLEEP_BACKUP),
+            expect: Expect::Sleep,
+        },
+        Case {
+            name: "sleep everything without backup (a small allocation stays)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let v: Vec<Id> = [2 * c, c, c].iter().map(|&s| alloc(a, s)).collect();
+                a.free(v[1]).unwrap();
+                vec![v[0], v[2], alloc(a, 700)]
+            },
+            op: |a, _, _| a.sleep(ALL_TAGS, 0),
+            expect: Expect::Sleep,
+        },
+        Case {
+            name: "wake a tag (stolen and new chunks, backups)",
+            cap: 6,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let x = alloc(a, 2 * c + 5);
+                let y = a.alloc_growable(c, 3 * c).unwrap().0;
+                let k = alloc(a, c);
+                for id in [x, y] {
+                    common::fill(a, id, id.get());
+                    a.set_tag(id, 3).unwrap();
+                }
+                a.sleep(3, SLEEP_BACKUP).unwrap();
+                // The trainer's leftovers: two cached chunks at free pages.
+                let t = alloc(a, 2 * c);
+                a.free(t).unwrap();
+                vec![x, y, k]
+            },
+            // Four chunks: two stolen from the cache (an unmap), two new.
+            op: |a, _, _| a.wake(3),
+            expect: Expect::Atomic,
+        },
     ]
 }
 
@@ -380,7 +446,9 @@ fn build(case: &Case) -> (TestDriver, Arena, Vec<Id>) {
     let ids = (case.setup)(&a, c);
     assert_eq!(a.stats().unwrap().live_allocations, ids.len() as u64, "{}: setup lists every allocation", case.name);
     for &id in &ids {
-        common::fill(&a, id, id.get());
+        if !a.query(id).unwrap().asleep {
+            common::fill(&a, id, id.get());
+        }
     }
     (d, a, ids)
 }
@@ -407,9 +475,33 @@ fn check_no_leak(what: &str, a: &Arena, d: &TestDriver) {
 /// made, written, read and freed.
 fn check_keeps_working(what: &str, a: &Arena, d: &TestDriver, bytes: &BTreeMap<Id, Vec<u8>>, live: &[Id]) {
     d.fault.clear();
+    // Sleepers with a backup get their bytes back: the recorded ones, or
+    // (asleep already when recorded) the pattern their case filled them with.
+    let backed_up: Vec<Id> = Snap::of(a)
+        .live()
+        .filter(|r| r.asleep && r.backup_bytes > 0)
+        .map(|r| live.iter().copied().find(|id| id.get() == r.id).expect("a listed allocation"))
+        .collect();
+    let asleep: Vec<Id> = live.iter().copied().filter(|&id| a.query(id).unwrap().asleep).collect();
+    a.wake(ALL_TAGS).unwrap_or_else(|e| panic!("{what}: wake after the fault: {e}"));
     for (&id, want) in bytes.iter().filter(|(id, _)| live.contains(id)) {
+        if asleep.contains(&id) && !backed_up.contains(&id) {
+            continue; // slept without a backup: contents unspecified
+        }
         let got = read_all(a, id);
+        let filled;
+        let want = if want.is_empty() {
+            let mut v = vec![0u8; got.len()];
+            for (i, b) in v.iter_mut().enumerate() {
+                *b = common::stamp_bytes(id.get(), i as u64 / 8)[i % 8];
+            }
+            filled = v;
+            &filled
+        } else {
+            want
+        };
         let n = want.len().min(got.len());
+        assert!(n > 0, "{what}: nothing of {id} to verify");
         assert_eq!(&got[..n], &want[..n], "{what}: bytes of {id} after the fault");
     }
     // Whatever fits: the capacity may be used up by the case.
@@ -487,7 +579,27 @@ fn run_case(case: &Case) -> Row {
             assert!(!fd.pending(), "{what}: the operation made fewer calls than its twin");
             injected += 1;
             match case.expect {
-                Expect::Atomic => {
+                Expect::Sleep if r.is_ok() => {
+                    let snap = Snap::of(&a);
+                    let s = a.stats().unwrap();
+                    assert_eq!(live_part(&snap), live_part(&twin), "{what}: the sleep differs from the twin's");
+                    let asleep = |s: &Snap| s.live().filter(|r| r.asleep).map(|r| r.addr).collect::<Vec<_>>();
+                    assert_eq!(asleep(&snap), asleep(&twin), "{what}: not the twin's sleepers");
+                    assert_eq!(
+                        (s.live_allocations, s.live_bytes, s.mapped_bytes, s.asleep_bytes, s.backup_bytes),
+                        (
+                            twin_stats.live_allocations,
+                            twin_stats.live_bytes,
+                            twin_stats.mapped_bytes,
+                            twin_stats.asleep_bytes,
+                            twin_stats.backup_bytes
+                        ),
+                        "{what}"
+                    );
+                    assert_eq!(s.release_failures, 1, "{what}: only a release may fail after the unmaps");
+                    assert_eq!(s.pooled_bytes, twin_stats.pooled_bytes + c, "{what}: the chunk stays pooled");
+                }
+                Expect::Atomic | Expect::Sleep => {
                     let e = r.expect_err(&what);
                     assert_eq!(e.status(), status_of(kind), "{what}: {e}");
                     let pre_ids: Vec<Id> = pre.bytes.keys().copied().collect();

@@ -76,6 +76,9 @@ pub enum vmm_arena_status {
     /// A bug inside the library was caught at the boundary; the arena refuses
     /// every later call with this status, and destroy still releases it.
     VMM_ARENA_ERR_INTERNAL = 8,
+    /// The allocation is asleep (vmm_arena_sleep) and the call needs its
+    /// memory: resize and pin of a sleeping allocation.
+    VMM_ARENA_ERR_ASLEEP = 9,
 }
 
 use vmm_arena_status::*;
@@ -92,6 +95,7 @@ impl From<Status> for vmm_arena_status {
             Status::Unsupported => VMM_ARENA_ERR_UNSUPPORTED,
             Status::Driver => VMM_ARENA_ERR_DRIVER,
             Status::Internal => VMM_ARENA_ERR_INTERNAL,
+            Status::Asleep => VMM_ARENA_ERR_ASLEEP,
         }
     }
 }
@@ -476,7 +480,7 @@ pub extern "C" fn vmm_arena_abi_version() -> u32 {
     guarded(VMM_ARENA_ABI_VERSION, || VMM_ARENA_ABI_VERSION)
 }
 
-static STATUS_NAMES: [&CStr; 9] = [
+static STATUS_NAMES: [&CStr; 10] = [
     c"VMM_ARENA_OK",
     c"VMM_ARENA_ERR_INVALID_ARGUMENT",
     c"VMM_ARENA_ERR_OUT_OF_MEMORY",
@@ -486,6 +490,7 @@ static STATUS_NAMES: [&CStr; 9] = [
     c"VMM_ARENA_ERR_UNSUPPORTED",
     c"VMM_ARENA_ERR_DRIVER",
     c"VMM_ARENA_ERR_INTERNAL",
+    c"VMM_ARENA_ERR_ASLEEP",
 ];
 
 /// Static, never NULL, e.g. "VMM_ARENA_ERR_PINNED". Unknown values give "UNKNOWN".
@@ -961,14 +966,14 @@ mod tests {
 
     #[test]
     fn status_names_match_the_library() {
-        for raw in 0..=8u32 {
+        for raw in 0..=9u32 {
             let name = Status::from_raw(raw).unwrap().name();
             // SAFETY: status names are static NUL-terminated strings.
             let c = unsafe { CStr::from_ptr(vmm_arena_status_name(raw)) };
             assert_eq!(c.to_str().unwrap(), name);
             assert_eq!(vmm_arena_status::from(Status::from_raw(raw).unwrap()) as u32, raw);
         }
-        for raw in [9, 100, u32::MAX] {
+        for raw in [10, 100, u32::MAX] {
             // SAFETY: as above.
             assert_eq!(unsafe { CStr::from_ptr(vmm_arena_status_name(raw)) }, c"UNKNOWN");
         }

@@ -26,8 +26,14 @@ pub(crate) mod txn;
 
 use small::SmallEntry;
 pub use state::MoveEvent;
-use state::{Alloc, Owner, Plan, State};
+use state::{Alloc, Owner, Plan, Sleep, State};
 use txn::{Counters, Txn};
+
+/// [`Arena::sleep`] and [`Arena::wake`]: every tag.
+pub const ALL_TAGS: u32 = u32::MAX;
+/// [`Arena::sleep`] flag: copy each allocation's bytes to host memory
+/// first, and write them back on wake.
+pub const SLEEP_BACKUP: u32 = 1;
 
 /// Default chunk size: 2 MiB, CUDA's usual recommended granularity.
 pub const DEFAULT_CHUNK_BYTES: u64 = 2 << 20;
@@ -127,6 +133,11 @@ pub struct Stats {
     pub bytes_copied: u64,
     /// Chunks serving as slabs for small allocations.
     pub small_slabs: u64,
+    /// Reserved bytes of sleeping allocations (they count in
+    /// `live_allocations` and `live_bytes`, not in `mapped_bytes`).
+    pub asleep_bytes: u64,
+    /// Host bytes held as sleeping allocations' backups.
+    pub backup_bytes: u64,
 }
 
 /// What [`Arena::compact`] did.
@@ -153,6 +164,10 @@ pub struct AllocInfo {
     pub mapped_bytes: u64,
     pub pinned: bool,
     pub growable: bool,
+    /// Its tag (see [`Arena::set_tag`]).
+    pub tag: u32,
+    /// Whether it sleeps (see [`Arena::sleep`]); `mapped_bytes` is 0 then.
+    pub asleep: bool,
 }
 
 /// The move callback's type (see [`Arena::set_move_callback`]).
@@ -505,6 +520,9 @@ impl Arena {
                 Target::Small(ss) => return resize_small(st, ctx, ss, id, new_size, events),
             };
             let a = st.alloc(slot).clone();
+            if a.sleep.is_some() {
+                return Err(Error::Asleep(id.get()));
+            }
             if np <= a.backed {
                 if np < a.backed {
                     st.shrink_backing(slot, np);
@@ -622,6 +640,8 @@ impl Arena {
                     mapped_bytes: class,
                     pinned,
                     growable: false,
+                    tag: 0,
+                    asleep: false,
                 });
             }
         };
@@ -633,6 +653,8 @@ impl Arena {
             mapped_bytes: a.backed * st.chunk,
             pinned: a.pinned,
             growable: a.growable,
+            tag: a.tag,
+            asleep: a.sleep.is_some(),
         })
     }
 
@@ -651,7 +673,13 @@ impl Arena {
         let mut inner = self.lock()?;
         let st = &mut inner.st;
         match st.resolve(id)? {
-            Target::Chunks(slot) => st.alloc_mut(slot).pinned = pinned,
+            Target::Chunks(slot) => {
+                // Unpinning a sleeping allocation is fine; pinning needs it awake.
+                if pinned && st.alloc(slot).sleep.is_some() {
+                    return Err(Error::Asleep(id.get()));
+                }
+                st.alloc_mut(slot).pinned = pinned
+            }
             Target::Small(ss) => {
                 // A slab is pinned while any object in it is.
                 let (slab_slot, count) = st.small.set_pinned(ss, pinned).expect("object in a slab");
@@ -674,7 +702,7 @@ impl Arena {
             let mut evs = Vec::new();
             let done = (|| {
                 release_retired_into(&mut sim, &mut tx)?;
-                let (passes, _) = plan_passes(&sim, |s, slot| s.alloc(slot).pinned);
+                let (passes, _) = plan_passes(&sim, |s, slot| s.alloc(slot).immovable());
                 let (moved, bytes) = run_passes(&mut sim, &mut tx, passes, &mut evs)?;
                 report.moved_allocations = moved;
                 report.moved_bytes = bytes;
@@ -745,6 +773,75 @@ impl Arena {
         })
     }
 
+    /// Sets an allocation's tag (0 by default), which [`Arena::sleep`] and
+    /// [`Arena::wake`] select by. Works on a sleeping allocation too.
+    ///
+    /// Small allocations (at most half a chunk, made by [`Arena::alloc`])
+    /// share slabs with others and cannot sleep on their own:
+    /// `Error::InvalidArgument` for them. Allocate more than half a chunk,
+    /// or with [`Arena::alloc_growable`], to tag an allocation. Small
+    /// allocations never sleep, whatever the tag asked for.
+    pub fn set_tag(&self, id: Id, tag: u32) -> Result<()> {
+        let mut inner = self.lock()?;
+        let st = &mut inner.st;
+        match st.resolve(id)? {
+            Target::Chunks(slot) => {
+                st.alloc_mut(slot).tag = tag;
+                Ok(())
+            }
+            Target::Small(_) => Err(Error::invalid(
+                "small allocations share slabs and cannot be tagged; allocate more than half a chunk, or use alloc_growable, to tag it",
+            )),
+        }
+    }
+
+    /// Puts every awake allocation with tag `tag` ([`ALL_TAGS`]: every tag)
+    /// to sleep, giving its physical memory back to the driver; ids, sizes,
+    /// addresses and reservations stay.
+    ///
+    /// In order: waits for the device; with [`SLEEP_BACKUP`] in `flags`,
+    /// copies each one's `size` bytes to host memory through the driver
+    /// (`cuMemcpy` on CUDA; the backup is a plain `Vec`, see below); unmaps
+    /// every retired range (a retired range may still map one of their
+    /// chunks, which must not outlive the sleep); unmaps them and every
+    /// cached pooled chunk; then releases their chunks and every pooled
+    /// chunk, whatever `retain_bytes` says. Pinned allocations sleep too,
+    /// already sleeping ones are left as they are, small allocations never
+    /// sleep (see [`Arena::set_tag`]).
+    ///
+    /// All or nothing: a failure of any call up to the unmaps undoes them
+    /// (remaps) and nothing has slept. The releases come after that point
+    /// and cannot be undone: a release that fails keeps its chunk pooled and
+    /// counts in `release_failures` (like the retain watermark), and the
+    /// sleep has succeeded; [`Arena::trim`] can give the chunk back later.
+    ///
+    /// The backups are ordinary host memory on every backend. Pinned host
+    /// memory (`cuMemHostAlloc`), which CUDA copies faster and could copy
+    /// asynchronously, is left for later: a plain `Vec` is what could be
+    /// tested here.
+    ///
+    /// Unknown bits in `flags`: `Error::InvalidArgument`.
+    pub fn sleep(&self, tag: u32, flags: u32) -> Result<()> {
+        if flags & !SLEEP_BACKUP != 0 {
+            return Err(Error::invalid(format!("unknown sleep flags {:#x}", flags & !SLEEP_BACKUP)));
+        }
+        self.run(|inner, ctx, _| sleep_tag(inner, ctx, tag, flags & SLEEP_BACKUP != 0))
+    }
+
+    /// Wakes every sleeping allocation with tag `tag` ([`ALL_TAGS`]: every
+    /// tag), each at its own address: chunks are taken from the pool or
+    /// created, mapped where its backing was, made accessible (one call per
+    /// run of pages), and its backup, if it has one, written back through
+    /// the driver. Without a backup its contents are whatever the driver
+    /// gives.
+    ///
+    /// All or nothing: on failure (`OutOfMemory` when the capacity is taken,
+    /// or a driver error) every one of them is still asleep with its backup
+    /// intact.
+    pub fn wake(&self, tag: u32) -> Result<()> {
+        self.run(|inner, ctx, _| wake_tag(&mut inner.st, ctx, tag))
+    }
+
     /// Installs (or, with `None`, removes) the callback told of every move.
     /// It runs during the call that moved, under the arena's lock: it must
     /// be quick and must not call into this arena (such calls fail).
@@ -791,6 +888,8 @@ impl Arena {
             reserve_fallbacks: self.reserve_fallbacks,
             bytes_copied: st.bytes_copied,
             small_slabs: st.small.slab_count(),
+            asleep_bytes: st.asleep_pages * c,
+            backup_bytes: st.backup_bytes,
         }
     }
 
@@ -801,15 +900,17 @@ impl Arena {
         Ok(crate::snapshot::to_json(&inner.st, &self.stats_of(&inner), self.driver.name()))
     }
 
+    /// The address of `len` bytes at `offset` in a live, awake allocation.
     fn span(&self, st: &State, id: Id, offset: u64, len: usize) -> Result<u64> {
-        let (ptr, size) = match st.resolve(id)? {
+        let (ptr, size, asleep) = match st.resolve(id)? {
             Target::Chunks(slot) => {
                 let a = st.alloc(slot);
-                (st.addr(a.start), a.size)
+                (st.addr(a.start), a.size, a.sleep.is_some())
             }
-            Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss)),
+            Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), false),
         };
         match offset.checked_add(len as u64) {
+            Some(end) if end <= size && asleep => Err(Error::Asleep(id.get())),
             Some(end) if end <= size => Ok(ptr + offset),
             _ => Err(Error::invalid(format!("span {offset}+{len} exceeds the allocation's {size} bytes"))),
         }
@@ -855,6 +956,145 @@ impl Arena {
     }
 }
 
+/// Whether `a` is a caller's allocation of whole chunks that `tag` selects.
+fn tagged(a: &Alloc, tag: u32) -> bool {
+    !matches!(a.owner, Owner::Slab(_)) && (tag == ALL_TAGS || a.tag == tag)
+}
+
+/// [`Arena::sleep`]: the reversible part (synchronize, backups, unmaps) on a
+/// copy of the state, then the releases, best effort.
+fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result<()> {
+    let st = &mut inner.st;
+    let targets: Vec<u32> =
+        st.by_start.values().copied().filter(|&s| st.alloc(s).sleep.is_none() && tagged(st.alloc(s), tag)).collect();
+    let nothing_held = st.retired.is_empty() && st.small.nothing_retired() && st.pooled_pages() == 0;
+    if targets.is_empty() && nothing_held {
+        return Ok(());
+    }
+    let mut sim = st.clone();
+    let mut tx = ctx.txn(st);
+    let done = (|| {
+        tx.sync()?;
+        let mut backups = Vec::new();
+        if backup {
+            for &slot in &targets {
+                let a = sim.alloc(slot);
+                let len = usize::try_from(a.size).map_err(|_| Error::OutOfMemory("backup too large".into()))?;
+                let mut buf = Vec::new();
+                buf.try_reserve_exact(len)
+                    .map_err(|_| Error::OutOfMemory(format!("no host memory for a backup of {len} bytes")))?;
+                buf.resize(len, 0);
+                ctx.drv.read(sim.addr(a.start), &mut buf)?;
+                backups.push(Some(std::sync::Arc::new(buf)));
+            }
+        } else {
+            backups.resize(targets.len(), None);
+        }
+        // Retired ranges may map the sleepers' chunks (a moved allocation's
+        // old range): those mappings would keep the memory alive. All of
+        // them go, as when the arena needs their address space.
+        release_retired_into(&mut sim, &mut tx)?;
+        let mut pages: Vec<u64> = targets
+            .iter()
+            .flat_map(|&s| {
+                let a = sim.alloc(s);
+                a.start..a.start + a.backed
+            })
+            .chain(sim.cached.iter().copied())
+            .collect();
+        pages.sort_unstable();
+        for run in state::runs(&pages) {
+            let hs: Vec<_> = run.clone().map(|p| sim.mapped[p as usize].expect("page is mapped")).collect();
+            tx.unmap(run.start, hs)?;
+        }
+        Ok::<_, Error>(backups)
+    })();
+    let backups = match done {
+        Ok(b) => {
+            tx.commit();
+            b
+        }
+        Err(e) => {
+            tx.rollback();
+            return Err(e);
+        }
+    };
+    // Apply (infallible): the sleepers keep their reservations and map
+    // nothing; every chunk they had and every pooled chunk is to release.
+    let mut doomed: Vec<ChunkHandle> = Vec::new();
+    for (&slot, backup) in targets.iter().zip(backups) {
+        let a = sim.alloc(slot).clone();
+        doomed.extend((a.start..a.start + a.backed).map(|p| sim.mapped[p as usize].take().expect("backing page")));
+        sim.backed_pages -= a.backed;
+        sim.asleep_pages += a.reserved;
+        sim.backup_bytes += backup.as_ref().map_or(0, |b| b.len() as u64);
+        let m = sim.alloc_mut(slot);
+        m.sleep = Some(Sleep { backed: a.backed, backup });
+        m.backed = 0;
+    }
+    for p in std::mem::take(&mut sim.cached) {
+        doomed.push(sim.mapped[p as usize].take().expect("cached page is mapped"));
+    }
+    doomed.append(&mut sim.pool);
+    *st = sim;
+    for h in doomed {
+        if txn::release(ctx.drv, ctx.counts, h).is_err() {
+            inner.st.pool.push(h);
+            inner.release_failures += 1;
+        }
+    }
+    Ok(())
+}
+
+/// [`Arena::wake`]: every sleeper's chunks planned, mapped and made
+/// accessible on a copy of the state, then the backups written; the copy
+/// replaces the state only if every call succeeded.
+fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
+    let targets: Vec<u32> =
+        st.by_start.values().copied().filter(|&s| st.alloc(s).sleep.is_some() && tagged(st.alloc(s), tag)).collect();
+    if targets.is_empty() {
+        return Ok(());
+    }
+    let mut sim = st.clone();
+    let mut tx = ctx.txn(st);
+    let done = (|| {
+        for &slot in &targets {
+            let a = sim.alloc(slot).clone();
+            let sleep = a.sleep.as_ref().expect("asleep");
+            // Nothing is cached inside a sleeper's reservation (sleep
+            // unmapped it all, and nothing else maps there): every page
+            // gets a pooled, stolen or new chunk.
+            let mut plan = Plan::new(&sim, &[], a.start..a.start + sleep.backed, a.start..a.start + a.reserved)?;
+            plan.execute(&sim, &mut tx)?;
+            plan.apply(&mut sim);
+            sim.backed_pages += sleep.backed;
+            sim.asleep_pages -= a.reserved;
+            sim.backup_bytes -= sleep.backup.as_ref().map_or(0, |b| b.len() as u64);
+            let m = sim.alloc_mut(slot);
+            m.backed = sleep.backed;
+            m.sleep = None;
+        }
+        for &slot in &targets {
+            let a = st.alloc(slot);
+            if let Some(b) = a.sleep.as_ref().and_then(|s| s.backup.as_ref()) {
+                ctx.drv.write(st.addr(a.start), b)?;
+            }
+        }
+        Ok::<_, Error>(())
+    })();
+    match done {
+        Ok(()) => {
+            tx.commit();
+            *st = sim;
+            Ok(())
+        }
+        Err(e) => {
+            tx.rollback();
+            Err(e)
+        }
+    }
+}
+
 /// How an allocation can grow in place beyond its reservation when the
 /// pages after it are not free.
 enum InPlace {
@@ -895,7 +1135,7 @@ fn in_place_route(st: &State, slot: u32, tail: (u64, u64), wanted: u64) -> Optio
     if st.no_implicit_moves || (!st.alloc(slot).pinned && st.free.best_fit(wanted).is_some()) {
         return None;
     }
-    compact::plan_evacuation(released, t0, t0 + n, |other| other == slot || released.alloc(other).pinned)
+    compact::plan_evacuation(released, t0, t0 + n, |other| other == slot || released.alloc(other).immovable())
         .map(InPlace::Evacuate)
 }
 
@@ -950,7 +1190,7 @@ fn alloc_pages(
             reserved * chunk
         )));
     }
-    let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false, owner };
+    let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false, owner, tag: 0, sleep: None };
     if let (false, Some(t)) = (short, st.free.best_fit(reserved)) {
         let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
         plan.execute(st, tx)?;
@@ -1143,10 +1383,10 @@ fn make_room(
             sim.free.largest() * sim.chunk
         )));
     }
-    let immovable = |s: &State, slot: u32| Some(slot) == resizing || s.alloc(slot).pinned;
+    let immovable = |s: &State, slot: u32| Some(slot) == resizing || s.alloc(slot).immovable();
     let refused = || {
         Error::OutOfAddressSpace(format!(
-            "no window of {bytes} bytes can be evacuated: pinned allocations are in the way or there is nowhere to move them"
+            "no window of {bytes} bytes can be evacuated: pinned or sleeping allocations are in the way or there is nowhere to move them"
         ))
     };
     let plan = match compact::plan_window(&released, n, |slot| immovable(&released, slot)) {

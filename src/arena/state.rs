@@ -33,6 +33,33 @@ pub(crate) struct Alloc {
     pub growable: bool,
     pub pinned: bool,
     pub owner: Owner,
+    /// The caller's tag (see `Arena::set_tag`); 0 by default.
+    pub tag: u32,
+    /// Set while the allocation sleeps (see `Arena::sleep`): it maps
+    /// nothing then, and `backed` is 0.
+    pub sleep: Option<Sleep>,
+}
+
+impl Alloc {
+    /// Whether no planner may move it: pinned, or asleep (its reservation
+    /// must stay where the caller's pointers are).
+    pub fn immovable(&self) -> bool {
+        self.pinned || self.sleep.is_some()
+    }
+}
+
+/// What a sleeping allocation keeps of its backing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Sleep {
+    /// The backed pages it had, and gets back on wake.
+    pub backed: u64,
+    /// Its first `size` bytes, when it slept with a backup. Shared, so that
+    /// the state copies of the slow paths do not copy the bytes.
+    ///
+    /// An ordinary host `Vec` on every backend: pinned host memory
+    /// (`cuMemHostAlloc`, for faster and asynchronous copies on CUDA) is
+    /// left for later, as a plain `Vec` is what could be tested here.
+    pub backup: Option<std::sync::Arc<Vec<u8>>>,
 }
 
 /// Who an allocation of whole chunks belongs to.
@@ -87,6 +114,10 @@ pub(crate) struct State {
     pub bytes_copied: u64,
     /// This arena's tag in its ids (see [`crate::Id`]).
     pub tag: u16,
+    /// Reserved pages of sleeping allocations.
+    pub asleep_pages: u64,
+    /// Bytes held in sleeping allocations' backups.
+    pub backup_bytes: u64,
 }
 
 /// A relocation that happened, reported to the move callback.
@@ -149,6 +180,8 @@ impl State {
             small: SmallTable::new(chunk),
             bytes_copied: 0,
             tag: 0,
+            asleep_pages: 0,
+            backup_bytes: 0,
         })
     }
 
@@ -236,6 +269,11 @@ impl State {
             self.free_slots.push(slot);
         }
         self.by_start.remove(&a.start);
+        // A sleeping one maps nothing (`backed` is 0); its backup goes.
+        if let Some(sleep) = &a.sleep {
+            self.asleep_pages -= a.reserved;
+            self.backup_bytes -= sleep.backup.as_ref().map_or(0, |b| b.len() as u64);
+        }
         for p in a.start..a.start + a.backed {
             self.cached.insert(p);
         }

@@ -291,6 +291,10 @@ pub struct Range {
     pub used: u64,
     /// Slabs: bytes of retired objects (old places of copy-resized ones).
     pub retired_bytes: u64,
+    /// Live: its tag, whether it sleeps, and the bytes of its backup.
+    pub tag: u64,
+    pub asleep: bool,
+    pub backup_bytes: u64,
 }
 
 /// The arena's snapshot, parsed.
@@ -337,6 +341,9 @@ impl Snap {
                     objects: if slab { r.u64("objects") } else { 0 },
                     used: if slab { r.u64("used") } else { 0 },
                     retired_bytes: if slab { r.u64("retired_bytes") } else { 0 },
+                    tag: if live { r.u64("tag") } else { 0 },
+                    asleep: live && r.bool("asleep"),
+                    backup_bytes: if live { r.u64("backup_bytes") } else { 0 },
                 }
             })
             .collect();
@@ -411,12 +418,12 @@ impl Snap {
 
     /// Allocations of whole chunks and slabs (but those that go with the
     /// retired ranges), in pages: (id (0 for a slab), start page, reserved
-    /// pages, pinned).
+    /// pages, immovable: pinned or asleep).
     pub fn live_pages(&self) -> Vec<(u64, u64, u64, bool)> {
         self.ranges
             .iter()
             .filter(|r| r.kind == Kind::Live || (r.kind == Kind::Slab && !Self::retired_only(r)))
-            .map(|r| (r.id, (r.addr - self.base) / self.chunk, r.bytes / self.chunk, r.pinned))
+            .map(|r| (r.id, (r.addr - self.base) / self.chunk, r.bytes / self.chunk, r.pinned || r.asleep))
             .collect()
     }
 
@@ -463,8 +470,14 @@ impl Snap {
             assert!(!(free && prev_free), "adjacent free ranges must be coalesced");
             prev_free = free;
             match r.kind {
+                Kind::Live if r.asleep => {
+                    assert_eq!((r.mapped_bytes, r.pooled_mapped_bytes), (0, 0), "a sleeper maps nothing: {r:?}");
+                    assert!(r.backup_bytes == 0 || r.backup_bytes == r.size, "a backup holds the size: {r:?}");
+                    assert!(r.growable || r.bytes == r.size.div_ceil(c) * c, "only growable ones reserve more: {r:?}");
+                }
                 Kind::Live => {
                     assert_eq!(r.mapped_bytes, r.size.div_ceil(c) * c, "mapped bytes of {r:?}");
+                    assert_eq!(r.backup_bytes, 0, "only sleepers hold a backup: {r:?}");
                     assert!(r.mapped_bytes + r.pooled_mapped_bytes <= r.bytes, "{r:?}");
                     assert!(r.growable || r.bytes == r.mapped_bytes, "only growable ones reserve more: {r:?}");
                     assert_eq!(r.addr % 256, 0);
@@ -506,6 +519,9 @@ impl Snap {
             self.live().map(|r| r.mapped_bytes).sum::<u64>() + (slabs - idle_slabs) * c,
             "mapped_bytes"
         );
+        let asleep: Vec<&Range> = self.live().filter(|r| r.asleep).collect();
+        assert_eq!(s["asleep_bytes"], asleep.iter().map(|r| r.bytes).sum::<u64>(), "asleep_bytes");
+        assert_eq!(s["backup_bytes"], asleep.iter().map(|r| r.backup_bytes).sum::<u64>(), "backup_bytes");
         let cached: u64 = self.ranges.iter().map(|r| r.pooled_mapped_bytes).sum();
         assert_eq!(s["cached_mapped_bytes"], cached);
         assert_eq!(
@@ -739,9 +755,14 @@ impl Stamps {
     }
 }
 
-/// Every byte of an allocation.
+/// Every byte of an allocation; nothing for a sleeping one (its bytes
+/// cannot be read until it wakes).
 pub fn read_all(arena: &Arena, id: Id) -> Vec<u8> {
-    let size = arena.query(id).expect("live").size;
+    let info = arena.query(id).expect("live");
+    if info.asleep {
+        return Vec::new();
+    }
+    let size = info.size;
     let mut v = vec![0u8; size as usize];
     arena.read(id, 0, &mut v).expect("read");
     v
