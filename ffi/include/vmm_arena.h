@@ -11,7 +11,7 @@
  *    NULL arena or a NULL required out-parameter is
  *    VMM_ARENA_ERR_INVALID_ARGUMENT (never a crash);
  *  - when several statuses apply, the first in this order is returned:
- *    INVALID_ARGUMENT, UNKNOWN_ALLOCATION, PINNED, OUT_OF_MEMORY,
+ *    INVALID_ARGUMENT, UNKNOWN_ALLOCATION, ASLEEP, PINNED, OUT_OF_MEMORY,
  *    OUT_OF_ADDRESS_SPACE;
  *  - a failing call sets this thread's vmm_arena_last_error(); a successful
  *    call leaves it as it was;
@@ -41,6 +41,17 @@
  * vmm_arena_compact and the resized allocation itself move.
  */
 #define VMM_ARENA_FLAG_NO_IMPLICIT_MOVES 1u
+
+/**
+ * Every tag, for vmm_arena_sleep and vmm_arena_wake.
+ */
+#define VMM_ARENA_ALL_TAGS 4294967295u
+
+/**
+ * vmm_arena_sleep flag: copy each allocation's bytes to host memory first;
+ * vmm_arena_wake writes them back.
+ */
+#define VMM_ARENA_SLEEP_BACKUP 1u
 
 /**
  * What every call that can fail returns. Values are never changed or reused.
@@ -92,6 +103,11 @@ typedef enum vmm_arena_status {
    * every later call with this status, and destroy still releases it.
    */
   VMM_ARENA_ERR_INTERNAL = 8,
+  /**
+   * The allocation is asleep (vmm_arena_sleep) and the call needs its
+   * memory: resize and pin of a sleeping allocation.
+   */
+  VMM_ARENA_ERR_ASLEEP = 9,
 } vmm_arena_status;
 
 /**
@@ -417,6 +433,61 @@ enum vmm_arena_status vmm_arena_pin(struct vmm_arena *arena, vmm_arena_id id);
  * `arena` is NULL or a live handle.
  */
 enum vmm_arena_status vmm_arena_unpin(struct vmm_arena *arena, vmm_arena_id id);
+
+/**
+ * Sets an allocation's tag (0 by default), which vmm_arena_sleep and
+ * vmm_arena_wake select by; works on a sleeping allocation too.
+ *
+ * Sleep and wake (e.g. an inference engine giving its GPU memory to a
+ * training step, then resuming): a sleeping allocation is live: it counts
+ * in live_allocations and live_bytes, its id, size, address and
+ * reservation stay (so pointers held elsewhere, by kernels or CUDA graphs,
+ * are valid again after wake), and its reservation is not free address
+ * space; it maps nothing and counts nothing in mapped_bytes. It must not be
+ * touched. resize (growing or shrinking) and pin return
+ * VMM_ARENA_ERR_ASLEEP; query, unpin, set_tag and free work (free drops its
+ * backup). Compaction never moves it; like a pinned allocation, it can be
+ * why a request gets OUT_OF_ADDRESS_SPACE.
+ *
+ * Small allocations (at most half a chunk, from vmm_arena_alloc) share
+ * slabs with others and never sleep: set_tag on one is
+ * VMM_ARENA_ERR_INVALID_ARGUMENT. Allocate more than half a chunk, or with
+ * vmm_arena_alloc_growable, to tag an allocation.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle.
+ */
+enum vmm_arena_status vmm_arena_set_tag(struct vmm_arena *arena, vmm_arena_id id, uint32_t tag);
+
+/**
+ * Puts every awake allocation with this tag (VMM_ARENA_ALL_TAGS: all) to
+ * sleep: waits for the device, copies each one's bytes to host memory when
+ * flags has VMM_ARENA_SLEEP_BACKUP (else its contents are lost), unmaps it,
+ * gives its chunks back to the driver, then gives back every pooled chunk
+ * whatever retain_bytes says (retired ranges are unmapped first). Pinned
+ * allocations sleep too. Already sleeping ones are left as they are.
+ * Unknown flag bits are INVALID_ARGUMENT. All or nothing: on failure
+ * nothing has slept. Giving chunks back comes after the point of no
+ * return: a chunk the driver refuses to release stays pooled and counts in
+ * release_failures (vmm_arena_trim can retry), and the call succeeds.
+ * Backups are ordinary host memory (not pinned) on every backend.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle.
+ */
+enum vmm_arena_status vmm_arena_sleep(struct vmm_arena *arena, uint32_t tag, uint32_t flags);
+
+/**
+ * Wakes every sleeping allocation with this tag (or all), each at its own
+ * address: its chunks are new (or pooled) and receive the backed-up bytes
+ * (without a backup it holds whatever the driver gives). All or nothing: on
+ * failure (e.g. OUT_OF_MEMORY) every one of them is still asleep, its
+ * backup intact.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle.
+ */
+enum vmm_arena_status vmm_arena_wake(struct vmm_arena *arena, uint32_t tag);
 
 /**
  * Moves unpinned allocations by remapping to close address-space holes.

@@ -48,7 +48,12 @@ enum class Status : uint32_t {
   Unsupported = VMM_ARENA_ERR_UNSUPPORTED,
   Driver = VMM_ARENA_ERR_DRIVER,
   Internal = VMM_ARENA_ERR_INTERNAL,
+  Asleep = VMM_ARENA_ERR_ASLEEP,
 };
+
+/* Every tag (Arena::sleep, Arena::wake), and the sleep flag that keeps the bytes. */
+constexpr uint32_t all_tags = VMM_ARENA_ALL_TAGS;
+constexpr uint32_t sleep_backup = VMM_ARENA_SLEEP_BACKUP;
 
 /* "VMM_ARENA_ERR_PINNED" etc.; "UNKNOWN" for other values. */
 inline const char *status_name(Status s) noexcept {
@@ -257,6 +262,14 @@ class Allocation {
   }
   void pin() { detail::check(vmm_arena_pin(arena_, id_)); }
   void unpin() { detail::check(vmm_arena_unpin(arena_, id_)); }
+  /* The tag Arena::sleep and Arena::wake select by; InvalidArgument for a
+     small allocation (see vmm_arena_set_tag). */
+  void set_tag(uint32_t tag) { detail::check(vmm_arena_set_tag(arena_, id_, tag)); }
+  Result<void> try_set_tag(uint32_t tag) noexcept {
+    vmm_arena_status s = vmm_arena_set_tag(arena_, id_, tag);
+    if (s != VMM_ARENA_OK) return detail::failure<void>(s);
+    return Result<void>();
+  }
 
   /* Frees now (no-op when empty); errors are ignored, as in a destructor. */
   void reset() noexcept {
@@ -365,6 +378,21 @@ class Arena {
     return r;
   }
   void release_retired() { detail::check(vmm_arena_release_retired(handle_)); }
+  /* Sleeps every awake allocation with this tag (all_tags: all), keeping
+     its bytes with sleep_backup in flags; wakes them at the same addresses
+     (see vmm_arena_sleep, vmm_arena_wake). Both are all or nothing. */
+  void sleep(uint32_t tag, uint32_t flags = 0) { detail::check(vmm_arena_sleep(handle_, tag, flags)); }
+  Result<void> try_sleep(uint32_t tag, uint32_t flags = 0) noexcept {
+    vmm_arena_status s = vmm_arena_sleep(handle_, tag, flags);
+    if (s != VMM_ARENA_OK) return detail::failure<void>(s);
+    return Result<void>();
+  }
+  void wake(uint32_t tag) { detail::check(vmm_arena_wake(handle_, tag)); }
+  Result<void> try_wake(uint32_t tag) noexcept {
+    vmm_arena_status s = vmm_arena_wake(handle_, tag);
+    if (s != VMM_ARENA_OK) return detail::failure<void>(s);
+    return Result<void>();
+  }
   /* Gives pooled memory back beyond keep_bytes; returns the bytes released. */
   uint64_t trim(uint64_t keep_bytes = 0) {
     uint64_t released = 0;

@@ -725,6 +725,86 @@ pub unsafe extern "C" fn vmm_arena_unpin(arena: *mut vmm_arena, id: vmm_arena_id
     })
 }
 
+/// Every tag, for vmm_arena_sleep and vmm_arena_wake.
+pub const VMM_ARENA_ALL_TAGS: u32 = 0xFFFFFFFFu32;
+
+/// vmm_arena_sleep flag: copy each allocation's bytes to host memory first;
+/// vmm_arena_wake writes them back.
+pub const VMM_ARENA_SLEEP_BACKUP: u32 = 1u32;
+
+/// Sets an allocation's tag (0 by default), which vmm_arena_sleep and
+/// vmm_arena_wake select by; works on a sleeping allocation too.
+///
+/// Sleep and wake (e.g. an inference engine giving its GPU memory to a
+/// training step, then resuming): a sleeping allocation is live: it counts
+/// in live_allocations and live_bytes, its id, size, address and
+/// reservation stay (so pointers held elsewhere, by kernels or CUDA graphs,
+/// are valid again after wake), and its reservation is not free address
+/// space; it maps nothing and counts nothing in mapped_bytes. It must not be
+/// touched. resize (growing or shrinking) and pin return
+/// VMM_ARENA_ERR_ASLEEP; query, unpin, set_tag and free work (free drops its
+/// backup). Compaction never moves it; like a pinned allocation, it can be
+/// why a request gets OUT_OF_ADDRESS_SPACE.
+///
+/// Small allocations (at most half a chunk, from vmm_arena_alloc) share
+/// slabs with others and never sleep: set_tag on one is
+/// VMM_ARENA_ERR_INVALID_ARGUMENT. Allocate more than half a chunk, or with
+/// vmm_arena_alloc_growable, to tag an allocation.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_set_tag(arena: *mut vmm_arena, id: vmm_arena_id, tag: u32) -> vmm_arena_status {
+    boundary("vmm_arena_set_tag", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.set_tag(id_arg(id), tag).map_err(with_raw_id(id))
+    })
+}
+
+/// Puts every awake allocation with this tag (VMM_ARENA_ALL_TAGS: all) to
+/// sleep: waits for the device, copies each one's bytes to host memory when
+/// flags has VMM_ARENA_SLEEP_BACKUP (else its contents are lost), unmaps it,
+/// gives its chunks back to the driver, then gives back every pooled chunk
+/// whatever retain_bytes says (retired ranges are unmapped first). Pinned
+/// allocations sleep too. Already sleeping ones are left as they are.
+/// Unknown flag bits are INVALID_ARGUMENT. All or nothing: on failure
+/// nothing has slept. Giving chunks back comes after the point of no
+/// return: a chunk the driver refuses to release stays pooled and counts in
+/// release_failures (vmm_arena_trim can retry), and the call succeeds.
+/// Backups are ordinary host memory (not pinned) on every backend.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_sleep(arena: *mut vmm_arena, tag: u32, flags: u32) -> vmm_arena_status {
+    boundary("vmm_arena_sleep", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        if flags & !VMM_ARENA_SLEEP_BACKUP != 0 {
+            return Err(Error::InvalidArgument(format!("unknown sleep flags {flags:#x}")));
+        }
+        h.live()?.sleep(tag, flags)
+    })
+}
+
+/// Wakes every sleeping allocation with this tag (or all), each at its own
+/// address: its chunks are new (or pooled) and receive the backed-up bytes
+/// (without a backup it holds whatever the driver gives). All or nothing: on
+/// failure (e.g. OUT_OF_MEMORY) every one of them is still asleep, its
+/// backup intact.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_wake(arena: *mut vmm_arena, tag: u32) -> vmm_arena_status {
+    boundary("vmm_arena_wake", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.wake(tag)
+    })
+}
+
 /// Moves unpinned allocations by remapping to close address-space holes.
 /// report may be NULL.
 ///

@@ -121,7 +121,9 @@ static void test_meta(void) {
         VMM_ARENA_ERR_INTERNAL == 8);
   /* Static strings: the same pointer every time. */
   CHECK(vmm_arena_status_name(VMM_ARENA_ERR_PINNED) == vmm_arena_status_name(VMM_ARENA_ERR_PINNED));
-  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)9), "UNKNOWN") == 0);
+  /* 9 is VMM_ARENA_ERR_ASLEEP since sleep and wake (the next contract). */
+  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)9), "VMM_ARENA_ERR_ASLEEP") == 0);
+  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)10), "UNKNOWN") == 0);
   CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)1000), "UNKNOWN") == 0);
   CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)0xFFFFFFFFu), "UNKNOWN") == 0);
   CHECK(VMM_ARENA_BACKEND_HOST == 0 && VMM_ARENA_BACKEND_CUDA == 1);
@@ -773,6 +775,88 @@ static void test_pin(void) {
   vmm_arena_destroy(a);
 }
 
+#ifdef VMM_ARENA_SLEEP_BACKUP
+/* Sleep and wake (the next contract's additions; skipped when this file is
+ * compiled against the contract header of version 1, which lacks them). */
+static void test_sleep_wake(void) {
+  vmm_arena_config c = host_config(8, 32, 0);
+  vmm_arena *a = NULL;
+  OK(vmm_arena_testing_create_faulty(&c, &a));
+  vmm_arena_id w, kv, small, other;
+  uint64_t pw, pkv, psmall, q = 0x99;
+  OK(vmm_arena_alloc(a, 2 * K + 10, &w, &pw));
+  OK(vmm_arena_alloc_growable(a, K, 4 * K, &kv, &pkv));
+  OK(vmm_arena_alloc(a, 100, &small, &psmall));
+  fill(pw, 2 * K + 10, 21);
+  fill(pkv, K, 22);
+  OK(vmm_arena_set_tag(a, w, 1));
+  OK(vmm_arena_set_tag(a, kv, 2));
+  EXPECT(vmm_arena_set_tag(a, small, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(vmm_arena_last_error(), "small") != NULL);
+  EXPECT(vmm_arena_set_tag(NULL, w, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_sleep(NULL, 1, 0), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_wake(NULL, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_sleep(a, 1, 2), VMM_ARENA_ERR_INVALID_ARGUMENT); /* unknown flag bit */
+  CHECK(strcmp(vmm_arena_status_name(VMM_ARENA_ERR_ASLEEP), "VMM_ARENA_ERR_ASLEEP") == 0);
+  CHECK(VMM_ARENA_ERR_ASLEEP == 9 && VMM_ARENA_ALL_TAGS == 0xFFFFFFFFu);
+
+  vmm_arena_stats before = stats_of(a);
+  OK(vmm_arena_sleep(a, 1, VMM_ARENA_SLEEP_BACKUP));
+  OK(vmm_arena_sleep(a, 2, 0));
+  vmm_arena_stats s = stats_of(a);
+  CHECK(s.live_allocations == before.live_allocations && s.live_bytes == before.live_bytes);
+  CHECK(s.mapped_bytes == K); /* the small allocation's slab */
+  CHECK(s.pooled_bytes == 0);
+  uint64_t chunks = 99, mappings = 99;
+  OK(vmm_arena_testing_driver_objects(a, &chunks, &mappings));
+  CHECK(chunks == 1 && mappings == 1);
+  uint64_t size = 0;
+  OK(vmm_arena_query(a, w, &q, &size));
+  CHECK(q == pw && size == 2 * K + 10);
+  /* Precedence: INVALID_ARGUMENT, UNKNOWN_ALLOCATION, ASLEEP, PINNED. */
+  q = 0x99;
+  EXPECT(vmm_arena_resize(a, w, 0, &q), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_resize(a, w, 3 * K, NULL), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_resize(a, w, 3 * K, &q), VMM_ARENA_ERR_ASLEEP);
+  EXPECT(vmm_arena_resize(a, kv, K / 2, &q), VMM_ARENA_ERR_ASLEEP);
+  CHECK(q == 0x99);
+  CHECK(strstr(vmm_arena_last_error(), "asleep") != NULL);
+  EXPECT(vmm_arena_pin(a, w), VMM_ARENA_ERR_ASLEEP);
+  OK(vmm_arena_unpin(a, w));
+  OK(vmm_arena_alloc(a, K, &other, &q));
+  OK(vmm_arena_free(a, other));
+  EXPECT(vmm_arena_resize(a, other, K, &q), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+
+  /* A wake that fails (the second map) leaves both asleep, backups intact. */
+  OK(vmm_arena_testing_fail_nth(a, CALL_MAP, 2, FAULT_DRIVER));
+  EXPECT(vmm_arena_wake(a, VMM_ARENA_ALL_TAGS), VMM_ARENA_ERR_DRIVER);
+  EXPECT(vmm_arena_pin(a, w), VMM_ARENA_ERR_ASLEEP);
+  EXPECT(vmm_arena_pin(a, kv), VMM_ARENA_ERR_ASLEEP);
+  OK(vmm_arena_testing_driver_objects(a, &chunks, &mappings));
+  CHECK(stats_of(a).mapped_bytes + stats_of(a).pooled_bytes == chunks * K);
+
+  /* Wake: the same addresses, the backed-up bytes through the pointers
+   * taken before the sleep. */
+  OK(vmm_arena_wake(a, 1));
+  CHECK(intact(pw, 2 * K + 10, 21));
+  EXPECT(vmm_arena_pin(a, kv), VMM_ARENA_ERR_ASLEEP);
+  OK(vmm_arena_wake(a, VMM_ARENA_ALL_TAGS));
+  fill(pkv, K, 23); /* writable again; its old bytes are gone */
+  OK(vmm_arena_resize(a, kv, 3 * K, &q));
+  CHECK(q == pkv && intact(pkv, K, 23));
+  s = stats_of(a);
+  CHECK(s.mapped_bytes == before.mapped_bytes + 2 * K);
+
+  /* Free while asleep drops the backup; ALL_TAGS covers every tag. */
+  OK(vmm_arena_sleep(a, VMM_ARENA_ALL_TAGS, VMM_ARENA_SLEEP_BACKUP));
+  OK(vmm_arena_free(a, w));
+  OK(vmm_arena_free(a, kv));
+  s = stats_of(a);
+  CHECK(s.live_allocations == 1 && s.mapped_bytes == K);
+  vmm_arena_destroy(a);
+}
+#endif
+
 static void test_stats_and_trim(void) {
   vmm_arena *a = make(16, 64, 0);
   /* Wrong struct_size: refused, nothing written. */
@@ -1112,6 +1196,9 @@ int main(void) {
       {"callbacks", test_callbacks},
       {"poison", test_poison},
       {"driver_failures", test_driver_failures},
+#ifdef VMM_ARENA_SLEEP_BACKUP
+      {"sleep_wake", test_sleep_wake},
+#endif
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     printf("test_api: %s\n", tests[i].name);

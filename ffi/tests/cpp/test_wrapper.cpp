@@ -260,6 +260,43 @@ void test_stats_trim_snapshot() {
   CHECK(json.find('\0') == std::string::npos);
 }
 
+void test_sleep_wake() {
+  static_assert(static_cast<uint32_t>(vmm::Status::Asleep) == 9, "ABI value");
+  vmm::Arena arena(small(8, 32));
+  vmm::Allocation weights = arena.alloc(2 * K);
+  vmm::Allocation kv = arena.alloc_growable(K, 4 * K);
+  vmm::Allocation tiny = arena.alloc(64);
+  uint64_t wp = weights.ptr();
+  std::memset(reinterpret_cast<void *>(wp), 0x5a, 2 * K);
+  weights.set_tag(1);
+  kv.set_tag(2);
+  CHECK(thrown_status([&] { tiny.set_tag(1); }) == vmm::Status::InvalidArgument);
+  CHECK(tiny.try_set_tag(1).status() == vmm::Status::InvalidArgument);
+  CHECK(thrown_status([&] { arena.sleep(1, 4); }) == vmm::Status::InvalidArgument);
+  arena.sleep(1, vmm::sleep_backup);
+  CHECK(arena.try_sleep(2).ok());
+  CHECK(arena.stats().mapped_bytes == K);  // the tiny one's slab
+  CHECK(thrown_status([&] { kv.resize(2 * K); }) == vmm::Status::Asleep);
+  CHECK(thrown_status([&] { weights.pin(); }) == vmm::Status::Asleep);
+  CHECK(weights.ptr() == wp);
+  // The trainer's turn: most of the capacity, then gone.
+  {
+    vmm::Allocation trainer = arena.alloc(7 * K);
+    CHECK(arena.try_wake(vmm::all_tags).status() == vmm::Status::OutOfMemory);
+  }
+  arena.wake(1);
+  const unsigned char *p = reinterpret_cast<const unsigned char *>(wp);
+  CHECK(p[0] == 0x5a && p[2 * K - 1] == 0x5a);
+  CHECK(thrown_status([&] { kv.pin(); }) == vmm::Status::Asleep);
+  CHECK(arena.try_wake(vmm::all_tags).ok());
+  kv.resize(3 * K);
+  weights.pin();
+  arena.sleep(vmm::all_tags);
+  kv.free();  // frees a sleeping allocation
+  arena.wake(vmm::all_tags);
+  CHECK(arena.stats().live_allocations == 2);
+}
+
 void test_threads() {
   vmm::Arena arena(small(96, 160));
   std::atomic<uint64_t> moves{0};
@@ -359,6 +396,8 @@ int main() {
   test_growth_moves_and_callback();
   std::printf("test_wrapper: stats_trim_snapshot\n");
   test_stats_trim_snapshot();
+  std::printf("test_wrapper: sleep_wake\n");
+  test_sleep_wake();
   std::printf("test_wrapper: threads\n");
   test_threads();
   std::printf("test_wrapper: concurrent_callback_installs\n");
