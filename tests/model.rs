@@ -51,7 +51,7 @@ use vmm_arena::driver::fault::FaultDriver;
 use vmm_arena::driver::host::HostDriver;
 use vmm_arena::driver::mock::MockDriver;
 use vmm_arena::driver::Driver;
-use vmm_arena::{Arena, ArenaConfig, Error, Id, MoveEvent, Status};
+use vmm_arena::{Arena, ArenaConfig, Error, Id, MoveEvent, Status, ALL_TAGS, SLEEP_BACKUP};
 
 /// The chunk size on the host and the mock (and in the regressions).
 const C: u64 = common::HOST_CHUNK;
@@ -107,6 +107,20 @@ enum Op {
     Write(usize),
     /// A stale or made-up id must be refused.
     BadId(usize),
+    /// Tags 0..=2 (a small allocation refuses any).
+    SetTag(usize, u32),
+    /// A tag (3: `ALL_TAGS`), with or without a backup.
+    Sleep(u32, bool),
+    Wake(u32),
+}
+
+/// The model's tags: 0..=2, and 3 for `ALL_TAGS`.
+fn tag_arg(t: u32) -> u32 {
+    if t == 3 {
+        ALL_TAGS
+    } else {
+        t
+    }
 }
 
 /// A size in bytes of 1..=`max_pages` chunks of `c`, not chunk-aligned in general.
@@ -132,6 +146,9 @@ fn op(c: u64) -> impl Strategy<Value = Op> {
         1 => (0..8u64).prop_map(Op::Trim),
         2 => any::<usize>().prop_map(Op::Write),
         1 => any::<usize>().prop_map(Op::BadId),
+        2 => (any::<usize>(), 0..=2u32).prop_map(|(i, t)| Op::SetTag(i, t)),
+        1 => (0..=3u32, any::<bool>()).prop_map(|(t, b)| Op::Sleep(t, b)),
+        2 => (0..=3u32).prop_map(Op::Wake),
     ]
 }
 
@@ -167,6 +184,9 @@ struct Model {
     /// Bytes reserved for it: its reservation, or its size class if small.
     reserved: u64,
     stamps: Stamps,
+    tag: u32,
+    /// Asleep (its stamps kept only if it slept with a backup).
+    asleep: bool,
 }
 
 /// The driver, kept to compare its live chunks and mappings with the arena's books.
@@ -320,7 +340,17 @@ impl Harness {
                 });
                 assert!(np <= obtainable || small, "alloc of {np} pages succeeded beyond the capacity");
                 assert_eq!(ptr % if small { 256 } else { self.c }, 0, "alignment of {size} bytes at {ptr:#x}");
-                let mut m = Model { size, growable, pinned: false, small, ptr, reserved: 0, stamps: Stamps::default() };
+                let mut m = Model {
+                    size,
+                    growable,
+                    pinned: false,
+                    small,
+                    ptr,
+                    reserved: 0,
+                    stamps: Stamps::default(),
+                    tag: 0,
+                    asleep: false,
+                };
                 m.stamps.seed = self.seed();
                 m.stamps.write(&self.arena, id, 0, size);
                 assert!(self.live.insert(id, m).is_none(), "id {id} issued twice");
@@ -353,11 +383,16 @@ impl Harness {
     }
 
     fn movable_ids(&self) -> Vec<Id> {
-        self.live.iter().filter(|(_, m)| !m.pinned).map(|(&id, _)| id).collect()
+        self.live.iter().filter(|(_, m)| !m.pinned && !m.asleep).map(|(&id, _)| id).collect()
     }
 
     fn resize(&mut self, id: Id, new_size: u64) {
         let m = &self.live[&id];
+        if m.asleep {
+            assert_eq!(self.arena.resize(id, new_size), Err(Error::Asleep(id.get())), "resize of a sleeper");
+            count("resize asleep");
+            return self.check("failed resize", &[]);
+        }
         let (old_size, old_ptr, reserved, pinned, growable, small) =
             (m.size, m.ptr, m.reserved, m.pinned, m.growable, m.small);
         let obtainable = self.obtainable();
@@ -488,6 +523,10 @@ impl Harness {
             Op::Pin(i) | Op::Unpin(i) => {
                 let Some(id) = self.nth(i) else { return };
                 let pin = matches!(op, Op::Pin(_));
+                if pin && self.live[&id].asleep {
+                    assert_eq!(self.arena.pin(id), Err(Error::Asleep(id.get())), "pin of a sleeper");
+                    return self.check("failed pin", &[]);
+                }
                 if pin { self.arena.pin(id) } else { self.arena.unpin(id) }.unwrap();
                 self.live.get_mut(&id).unwrap().pinned = pin;
                 assert_eq!(self.arena.query(id).unwrap().pinned, pin);
@@ -535,6 +574,10 @@ impl Harness {
                 let Some(id) = self.nth(i) else { return };
                 let seed = self.seed();
                 let m = self.live.get_mut(&id).unwrap();
+                if m.asleep {
+                    assert_eq!(self.arena.write(id, 0, b"x"), Err(Error::Asleep(id.get())), "write to a sleeper");
+                    return self.check("failed write", &[]);
+                }
                 m.stamps = Stamps { seed, marks: vec![] };
                 m.stamps.write(&self.arena, id, 0, m.size);
                 self.check("write", &[]);
@@ -560,6 +603,62 @@ impl Harness {
                 }
                 self.check("bad id", &[]);
             }
+            Op::SetTag(i, tag) => {
+                let Some(id) = self.nth(i) else { return };
+                let m = self.live.get_mut(&id).unwrap();
+                match self.arena.set_tag(id, tag) {
+                    Ok(()) => {
+                        assert!(!m.small, "a small allocation took a tag");
+                        m.tag = tag;
+                    }
+                    Err(e) => assert!(m.small && e.status() == Status::InvalidArgument, "set_tag: {e}"),
+                }
+                assert_eq!(self.arena.query(id).unwrap().tag, m.tag);
+                self.check("set_tag", &[]);
+            }
+            Op::Sleep(t, backup) => {
+                let tag = tag_arg(t);
+                self.arena.sleep(tag, if backup { SLEEP_BACKUP } else { 0 }).unwrap();
+                let mut slept = 0;
+                for m in self.live.values_mut() {
+                    if !m.small && !m.asleep && (tag == ALL_TAGS || m.tag == tag) {
+                        m.asleep = true;
+                        slept += 1;
+                        if !backup {
+                            m.stamps.marks.clear(); // contents lost
+                        }
+                    }
+                }
+                count(if slept > 0 { "sleep" } else { "sleep idle" });
+                self.check("sleep", &[]);
+                let s = &self.snap.stats;
+                assert_eq!((s["pooled_bytes"], s["retired_va_bytes"]), (0, 0), "sleep gives back what is pooled");
+            }
+            Op::Wake(t) => {
+                let tag = tag_arg(t);
+                let selected = |m: &Model| m.asleep && (tag == ALL_TAGS || m.tag == tag);
+                let needed: u64 = self.live.values().filter(|m| selected(m)).map(|m| self.pages(m.size)).sum();
+                let obtainable = self.obtainable();
+                // Chunks of slabs holding only retired objects come back only
+                // when retired memory is released, which wake does not do.
+                let idle_slabs = self.snap.slabs().filter(|r| r.used == 0).count() as u64;
+                match self.arena.wake(tag) {
+                    Ok(()) => {
+                        count(if needed > 0 { "wake" } else { "wake idle" });
+                        assert!(needed <= obtainable, "woke {needed} pages beyond the capacity");
+                        for m in self.live.values_mut().filter(|m| selected(m)) {
+                            m.asleep = false;
+                        }
+                        self.check("wake", &[]);
+                    }
+                    Err(e) => {
+                        count("wake out of memory");
+                        assert_eq!(e.status(), Status::OutOfMemory, "{e}");
+                        assert!(needed > obtainable - idle_slabs, "OutOfMemory waking {needed} of {obtainable}: {e}");
+                        self.check("failed wake", &[]);
+                    }
+                }
+            }
         }
     }
 
@@ -573,7 +672,7 @@ impl Harness {
         assert_eq!(s["capacity_bytes"], self.cfg.cap_pages * self.c);
         assert_eq!(s["live_allocations"], self.live.len() as u64, "{what}: live_allocations");
         assert_eq!(s["live_bytes"], self.live.values().map(|m| m.size).sum::<u64>(), "{what}: live_bytes");
-        let chunk_pages: u64 = self.live.values().filter(|m| !m.small).map(|m| self.pages(m.size)).sum();
+        let chunk_pages: u64 = self.live.values().filter(|m| !m.small && !m.asleep).map(|m| self.pages(m.size)).sum();
         let idle_slabs = snap.slabs().filter(|r| r.used == 0).count() as u64;
         assert_eq!(s["mapped_bytes"], (chunk_pages + s["small_slabs"] - idle_slabs) * self.c, "{what}: mapped_bytes");
         assert_eq!(
@@ -620,6 +719,7 @@ impl Harness {
         for (&id, m) in self.live.iter_mut() {
             let info = self.arena.query(id).unwrap();
             assert_eq!((info.size, info.pinned, info.growable), (m.size, m.pinned, m.growable), "{what}: {id}");
+            assert_eq!((info.tag, info.asleep), (m.tag, m.asleep), "{what}: {id}");
             match by_id.get(&id.get()) {
                 Some(r) => {
                     assert!(!m.small, "{what}: small {id} has chunks of its own");
@@ -645,6 +745,9 @@ impl Harness {
             assert!(!(m.pinned && info.ptr != m.ptr), "{what}: pinned {id} moved");
             m.ptr = info.ptr;
             m.reserved = info.reserved_bytes;
+            if m.asleep {
+                continue; // its bytes are verified when it wakes
+            }
             m.stamps.verify(&self.arena, id, what);
             if self.backend == Backend::Host {
                 // SAFETY: host backend; `m.ptr` is the allocation's current
@@ -694,7 +797,7 @@ impl Harness {
             };
             self.views.push((e.id, e.old_ptr, len));
         }
-        let may_release = matches!(what, "alloc" | "resize" | "compact" | "release_retired" | "teardown");
+        let may_release = matches!(what, "alloc" | "resize" | "compact" | "release_retired" | "sleep" | "teardown");
         let mut kept = Vec::new();
         for (id, old_ptr, len) in std::mem::take(&mut self.views) {
             let Some(m) = self.live.get(&id) else { continue };
