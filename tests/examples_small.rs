@@ -1,11 +1,15 @@
 //! The examples' logic, shortened: `stress` (2 threads, about a second),
-//! `multi_tenant` (small synthetic load) and `snapshot_svg` on real snapshots.
+//! `multi_tenant` (small synthetic load), `rlhf_cycle` (two small sleep and
+//! wake cycles) and `snapshot_svg` on real snapshots.
 //! The example files are included as modules, so the test runs exactly
 //! their code.
 
 #[allow(dead_code)]
 #[path = "../examples/multi_tenant.rs"]
 mod multi_tenant;
+#[allow(dead_code)]
+#[path = "../examples/rlhf_cycle.rs"]
+mod rlhf_cycle;
 #[allow(dead_code)]
 #[path = "../examples/snapshot_svg.rs"]
 mod snapshot_svg;
@@ -310,4 +314,39 @@ fn command_lines_parse_with_their_defaults() {
     for bad in [&["--tenants", "4"][..], &["--limit", "0"], &["--step-ms", "0"], &["--kv-a", "lots"]] {
         assert!(mt(bad).is_err(), "{bad:?} accepted");
     }
+}
+
+/// Two small cycles of the inference tenant: everything it held goes back
+/// at sleep, every weight byte comes back at wake, KV allocations are back
+/// at their addresses; the call counts are reported for both models.
+#[test]
+fn rlhf_cycle_small() {
+    use clap::Parser;
+    let cfg = rlhf_cycle::Config {
+        cycles: 2,
+        capacity_bytes: 64 << 20,
+        weights_bytes: 20 << 20,
+        tensors: 12,
+        requests: 8,
+        ..rlhf_cycle::Config::quick()
+    };
+    let r = rlhf_cycle::run(&cfg).unwrap();
+    assert_eq!(r.cycles.len(), 2);
+    for c in &r.cycles {
+        assert!(c.given_back_fraction >= 0.999, "{c:?}");
+        assert_eq!(c.weight_bytes_verified, r.weights_bytes);
+        assert_eq!((c.backup_bytes, c.restore_bytes), (r.weights_bytes, r.weights_bytes));
+        assert!(c.sleep_calls.releases > 0 && c.wake_calls.maps > 0, "{c:?}");
+        assert_eq!(c.sleep_calls.copies, 12);
+        assert_eq!(c.vllm_wake_calls.creates, 12 + c.kv_allocations_at_sleep);
+        assert!(c.trainer_bytes >= (64 << 20) / 2, "the trainer used most of the capacity: {c:?}");
+        let ms = r.weights_bytes as f64 / (cfg.bandwidth_gbps * 1e9) * 1e3;
+        assert!((c.backup_ms - ms).abs() < 1e-9);
+    }
+    let cli = rlhf_cycle::Cli::try_parse_from(["rlhf_cycle", "--quick"]).unwrap();
+    assert_eq!(cli.config().unwrap(), rlhf_cycle::Config::quick());
+    assert!(rlhf_cycle::Cli::try_parse_from(["rlhf_cycle", "--weights", "200M", "--capacity", "256M"])
+        .unwrap()
+        .config()
+        .is_err());
 }
