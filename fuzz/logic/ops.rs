@@ -400,7 +400,10 @@ impl Harness {
         match r {
             Ok(ptr) => {
                 count(if needs_move { "resize by moving" } else { "resize in place" });
-                assert!(!(needs_move && pinned), "a pinned allocation moved");
+                // (Where the oracle cannot decide whether the neighbours can
+                // move away, the address check below still holds it to account.)
+                let undecided = growth.is_some_and(|g| g.undecided);
+                assert!(!(needs_move && pinned) || undecided, "a pinned allocation grew where it had to move");
                 if !small {
                     assert!(need_pages <= obtainable, "grew beyond the capacity");
                 }
