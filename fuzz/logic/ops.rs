@@ -666,9 +666,12 @@ impl Harness {
     fn sleep(&mut self, tag: u32, backup: bool) {
         let (r, f) = self.call("sleep", false, |a| a.sleep(tag, if backup { SLEEP_BACKUP } else { 0 }));
         if let Faulted::RolledBack = f {
-            return;
+            return count("sleep rolled back after a fault");
         }
         r.unwrap();
+        if self.absorbed_now {
+            count("sleep kept a chunk whose release failed");
+        }
         let mut slept = 0;
         for m in self.live.values_mut() {
             if !m.small && !m.asleep && (tag == ALL_TAGS || m.tag == tag) {
@@ -702,7 +705,7 @@ impl Harness {
         let idle_slabs = self.snap.slabs().filter(|r| r.used == 0).count() as u64;
         let (r, f) = self.call("wake", false, |a| a.wake(tag));
         if let Faulted::RolledBack = f {
-            return;
+            return count("wake rolled back after a fault");
         }
         match r {
             Ok(()) => {
