@@ -1033,7 +1033,7 @@ mod fuzz_replay {
             super::fuzz_c_abi::STATUSES.iter().map(|c| c.load(std::sync::atomic::Ordering::Relaxed)).collect();
         println!(
             "replayed {} C ABI inputs: {} calls checked, by status (OK, INVALID_ARGUMENT, OUT_OF_MEMORY, \
-             OUT_OF_ADDRESS_SPACE, UNKNOWN_ALLOCATION, PINNED, UNSUPPORTED, DRIVER, INTERNAL): {by_status:?}",
+             OUT_OF_ADDRESS_SPACE, UNKNOWN_ALLOCATION, PINNED, UNSUPPORTED, DRIVER, INTERNAL, ASLEEP): {by_status:?}",
             files.len(),
             by_status.iter().sum::<u64>()
         );

@@ -21,7 +21,10 @@
 //!   in cargo-fuzz, sees any overrun);
 //! - every live allocation is where the model (fed by the move callback)
 //!   says, as large, and its bytes (written through its pointer) survive
-//!   resizes and moves; stats agree with the model;
+//!   resizes, moves, and a sleep with a backup and the wake after it (at
+//!   the same address); stats agree with the model; the snapshot's tags and
+//!   sleepers agree with it too (sleep selects the awake allocations of
+//!   whole chunks with the tag; resize and pin of a sleeper are ASLEEP);
 //! - a call whose injected failure fired returns it and leaves the stats and
 //!   the snapshot as they were (but `trim`, documented to keep what it
 //!   released);
@@ -65,6 +68,7 @@ const PINNED: u32 = 5;
 const UNSUPPORTED: u32 = 6;
 const DRIVER: u32 = 7;
 const INTERNAL: u32 = 8;
+const ASLEEP: u32 = 9;
 
 /// Calls per input at most.
 pub const MAX_CALLS: usize = 128;
@@ -117,7 +121,7 @@ fn last_error() -> String {
 
 /// The calls an input made (not the checks' own), by the status they
 /// returned (for the replay test's report).
-pub static STATUSES: [std::sync::atomic::AtomicU64; 9] = [const { std::sync::atomic::AtomicU64::new(0) }; 9];
+pub static STATUSES: [std::sync::atomic::AtomicU64; 10] = [const { std::sync::atomic::AtomicU64::new(0) }; 10];
 
 fn tally(status: u32) {
     if let Some(c) = STATUSES.get(status as usize) {
@@ -168,6 +172,10 @@ struct Live {
     pinned: bool,
     /// The byte written at offset 0 and at the last offset.
     tag: Option<u8>,
+    /// Its sleep tag (vmm_arena_set_tag).
+    sleep_tag: u32,
+    /// Asleep: unmapped, never touched through its pointer.
+    asleep: bool,
 }
 
 struct Harness {
@@ -266,7 +274,7 @@ impl Harness {
         for (id, old, new, _size) in std::mem::take(&mut self.rec.moves) {
             let l = self.live.get_mut(&id).unwrap_or_else(|| panic!("{what}: a move of unknown id {id:#x}"));
             assert_eq!(l.ptr, old, "{what}: move of {id:#x} from an address it was not at");
-            assert!(!l.pinned, "{what}: pinned {id:#x} moved");
+            assert!(!l.pinned && !l.asleep, "{what}: pinned or sleeping {id:#x} moved");
             l.ptr = new;
         }
         for r in std::mem::take(&mut self.rec.reentry) {
@@ -278,12 +286,12 @@ impl Harness {
             let s = unsafe { ffi::vmm_arena_query(self.a, l.id, &mut p, &mut n) };
             expect("query of a live id", st(s), &[OK]);
             if !self.callback {
-                assert!(!l.pinned || p == l.ptr, "{what}: pinned {:#x} moved", l.id);
+                assert!(!(l.pinned || l.asleep) || p == l.ptr, "{what}: pinned or sleeping {:#x} moved", l.id);
                 l.ptr = p;
             }
             assert_eq!((p, n), (l.ptr, l.size), "{what}: {:#x} is not where and as large as the model says", l.id);
             assert!(p % 256 == 0 && p >= self.base && p + n <= self.base + self.reserved, "{what}: {p:#x}+{n}");
-            if let Some(t) = l.tag {
+            if let (Some(t), false) = (l.tag, l.asleep) {
                 // SAFETY: a live allocation of the host backend: `size`
                 // bytes of process memory mapped readable at `ptr`.
                 let (first, last) = unsafe { ((p as *const u8).read(), ((p + n - 1) as *const u8).read()) };
@@ -300,11 +308,18 @@ impl Harness {
             let (chunks, _) = self.driver_objects();
             assert_eq!(chunks * self.chunk, s.mapped_bytes + s.pooled_bytes, "{what}: driver chunks vs held memory");
         }
+        let ranges = live_ranges(&self.snapshot());
+        for l in self.live.values() {
+            // Small allocations live in slabs, not in ranges of their own.
+            let (tag, asleep) = ranges.get(&l.id).copied().unwrap_or((0, false));
+            assert_eq!((tag, asleep), (l.sleep_tag, l.asleep), "{what}: tag and sleep of {:#x}", l.id);
+        }
     }
 
     /// Writes the tag bytes of a live allocation through its pointer.
     fn touch(&mut self, id: u64, tag: u8) {
         let l = self.live.get_mut(&id).expect("live");
+        assert!(!l.asleep, "the harness touches a sleeper");
         // SAFETY: a live allocation of the host backend: `size` bytes of
         // process memory mapped writable at `ptr`, owned by this harness.
         unsafe {
@@ -317,7 +332,7 @@ impl Harness {
     fn new_id(&mut self, what: &str, id: u64, ptr: u64, size: u64) {
         assert!(id != 0 && !self.issued.contains(&id), "{what}: id {id:#x} issued twice");
         self.issued.push(id);
-        self.live.insert(id, Live { id, ptr, size, pinned: false, tag: None });
+        self.live.insert(id, Live { id, ptr, size, pinned: false, tag: None, sleep_tag: 0, asleep: false });
     }
 
     /// One call; returns false when the input asked to stop.
@@ -327,7 +342,7 @@ impl Harness {
         let before = if self.planned { Some((self.stats(), strip_driver(&self.snapshot()))) } else { None };
         let injected0 = if self.faulty { self.calls().1 } else { 0 };
         let null_sometimes = |b: &mut Bytes<'_>| b.below(16) == 0;
-        let kind = b.below(26);
+        let kind = b.below(29);
         let mut trim = false;
         let what: &str;
         let status: u32;
@@ -392,10 +407,13 @@ impl Harness {
                 let mut p = 0xA5A5u64;
                 // SAFETY: live handle; the out-parameter is ours or NULL.
                 status = st(unsafe { ffi::vmm_arena_resize(a, id, size, if bad { null_mut() } else { &mut p }) });
+                // The size is checked first: 0, or overflowing when rounded up.
+                let bad_size = size == 0 || size.checked_add(self.chunk - 1).is_none();
                 allowed = match (bad, self.live.get(&id)) {
                     (true, _) => vec![INVALID],
                     (false, None) => vec![UNKNOWN, INVALID],
                     (false, Some(_)) if size == 0 => vec![INVALID],
+                    (false, Some(l)) if l.asleep => vec![if bad_size { INVALID } else { ASLEEP }],
                     (false, Some(l)) if l.pinned => vec![OK, INVALID, OOM, OOAS, PINNED],
                     (false, Some(_)) => vec![OK, INVALID, OOM, OOAS],
                 };
@@ -442,7 +460,11 @@ impl Harness {
                         ffi::vmm_arena_unpin(a, id)
                     }
                 });
-                allowed = if self.live.contains_key(&id) { vec![OK] } else { vec![UNKNOWN] };
+                allowed = match self.live.get(&id) {
+                    None => vec![UNKNOWN],
+                    Some(l) if pin && l.asleep => vec![ASLEEP],
+                    Some(_) => vec![OK],
+                };
                 if status == OK {
                     self.live.get_mut(&id).unwrap().pinned = pin;
                 }
@@ -587,7 +609,10 @@ impl Harness {
                 allowed = vec![OK];
                 if !self.live.is_empty() {
                     let id = *self.live.keys().nth(b.below(self.live.len() as u64) as usize).unwrap();
-                    self.touch(id, b.u8());
+                    let t = b.u8();
+                    if !self.live[&id].asleep {
+                        self.touch(id, t);
+                    }
                 }
             }
             23 => {
@@ -603,6 +628,9 @@ impl Harness {
                         st(ffi::vmm_arena_compact(null_mut(), null_mut())),
                         st(ffi::vmm_arena_trim(null_mut(), 0, null_mut())),
                         st(ffi::vmm_arena_snapshot_json(null_mut(), null_mut(), 0, &mut len)),
+                        st(ffi::vmm_arena_set_tag(null_mut(), b.u64(), b.u32())),
+                        st(ffi::vmm_arena_sleep(null_mut(), b.u32(), b.u32())),
+                        st(ffi::vmm_arena_wake(null_mut(), b.u32())),
                         st(vmm_arena_testing_driver_calls(null_mut(), &mut x, &mut y)),
                     ]
                 };
@@ -620,6 +648,67 @@ impl Harness {
                 assert_eq!(ffi::vmm_arena_abi_version(), ffi::VMM_ARENA_ABI_VERSION);
                 status = OK;
                 allowed = vec![OK];
+            }
+            24 => {
+                what = "set_tag";
+                let id = self.pick_id(b);
+                let tag = pick_tag(b);
+                // Only allocations of whole chunks (ranges of their own) take a tag.
+                let chunked = live_ranges(&self.snapshot()).contains_key(&id);
+                // SAFETY: live handle.
+                status = st(unsafe { ffi::vmm_arena_set_tag(a, id, tag) });
+                allowed = match (self.live.contains_key(&id), chunked) {
+                    (false, _) => vec![UNKNOWN],
+                    (true, false) => vec![INVALID],
+                    (true, true) => vec![OK],
+                };
+                if status == OK {
+                    self.live.get_mut(&id).unwrap().sleep_tag = tag;
+                }
+            }
+            25 => {
+                what = "sleep";
+                let tag = pick_tag(b);
+                let flags = match b.below(4) {
+                    0 => 0,
+                    1 => ffi::VMM_ARENA_SLEEP_BACKUP,
+                    2 => 1 << b.below(32),
+                    _ => b.u32(),
+                };
+                let chunked = live_ranges(&self.snapshot());
+                // SAFETY: live handle.
+                status = st(unsafe { ffi::vmm_arena_sleep(a, tag, flags) });
+                allowed = if flags & !ffi::VMM_ARENA_SLEEP_BACKUP != 0 { vec![INVALID] } else { vec![OK] };
+                if status == OK {
+                    let backup = flags & ffi::VMM_ARENA_SLEEP_BACKUP != 0;
+                    for l in self.live.values_mut() {
+                        if chunked.contains_key(&l.id) && (tag == ffi::VMM_ARENA_ALL_TAGS || l.sleep_tag == tag) {
+                            if !l.asleep && !backup {
+                                l.tag = None; // contents lost
+                            }
+                            l.asleep = true;
+                        }
+                    }
+                    let s = self.stats();
+                    // A release the driver refused (an injected failure) keeps one chunk.
+                    let kept = if self.faulty && self.calls().1 > injected0 { self.chunk } else { 0 };
+                    assert!(s.pooled_bytes <= kept, "{what}: {} bytes still pooled", s.pooled_bytes);
+                    assert_eq!(s.retired_va_bytes, 0, "{what}: retired ranges left");
+                }
+            }
+            26 => {
+                what = "wake";
+                let tag = pick_tag(b);
+                // SAFETY: live handle.
+                status = st(unsafe { ffi::vmm_arena_wake(a, tag) });
+                let selected = |l: &Live| l.asleep && (tag == ffi::VMM_ARENA_ALL_TAGS || l.sleep_tag == tag);
+                // Nothing to wake cannot run out of memory.
+                allowed = if self.live.values().any(selected) { vec![OK, OOM] } else { vec![OK] };
+                if status == OK {
+                    for l in self.live.values_mut().filter(|l| selected(l)) {
+                        l.asleep = false;
+                    }
+                }
             }
             _ => {
                 what = "testing hooks with NULL out-parameters";
@@ -674,6 +763,31 @@ impl Harness {
             self.touch(id, t);
         }
     }
+}
+
+/// A tag for set_tag, sleep and wake: one of a few, every tag, or any.
+fn pick_tag(b: &mut Bytes<'_>) -> u32 {
+    match b.below(8) {
+        0..=4 => b.below(3) as u32,
+        5 | 6 => ffi::VMM_ARENA_ALL_TAGS,
+        _ => b.u32(),
+    }
+}
+
+/// The snapshot's allocations of whole chunks: id -> (tag, asleep).
+/// (Small allocations live in slabs and have no range of their own.)
+fn live_ranges(json: &str) -> BTreeMap<u64, (u32, bool)> {
+    json.split("{\"kind\":\"live\",")
+        .skip(1)
+        .map(|r| {
+            let r = &r[..r.find('}').expect("a range's end")];
+            let id = json_u64(r, "id");
+            let tag = u32::try_from(json_u64(r, "tag")).expect("a u32 tag");
+            let asleep = r.contains("\"asleep\":true");
+            assert!(asleep || r.contains("\"asleep\":false"), "no asleep field in {r}");
+            (id, (tag, asleep))
+        })
+        .collect()
 }
 
 /// The snapshot without the driver counters' values (a rolled-back call

@@ -15,12 +15,18 @@
 //! - out of memory only when the capacity cannot cover the request,
 //!   out of address space only when no window can be evacuated (or, without
 //!   implicit moves, no free range fits);
-//! - pinned allocations never move, and nothing moves implicitly when
-//!   implicit moves are off; move events chain every address change;
+//! - pinned and sleeping allocations never move, and nothing moves
+//!   implicitly when implicit moves are off; move events chain every
+//!   address change;
+//! - `sleep` puts exactly the awake allocations of whole chunks with the
+//!   tag to sleep and gives every pooled chunk back; `wake` restores their
+//!   stamps when they slept with a backup; resize, pin and write of a
+//!   sleeper are `Asleep`; wake's out of memory only when the capacity
+//!   cannot cover the sleepers;
 //! - an operation whose injected failure fired returns that failure and
 //!   leaves the arena exactly as it was (`trim`: as documented, what was
-//!   released stays released; a free or shrink whose give-back failed
-//!   succeeds and counts the failure).
+//!   released stays released; a free, shrink or sleep whose give-back
+//!   failed succeeds, keeps that chunk pooled and counts the failure).
 //!
 //! At the end everything is freed and trimmed: the driver holds nothing.
 //!
@@ -33,7 +39,7 @@ use std::sync::{Arc, Mutex};
 
 use vmm_arena::driver::fault::{FaultDriver, FaultKind};
 use vmm_arena::driver::mock::MockDriver;
-use vmm_arena::{Arena, ArenaConfig, Error, Id, MoveEvent, Status};
+use vmm_arena::{Arena, ArenaConfig, Error, Id, MoveEvent, Status, ALL_TAGS, SLEEP_BACKUP};
 
 #[path = "bytes.rs"]
 mod bytes;
@@ -71,6 +77,11 @@ pub enum Op {
     Write(usize),
     /// A stale or made-up id must be refused.
     BadId(u64),
+    /// Tags 0..=2 (a small allocation refuses any).
+    SetTag(usize, u32),
+    /// A tag (3: `ALL_TAGS`), with or without a backup.
+    Sleep(u32, bool),
+    Wake(u32),
     /// The `n`th driver call of the operation fails with the fault.
     Faulty(u64, FaultKind, Box<Op>),
 }
@@ -83,7 +94,7 @@ fn size(b: &mut Bytes<'_>, max_pages: u64) -> u64 {
 }
 
 fn op(b: &mut Bytes<'_>, faults: bool) -> Op {
-    match b.below(if faults { 40 } else { 36 }) {
+    match b.below(if faults { 45 } else { 41 }) {
         0..=5 => Op::Alloc(size(b, 8)),
         6..=9 => Op::Alloc(1 + b.below(SMALL_MAX)),
         10 => Op::Alloc(size(b, 40)),
@@ -104,6 +115,9 @@ fn op(b: &mut Bytes<'_>, faults: bool) -> Op {
             0 => Op::BadId(b.u64()),
             _ => Op::Write(b.u16() as usize),
         },
+        36 | 37 => Op::SetTag(b.u16() as usize, b.below(3) as u32),
+        38 => Op::Sleep(b.below(4) as u32, b.bool()),
+        39 | 40 => Op::Wake(b.below(4) as u32),
         _ => {
             let n = 1 + b.below(12);
             let kind = FaultKind::ALL[b.below(2) as usize];
@@ -147,6 +161,18 @@ struct Model {
     /// Its reservation, or its size class if small.
     reserved: u64,
     stamps: Stamps,
+    tag: u32,
+    /// Asleep (its stamps kept only if it slept with a backup).
+    asleep: bool,
+}
+
+/// The model's tags: 0..=2, and 3 for `ALL_TAGS`.
+fn tag_arg(t: u32) -> u32 {
+    if t == 3 {
+        ALL_TAGS
+    } else {
+        t
+    }
 }
 
 fn pages(bytes: u64) -> u64 {
@@ -249,7 +275,7 @@ impl Harness {
     }
 
     fn movable_ids(&self) -> Vec<Id> {
-        self.live.iter().filter(|(_, m)| !m.pinned).map(|(&id, _)| id).collect()
+        self.live.iter().filter(|(_, m)| !m.pinned && !m.asleep).map(|(&id, _)| id).collect()
     }
 
     /// Whether an out-of-address-space for `n` pages is justified.
@@ -330,7 +356,17 @@ impl Harness {
                 count(if small { "alloc small ok" } else { "alloc ok" });
                 assert!(np <= obtainable || small, "alloc of {np} pages succeeded beyond the capacity");
                 assert_eq!(ptr % if small { 256 } else { C }, 0, "alignment of {size} bytes at {ptr:#x}");
-                let mut m = Model { size, growable, pinned: false, small, ptr, reserved: 0, stamps: Stamps::default() };
+                let mut m = Model {
+                    size,
+                    growable,
+                    pinned: false,
+                    small,
+                    ptr,
+                    reserved: 0,
+                    stamps: Stamps::default(),
+                    tag: 0,
+                    asleep: false,
+                };
                 m.stamps.seed = self.seed();
                 m.stamps.write(&self.arena, id, 0, size);
                 assert!(self.live.insert(id, m).is_none(), "id {id} issued twice");
@@ -363,6 +399,12 @@ impl Harness {
 
     fn resize(&mut self, id: Id, new_size: u64) {
         let m = &self.live[&id];
+        if m.asleep {
+            // Refused before any driver call: a planned failure cannot fire.
+            assert_eq!(self.arena.resize(id, new_size), Err(Error::Asleep(id.get())), "resize of a sleeper");
+            count("resize asleep");
+            return self.check("failed resize", &[]);
+        }
         let (old_size, old_ptr, reserved, pinned, growable, small) =
             (m.size, m.ptr, m.reserved, m.pinned, m.growable, m.small);
         let obtainable = self.obtainable();
@@ -466,7 +508,11 @@ impl Harness {
     fn apply(&mut self, op: &Op) {
         match op {
             Op::Faulty(n, kind, inner) => {
-                if matches!(**inner, Op::Pin(_) | Op::Unpin(_) | Op::Write(_) | Op::BadId(_) | Op::Faulty(..)) {
+                // Operations without driver calls run as they are.
+                if matches!(
+                    **inner,
+                    Op::Pin(_) | Op::Unpin(_) | Op::Write(_) | Op::BadId(_) | Op::SetTag(..) | Op::Faulty(..)
+                ) {
                     return self.apply(inner);
                 }
                 self.fault = Some((*n, *kind));
@@ -482,8 +528,8 @@ impl Harness {
                     panic!("free failed with an injected failure: its give-back is best effort");
                 }
                 r.unwrap();
-                count("free");
-                self.live.remove(&id);
+                let m = self.live.remove(&id).expect("live");
+                count(if m.asleep { "free asleep" } else { "free" });
                 self.freed.push(id);
                 assert_eq!(self.arena.free(id), Err(Error::UnknownAllocation(id.get())), "double free refused");
                 assert_eq!(self.arena.query(id).unwrap_err().status(), Status::UnknownAllocation);
@@ -498,6 +544,11 @@ impl Harness {
             &Op::Pin(i) | &Op::Unpin(i) => {
                 let Some(id) = self.nth(i) else { return };
                 let pin = matches!(op, Op::Pin(_));
+                if pin && self.live[&id].asleep {
+                    assert_eq!(self.arena.pin(id), Err(Error::Asleep(id.get())), "pin of a sleeper");
+                    count("pin asleep");
+                    return self.check("failed pin", &[]);
+                }
                 if pin { self.arena.pin(id) } else { self.arena.unpin(id) }.unwrap();
                 self.live.get_mut(&id).unwrap().pinned = pin;
                 assert_eq!(self.arena.query(id).unwrap().pinned, pin);
@@ -558,6 +609,13 @@ impl Harness {
                 let Some(id) = self.nth(i) else { return };
                 let seed = self.seed();
                 let m = self.live.get_mut(&id).unwrap();
+                if m.asleep {
+                    assert_eq!(self.arena.write(id, 0, b"x"), Err(Error::Asleep(id.get())), "write to a sleeper");
+                    let mut out = [0u8; 1];
+                    assert_eq!(self.arena.read(id, 0, &mut out), Err(Error::Asleep(id.get())), "read of a sleeper");
+                    count("write asleep");
+                    return self.check("failed write", &[]);
+                }
                 m.stamps = Stamps { seed, marks: vec![] };
                 m.stamps.write(&self.arena, id, 0, m.size);
                 self.check("write", &[]);
@@ -580,10 +638,94 @@ impl Harness {
                     self.arena.pin(bad).unwrap_err(),
                     self.arena.query(bad).unwrap_err(),
                     self.arena.write(bad, 0, b"x").unwrap_err(),
+                    self.arena.set_tag(bad, 1).unwrap_err(),
                 ] {
                     assert_eq!(e, Error::UnknownAllocation(bad.get()));
                 }
                 self.check("bad id", &[]);
+            }
+            &Op::SetTag(i, tag) => {
+                let Some(id) = self.nth(i) else { return };
+                let m = self.live.get_mut(&id).unwrap();
+                match self.arena.set_tag(id, tag) {
+                    Ok(()) => {
+                        assert!(!m.small, "a small allocation took a tag");
+                        m.tag = tag;
+                        count(if m.asleep { "set_tag asleep" } else { "set_tag" });
+                    }
+                    Err(e) => {
+                        assert!(m.small && e.status() == Status::InvalidArgument, "set_tag: {e}");
+                        count("set_tag small refused");
+                    }
+                }
+                assert_eq!(self.arena.query(id).unwrap().tag, m.tag);
+                self.check("set_tag", &[]);
+            }
+            &Op::Sleep(t, backup) => self.sleep(tag_arg(t), backup),
+            &Op::Wake(t) => self.wake(tag_arg(t)),
+        }
+    }
+
+    fn sleep(&mut self, tag: u32, backup: bool) {
+        let (r, f) = self.call("sleep", false, |a| a.sleep(tag, if backup { SLEEP_BACKUP } else { 0 }));
+        if let Faulted::RolledBack = f {
+            return count("sleep rolled back after a fault");
+        }
+        r.unwrap();
+        if self.absorbed_now {
+            count("sleep kept a chunk whose release failed");
+        }
+        let mut slept = 0;
+        for m in self.live.values_mut() {
+            if !m.small && !m.asleep && (tag == ALL_TAGS || m.tag == tag) {
+                m.asleep = true;
+                slept += 1;
+                if !backup {
+                    m.stamps.marks.clear(); // contents lost
+                }
+            }
+        }
+        count(match (slept > 0, backup) {
+            (false, _) => "sleep idle",
+            (true, false) => "sleep",
+            (true, true) => "sleep with backup",
+        });
+        let kept = self.absorbed_now;
+        self.ran_ok();
+        self.check("sleep", &[]);
+        // Every pooled chunk goes back, but one whose release failed.
+        let s = &self.snap.stats;
+        assert_eq!(s["pooled_bytes"], if kept { C } else { 0 }, "sleep gives back what is pooled");
+        assert_eq!(s["retired_va_bytes"], 0, "sleep releases the retired ranges");
+    }
+
+    fn wake(&mut self, tag: u32) {
+        let selected = |m: &Model| m.asleep && (tag == ALL_TAGS || m.tag == tag);
+        let needed: u64 = self.live.values().filter(|m| selected(m)).map(|m| pages(m.size)).sum();
+        let obtainable = self.obtainable();
+        // Chunks of slabs holding only retired objects come back only when
+        // retired memory is released, which wake does not do.
+        let idle_slabs = self.snap.slabs().filter(|r| r.used == 0).count() as u64;
+        let (r, f) = self.call("wake", false, |a| a.wake(tag));
+        if let Faulted::RolledBack = f {
+            return count("wake rolled back after a fault");
+        }
+        match r {
+            Ok(()) => {
+                count(if needed > 0 { "wake" } else { "wake idle" });
+                assert!(needed <= obtainable, "woke {needed} pages beyond the capacity");
+                for m in self.live.values_mut().filter(|m| selected(m)) {
+                    m.asleep = false;
+                }
+                self.ran_ok();
+                // check() verifies the woken stamps (kept only with a backup).
+                self.check("wake", &[]);
+            }
+            Err(e) => {
+                count("wake out of memory");
+                assert_eq!(e.status(), Status::OutOfMemory, "{e}");
+                assert!(needed > obtainable - idle_slabs, "OutOfMemory waking {needed} of {obtainable} pages: {e}");
+                self.check("failed wake", &[]);
             }
         }
     }
@@ -598,7 +740,7 @@ impl Harness {
         assert_eq!(s["capacity_bytes"], self.cfg.cap_pages * C);
         assert_eq!(s["live_allocations"], self.live.len() as u64, "{what}: live_allocations");
         assert_eq!(s["live_bytes"], self.live.values().map(|m| m.size).sum::<u64>(), "{what}: live_bytes");
-        let chunk_pages: u64 = self.live.values().filter(|m| !m.small).map(|m| pages(m.size)).sum();
+        let chunk_pages: u64 = self.live.values().filter(|m| !m.small && !m.asleep).map(|m| pages(m.size)).sum();
         let idle_slabs = snap.slabs().filter(|r| r.used == 0).count() as u64;
         assert_eq!(s["mapped_bytes"], (chunk_pages + s["small_slabs"] - idle_slabs) * C, "{what}: mapped_bytes");
         assert_eq!(
@@ -635,6 +777,7 @@ impl Harness {
         for (&id, m) in self.live.iter_mut() {
             let info = self.arena.query(id).unwrap();
             assert_eq!((info.size, info.pinned, info.growable), (m.size, m.pinned, m.growable), "{what}: {id}");
+            assert_eq!((info.tag, info.asleep), (m.tag, m.asleep), "{what}: {id}");
             match by_id.get(&id.get()) {
                 Some(r) => {
                     assert!(!m.small, "{what}: small {id} has chunks of its own");
@@ -657,6 +800,9 @@ impl Harness {
             assert!(!(m.pinned && info.ptr != m.ptr), "{what}: pinned {id} moved");
             m.ptr = info.ptr;
             m.reserved = info.reserved_bytes;
+            if m.asleep {
+                continue; // its bytes are verified when it wakes
+            }
             m.stamps.verify(&self.arena, id, what);
         }
         for slab in snap.slabs() {
