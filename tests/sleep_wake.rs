@@ -287,6 +287,30 @@ fn wake_without_room_keeps_everything_asleep() {
     check_consistent(&a, &d);
 }
 
+/// A wake refused for memory made driver calls first (the first sleeper
+/// mapped, the second found no room) and relied on a rollback; a driver
+/// failure during that rollback leaked a chunk (found by the `c_abi` fuzz
+/// target). The refusal is now decided before any driver call.
+#[test]
+fn a_wake_refused_for_memory_makes_no_driver_call() {
+    let (d, a, c) = arena(6, 32);
+    let (x, _) = a.alloc(2 * c).unwrap();
+    let (y, _) = a.alloc(2 * c).unwrap();
+    a.sleep(ALL_TAGS, SLEEP_BACKUP).unwrap();
+    let (_t, _) = a.alloc(3 * c).unwrap(); // 3 chunks obtainable, 4 needed
+    let calls = d.fault.total_calls();
+    assert_eq!(status(a.wake(ALL_TAGS)), Status::OutOfMemory);
+    assert_eq!(d.fault.total_calls(), calls, "refused before any driver call");
+    // So no failure can hit an undo: whichever call fails, nothing leaks.
+    for n in 1..8 {
+        d.fault.fail_nth(None, n, FaultKind::OutOfMemory);
+        assert_eq!(status(a.wake(ALL_TAGS)), Status::OutOfMemory);
+        d.fault.clear();
+        assert!(a.query(x).unwrap().asleep && a.query(y).unwrap().asleep);
+        check_consistent(&a, &d);
+    }
+}
+
 /// The releases come after the sleep's point of no return (the unmaps): a
 /// failed release keeps its chunk pooled, counts in `release_failures`, and
 /// the sleep has happened. Every other call's failure is in the fault matrix.

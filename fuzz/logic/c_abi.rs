@@ -271,6 +271,14 @@ impl Harness {
     /// Checks the model against the arena: addresses (after the moves the
     /// callback reported), sizes, bytes, counts.
     fn check(&mut self, what: &str) {
+        if std::env::var_os("VMM_ARENA_FUZZ_DEBUG").is_some() {
+            let s = self.stats();
+            let chunks = if self.faulty { self.driver_objects().0 as i64 } else { -1 };
+            eprintln!(
+                "after {what}: mapped {} pooled {} live {} driver chunks {chunks}",
+                s.mapped_bytes, s.pooled_bytes, s.live_allocations
+            );
+        }
         for (id, old, new, _size) in std::mem::take(&mut self.rec.moves) {
             let l = self.live.get_mut(&id).unwrap_or_else(|| panic!("{what}: a move of unknown id {id:#x}"));
             assert_eq!(l.ptr, old, "{what}: move of {id:#x} from an address it was not at");
@@ -753,6 +761,9 @@ impl Harness {
             }
         }
         tally(status);
+        if std::env::var_os("VMM_ARENA_FUZZ_DEBUG").is_some() {
+            eprintln!("{what}: status {status} (injected failure fired: {fired})");
+        }
         expect(what, status, &allowed);
         self.check(what);
         if let Some((id, t, p)) = self.resized.take() {

@@ -693,9 +693,10 @@ impl Harness {
         let kept = self.absorbed_now;
         self.ran_ok();
         self.check("sleep", &[]);
-        // Every pooled chunk goes back, but one whose release failed.
+        // Every pooled chunk goes back, but one whose release failed (which
+        // the retain watermark, applied after the operation, may give back).
         let s = &self.snap.stats;
-        assert_eq!(s["pooled_bytes"], if kept { C } else { 0 }, "sleep gives back what is pooled");
+        assert!(s["pooled_bytes"] <= if kept { C } else { 0 }, "sleep gives back what is pooled");
         assert_eq!(s["retired_va_bytes"], 0, "sleep releases the retired ranges");
     }
 

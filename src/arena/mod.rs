@@ -1055,6 +1055,19 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
     if targets.is_empty() {
         return Ok(());
     }
+    // Out of memory is decided before any driver call: a refusal after some
+    // sleepers were mapped would need a rollback, whose own driver calls
+    // may fail and leave the arena unlike its books. Every pooled or cached
+    // chunk can serve (none is cached inside a sleeper's reservation), and
+    // new ones up to the capacity.
+    let needed: u64 = targets.iter().map(|&s| st.alloc(s).sleep.as_ref().map_or(0, |z| z.backed)).sum();
+    if needed > st.obtainable_pages() {
+        return Err(Error::OutOfMemory(format!(
+            "waking needs {needed} chunks of {} bytes; {} are obtainable under the capacity",
+            st.chunk,
+            st.obtainable_pages()
+        )));
+    }
     let mut sim = st.clone();
     let mut tx = ctx.txn(st);
     let done = (|| {
