@@ -10,7 +10,7 @@
 //! - [`replay`]: the continuous-batching scheduler;
 //! - [`timing`]: the step-time model (GPU profiles, driver costs);
 //! - [`scenario`]: the textbook fragmentation failure;
-//! - [`util`]: sizes, RNG, JSON.
+//! - [`util`]: sizes and a seeded RNG.
 #![allow(dead_code)]
 
 pub mod caching;

@@ -1,5 +1,5 @@
-//! Small helpers shared by the workload examples: byte sizes, a seeded RNG,
-//! hand-written JSON, and a terminal check.
+//! Small helpers shared by the workload examples: byte sizes and a seeded
+//! RNG (JSON goes through serde_json, terminals through `std::io::IsTerminal`).
 
 /// Parses a byte count: a plain integer, or a number with a binary suffix
 /// (`KiB`, `MiB`, `GiB`, `TiB`, also `K`/`M`/`G`/`T`) or a decimal one
@@ -76,43 +76,6 @@ pub fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
-}
-
-/// A JSON string literal.
-pub fn json_str(s: &str) -> String {
-    let mut o = String::with_capacity(s.len() + 2);
-    o.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            '\r' => o.push_str("\\r"),
-            '\t' => o.push_str("\\t"),
-            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
-}
-
-/// A JSON number for a float (JSON has no NaN or infinity: those become 0).
-pub fn json_f64(v: f64) -> String {
-    if v.is_finite() {
-        let s = format!("{v:.6}");
-        let s = s.trim_end_matches('0');
-        let s = s.strip_suffix('.').map(|x| format!("{x}.0")).unwrap_or_else(|| s.to_string());
-        s
-    } else {
-        "0.0".into()
-    }
-}
-
-/// Whether standard error is a terminal (progress bars go there only then).
-pub fn stderr_is_terminal() -> bool {
-    // SAFETY: isatty only inspects the descriptor number.
-    unsafe { libc::isatty(2) == 1 }
 }
 
 #[cfg(test)]
