@@ -48,6 +48,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 
+use vmm_arena::{Arena, Error, Id};
+
+use super::managers::discard;
+use super::trace::Request;
+
 /// What the cache has done, for the report.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -83,8 +88,9 @@ pub struct Hit<K> {
 pub enum Release {
     /// Keep it as an entry, shrunk to this many units.
     Keep(usize),
-    /// Free it: it holds no unit it originated.
-    Free,
+    /// Free it: it holds no unit it originated. Its first `n` units are
+    /// others' (still cached, mapped by their origins); the rest is dead.
+    Free(usize),
 }
 
 #[derive(Clone, Debug)]
@@ -343,7 +349,7 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
             if !units.is_empty() {
                 self.stats.duplicates_freed += 1;
             }
-            Release::Free
+            Release::Free(units.len())
         } else {
             self.stats.entries_kept += 1;
             Release::Keep(units.len())
@@ -425,7 +431,7 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
                         self.stats.duplicates_freed += 1;
                     }
                     self.drop_holder(k);
-                    Some((k, Release::Free))
+                    Some((k, Release::Free(len)))
                 } else {
                     Some((k, Release::Keep(len)))
                 }
@@ -469,6 +475,205 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
     }
 }
 
+/// The prefix cache applied to an arena manager: one growable allocation
+/// per request (the token-major layout), whose first chunks may be a cached
+/// prefix shared with others. Every allocation the books name is an arena
+/// allocation; entries are shrunk to their cached units (resize) and freed
+/// when nothing of their own is cached any more.
+pub struct ArenaPrefixCache {
+    pub books: PrefixCache<Id>,
+    unit_bytes: u64,
+    peak_footprint: u64,
+    peak_shared_bytes: u64,
+    /// Shrinks and frees made by evictions.
+    evict_resizes: u64,
+    evict_frees: u64,
+    /// Resizes or frees of entries that failed (the arena is unchanged by
+    /// a failed call; the books count the memory as evicted).
+    errors: u64,
+    last_error: Option<String>,
+}
+
+impl ArenaPrefixCache {
+    /// A cache for allocations of `bpt` bytes per token, or None where a
+    /// unit (16 tokens) is not whole chunks of `chunk` bytes.
+    pub fn new(chunk: u64, bpt: u64) -> Option<ArenaPrefixCache> {
+        let unit_tokens = super::managers::VLLM_BLOCK_TOKENS;
+        let unit_bytes = unit_tokens * bpt;
+        (unit_bytes % chunk == 0).then(|| ArenaPrefixCache {
+            books: PrefixCache::new(unit_tokens, super::trace::HASH_BLOCK_TOKENS),
+            unit_bytes,
+            peak_footprint: 0,
+            peak_shared_bytes: 0,
+            evict_resizes: 0,
+            evict_frees: 0,
+            errors: 0,
+            last_error: None,
+        })
+    }
+
+    /// Bytes of running requests' KV that more than one of them maps,
+    /// counted once per extra request.
+    pub fn shared_live_bytes(&self) -> u64 {
+        self.books.shared_live_units() * self.unit_bytes
+    }
+
+    /// Admits a request of `size` bytes reserving `max`: maps its longest
+    /// cached prefix (`alloc_shared`) and grows past it, evicting what it
+    /// needs. Returns the allocation and the prompt tokens it found cached.
+    pub fn admit(&mut self, arena: &Arena, size: u64, max: u64, q: &Request, discard: bool) -> Result<(Id, u64), Error> {
+        let full = q.full_hash_blocks() as usize;
+        let hit = self.books.lookup(q.prompt, &q.hash_ids, full);
+        let hit_bytes = hit.units.len() as u64 * self.unit_bytes;
+        let id = match hit.source {
+            Some(src) => {
+                let (id, _) = arena.alloc_shared(src, 0, hit_bytes, max)?;
+                self.books.acquire(id, &hit.units);
+                if let Err(e) = self.grow_to(arena, id, hit_bytes, size, discard) {
+                    self.books.abort(id);
+                    let _ = arena.free(id);
+                    return Err(e);
+                }
+                id
+            }
+            None => {
+                self.make_room(arena, size, discard);
+                let id = loop {
+                    match arena.alloc_growable(size, max) {
+                        Ok((id, _)) => break id,
+                        Err(Error::OutOfMemory(_)) if self.books.queued_units() > 0 => self.evict(arena, 1, discard),
+                        Err(e) => return Err(e),
+                    }
+                };
+                self.books.acquire(id, &[]);
+                id
+            }
+        };
+        self.books.cache_own(id, &q.hash_ids, full);
+        self.note_peaks(arena);
+        Ok((id, hit_bytes / self.unit_bytes * self.books.unit_tokens()))
+    }
+
+    /// Grows a running request's allocation from `backed` to `new_size`
+    /// bytes, evicting what it needs.
+    pub fn grow(&mut self, arena: &Arena, id: Id, backed: u64, new_size: u64, discard: bool) -> Result<(), Error> {
+        self.grow_to(arena, id, backed, new_size, discard)?;
+        self.note_peaks(arena);
+        Ok(())
+    }
+
+    fn grow_to(&mut self, arena: &Arena, id: Id, backed: u64, new_size: u64, discard: bool) -> Result<(), Error> {
+        self.make_room(arena, new_size.saturating_sub(backed), discard);
+        loop {
+            match arena.resize(id, new_size) {
+                Ok(_) => return Ok(()),
+                Err(Error::OutOfMemory(_)) if self.books.queued_units() > 0 => self.evict(arena, 1, discard),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A running request ends: its allocation becomes an entry shrunk to
+    /// its cached units, or is freed.
+    pub fn release(&mut self, arena: &Arena, id: Id, discard: bool) {
+        let r = self.books.release(id);
+        self.apply(arena, id, r, discard);
+    }
+
+    /// Evicts cached units (oldest first) until `need` more bytes are free,
+    /// if the queue holds enough; else evicts nothing (as vLLM checks its
+    /// free blocks before it takes any) and lets the arena's call fail.
+    fn make_room(&mut self, arena: &Arena, need: u64, discard: bool) {
+        let Ok(s) = arena.stats() else { return };
+        let free = s.capacity_bytes.saturating_sub(s.mapped_bytes);
+        if need <= free {
+            return;
+        }
+        let units = (need - free).div_ceil(self.unit_bytes);
+        if units <= self.books.queued_units() {
+            self.evict(arena, units, discard);
+        }
+    }
+
+    fn evict(&mut self, arena: &Arena, units: u64, discard: bool) {
+        for (id, r) in self.books.evict(units) {
+            match r {
+                Release::Keep(_) => self.evict_resizes += 1,
+                Release::Free(_) => self.evict_frees += 1,
+            }
+            self.apply(arena, id, r, discard);
+        }
+    }
+
+    /// Shrinks or frees an allocation as the books say. The dropped part
+    /// is dead KV (no holder keeps it): its host pages may be discarded.
+    fn apply(&mut self, arena: &Arena, id: Id, r: Release, discard_pages: bool) {
+        let keep_units = match r {
+            Release::Keep(n) | Release::Free(n) => n as u64,
+        };
+        if discard_pages {
+            if let Ok(info) = arena.query(id) {
+                let keep = keep_units * self.unit_bytes;
+                if info.mapped_bytes > keep {
+                    discard(info.ptr + keep, info.mapped_bytes - keep);
+                }
+            }
+        }
+        let done = match r {
+            Release::Keep(n) => arena.resize(id, n as u64 * self.unit_bytes).map(|_| ()),
+            Release::Free(_) => arena.free(id),
+        };
+        if let Err(e) = done {
+            self.errors += 1;
+            self.last_error = Some(e.to_string());
+        }
+    }
+
+    fn note_peaks(&mut self, arena: &Arena) {
+        if let Ok(s) = arena.stats() {
+            let cache_only = self.books.queued_units() * self.unit_bytes;
+            self.peak_footprint = self.peak_footprint.max(s.mapped_bytes.saturating_sub(cache_only));
+            self.peak_shared_bytes = self.peak_shared_bytes.max(s.shared_bytes);
+        }
+    }
+
+    /// Facts for the JSON report.
+    pub fn extra(&self, arena: &Arena) -> Vec<(String, String)> {
+        let st = &self.books.stats;
+        let mut v = vec![
+            ("prefix_cache_unit_bytes".into(), self.unit_bytes.to_string()),
+            ("prefix_hits".into(), st.hits.to_string()),
+            ("prefix_hit_units".into(), st.hit_units.to_string()),
+            ("evicted_prefix_units".into(), st.evicted_units.to_string()),
+            ("cascade_evictions".into(), st.cascade_evictions.to_string()),
+            ("source_mismatches".into(), st.source_mismatches.to_string()),
+            ("uncached_after_gap".into(), st.uncached_after_gap.to_string()),
+            ("prefix_entries_kept".into(), st.entries_kept.to_string()),
+            ("prefix_duplicates_freed".into(), st.duplicates_freed.to_string()),
+            ("prefix_entries_now".into(), self.books.entries().to_string()),
+            ("cached_prefixes".into(), self.books.cached_prefixes().to_string()),
+            ("cached_units_now".into(), self.books.cached_units().to_string()),
+            ("evict_resizes".into(), self.evict_resizes.to_string()),
+            ("evict_frees".into(), self.evict_frees.to_string()),
+            ("prefix_cache_errors".into(), self.errors.to_string()),
+            // Physical bytes serving running requests (shared chunks once,
+            // cached-only chunks left out), at its peak after an admission
+            // or a growth.
+            ("peak_footprint_bytes".into(), self.peak_footprint.to_string()),
+            ("peak_shared_bytes".into(), self.peak_shared_bytes.to_string()),
+            // Copies the cache made: none, as a hit is whole chunks.
+            ("prefix_copied_bytes".into(), "0".into()),
+        ];
+        if let Some(e) = &self.last_error {
+            v.push(("prefix_cache_last_error".into(), serde_json::to_string(e).unwrap_or_default()));
+        }
+        if let Ok(s) = arena.stats() {
+            v.push(("shared_bytes_now".into(), s.shared_bytes.to_string()));
+        }
+        v
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -497,7 +702,7 @@ mod tests {
         // A chain that diverges at its second hash: the first hash only.
         assert_eq!(admit(&mut c, 3, 20, &[10, 12]), (2, Some(1)));
         assert_eq!(c.shared_live_units(), 3 + 2);
-        assert_eq!(c.release(2), Release::Free, "2 computed nothing the cache keeps");
+        assert_eq!(c.release(2), Release::Free(3), "2 computed nothing the cache keeps");
         assert_eq!(c.release(3), Release::Keep(4));
         assert_eq!(c.release(1), Release::Keep(4));
         assert_eq!(c.shared_live_units(), 0);
@@ -522,13 +727,13 @@ mod tests {
         assert_eq!(c.release(3), Release::Keep(4)); // queue: c1 c0 b1' b0' a1 a0
         // Evicting one unit takes c1 (entry 2's tail), then c0 frees entry 2.
         assert_eq!(c.evict(1), vec![(2, Release::Keep(1))]);
-        assert_eq!(c.evict(1), vec![(2, Release::Free)]);
+        assert_eq!(c.evict(1), vec![(2, Release::Free(0))]);
         // Next h11's new units, entry 3's tail: left with h10 only, which it
         // shares from entry 1, entry 3 is a duplicate and is freed.
-        assert_eq!(c.evict(2), vec![(3, Release::Free)]);
+        assert_eq!(c.evict(2), vec![(3, Release::Free(2))]);
         assert_eq!(c.stats.duplicates_freed, 1);
         assert_eq!(c.evict(1), vec![(1, Release::Keep(1))]);
-        assert_eq!(c.evict(5), vec![(1, Release::Free)], "fewer queued than asked");
+        assert_eq!(c.evict(5), vec![(1, Release::Free(0))], "fewer queued than asked");
         assert_eq!(c.stats.evicted_units, 8);
         assert_eq!((c.cached_units(), c.queued_units(), c.entries()), (0, 0, 0));
         assert_eq!((c.stats.cascade_evictions, c.stats.source_mismatches, c.stats.uncached_after_gap), (0, 0, 0));
