@@ -231,7 +231,11 @@ fn arena_prefix_cache_shares_chunks_evicts_lru_and_cuts_chains() {
     assert_eq!((r.bytes_copied, r.peak_shared_live_bytes), (0, 0), "nothing copied, one request at a time");
     // R4 fills the device exactly: 66 chunks of entries + its 62.
     assert_eq!(r.peak_physical_bytes, 256 * mib);
-    assert_eq!(extra("peak_footprint_bytes"), (65 * 2 * mib).to_string(), "one request's 65 chunks, the cache left out");
+    assert_eq!(
+        extra("peak_footprint_bytes"),
+        (65 * 2 * mib).to_string(),
+        "one request's 65 chunks, the cache left out"
+    );
     assert_eq!(r.final_physical_bytes, 256 * mib, "the pool keeps what it created (retain all)");
     // Off: the same replay computes every prompt token.
     let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };

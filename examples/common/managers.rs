@@ -352,6 +352,11 @@ impl ArenaMgr {
         &self.arena
     }
 
+    /// The prefix cache, where it is on.
+    pub fn prefix_cache(&self) -> Option<&ArenaPrefixCache> {
+        self.prefix.as_ref()
+    }
+
     fn bytes_for(&self, tokens: u64) -> u64 {
         (tokens * self.shape.bpt()).div_ceil(self.chunk).max(1) * self.chunk
     }
@@ -409,7 +414,8 @@ impl KvManager for ArenaMgr {
         let old_size = self.bytes_for(s.cap);
         let ids = s.ids.clone();
         if let Some(p) = self.prefix.as_mut() {
-            p.grow(&self.arena, ids[0], old_size, new_size, self.discard).map_err(|e| self.fail(e, new_size - old_size))?;
+            p.grow(&self.arena, ids[0], old_size, new_size, self.discard)
+                .map_err(|e| self.fail(e, new_size - old_size))?;
             self.seqs[seq].as_mut().expect("live").cap = new_size / self.shape.bpt();
             return Ok(());
         }

@@ -521,7 +521,14 @@ impl ArenaPrefixCache {
     /// Admits a request of `size` bytes reserving `max`: maps its longest
     /// cached prefix (`alloc_shared`) and grows past it, evicting what it
     /// needs. Returns the allocation and the prompt tokens it found cached.
-    pub fn admit(&mut self, arena: &Arena, size: u64, max: u64, q: &Request, discard: bool) -> Result<(Id, u64), Error> {
+    pub fn admit(
+        &mut self,
+        arena: &Arena,
+        size: u64,
+        max: u64,
+        q: &Request,
+        discard: bool,
+    ) -> Result<(Id, u64), Error> {
         let full = q.full_hash_blocks() as usize;
         let hit = self.books.lookup(q.prompt, &q.hash_ids, full);
         let hit_bytes = hit.units.len() as u64 * self.unit_bytes;
@@ -718,14 +725,14 @@ mod tests {
         assert_eq!(c.release(1), Release::Keep(4)); // queue: b1 b0 a1 a0
         admit(&mut c, 2, 17, &[20]); // its own chain: c0 c1
         assert_eq!(c.release(2), Release::Keep(2)); // queue: b1 b0 a1 a0 c1 c0
-        // Two units: h11's both (the oldest), entry 1 shrinks to h10.
+                                                    // Two units: h11's both (the oldest), entry 1 shrinks to h10.
         assert_eq!(c.evict(2), vec![(1, Release::Keep(2))]);
         assert_eq!(c.stats.evicted_units, 2);
         // [10 11] now hits h10 only, from entry 1, and completes h11.
         assert_eq!(admit(&mut c, 3, 17, &[10, 11]), (2, Some(1)));
         assert_eq!(c.cached_units(), 6);
         assert_eq!(c.release(3), Release::Keep(4)); // queue: c1 c0 b1' b0' a1 a0
-        // Evicting one unit takes c1 (entry 2's tail), then c0 frees entry 2.
+                                                    // Evicting one unit takes c1 (entry 2's tail), then c0 frees entry 2.
         assert_eq!(c.evict(1), vec![(2, Release::Keep(1))]);
         assert_eq!(c.evict(1), vec![(2, Release::Free(0))]);
         // Next h11's new units, entry 3's tail: left with h10 only, which it
