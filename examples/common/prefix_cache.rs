@@ -488,6 +488,10 @@ pub struct ArenaPrefixCache {
     /// Shrinks and frees made by evictions.
     evict_resizes: u64,
     evict_frees: u64,
+    /// Entries freed (by evicting their units, oldest first) because the
+    /// arena's address space had no range for a new reservation.
+    va_evictions: u64,
+    peak_entries: u64,
     /// Resizes or frees of entries that failed (the arena is unchanged by
     /// a failed call; the books count the memory as evicted).
     errors: u64,
@@ -507,6 +511,8 @@ impl ArenaPrefixCache {
             peak_shared_bytes: 0,
             evict_resizes: 0,
             evict_frees: 0,
+            va_evictions: 0,
+            peak_entries: 0,
             errors: 0,
             last_error: None,
         })
@@ -529,6 +535,7 @@ impl ArenaPrefixCache {
         q: &Request,
         discard: bool,
     ) -> Result<(Id, u64), Error> {
+        self.make_va_room(arena, max, discard);
         let full = q.full_hash_blocks() as usize;
         let hit = self.books.lookup(q.prompt, &q.hash_ids, full);
         let hit_bytes = hit.units.len() as u64 * self.unit_bytes;
@@ -558,6 +565,7 @@ impl ArenaPrefixCache {
         };
         self.books.cache_own(id, &q.hash_ids, full);
         self.note_peaks(arena);
+        self.peak_entries = self.peak_entries.max(self.books.entries());
         Ok((id, hit_bytes / self.unit_bytes * self.books.unit_tokens()))
     }
 
@@ -599,6 +607,24 @@ impl ArenaPrefixCache {
         let units = (need - free).div_ceil(self.unit_bytes);
         if units <= self.books.queued_units() {
             self.evict(arena, units, discard);
+        }
+    }
+
+    /// Every entry keeps its request's reservation (sized for the model's
+    /// context: address space, not memory). Where no free range can take a
+    /// new reservation of `max` bytes, entries are given up, oldest units
+    /// first, until one can: the arena would otherwise move allocations
+    /// (driver calls) or fail for address space.
+    fn make_va_room(&mut self, arena: &Arena, max: u64, discard: bool) {
+        while let Ok(s) = arena.stats() {
+            if s.largest_free_va_bytes >= max || self.books.entries() == 0 || self.books.queued_units() == 0 {
+                return;
+            }
+            let entries = self.books.entries();
+            while self.books.entries() == entries && self.books.queued_units() > 0 {
+                self.evict(arena, 1, discard);
+            }
+            self.va_evictions += 1;
         }
     }
 
@@ -658,6 +684,8 @@ impl ArenaPrefixCache {
             ("prefix_entries_kept".into(), st.entries_kept.to_string()),
             ("prefix_duplicates_freed".into(), st.duplicates_freed.to_string()),
             ("prefix_entries_now".into(), self.books.entries().to_string()),
+            ("peak_prefix_entries".into(), self.peak_entries.to_string()),
+            ("va_evictions".into(), self.va_evictions.to_string()),
             ("cached_prefixes".into(), self.books.cached_prefixes().to_string()),
             ("cached_units_now".into(), self.books.cached_units().to_string()),
             ("evict_resizes".into(), self.evict_resizes.to_string()),
