@@ -295,3 +295,76 @@ fn dropping_an_arena_with_shared_chunks_releases_each_once() {
     assert_eq!((d.fault.live_chunks(), d.fault.live_mappings()), (0, 0));
     assert_eq!(d.fault.calls(vmm_arena::driver::CallKind::Release), 2, "two chunks, two releases");
 }
+
+/// Sleepers sharing chunks with each other and with an awake allocation.
+/// Returns the driver, the arena and (src, sh, sh2): src (tag 1) and sh
+/// (tag 1, one page of src's and one of its own) asleep with backups, sh2
+/// (awake) mapping src's first chunk, and one cached chunk to steal.
+fn sleeping_sharers() -> (TestDriver, Arena, u64, [Id; 3]) {
+    let (d, a, c) = arena(4, 32);
+    let (src, _) = a.alloc(2 * c).unwrap();
+    fill(&a, src, 1);
+    let (sh, _) = a.alloc_shared(src, c, c, 2 * c).unwrap();
+    a.resize(sh, 2 * c).unwrap();
+    a.write(sh, c, b"own").unwrap();
+    let (sh2, _) = a.alloc_shared(src, 0, c, c).unwrap();
+    let (k, _) = a.alloc(c).unwrap();
+    a.set_tag(src, 1).unwrap();
+    a.set_tag(sh, 1).unwrap();
+    a.sleep(1, SLEEP_BACKUP).unwrap();
+    a.free(k).unwrap(); // cached: wake steals it, and creates one more
+    (d, a, c, [src, sh, sh2])
+}
+
+fn check_woken_sharers(a: &Arena, c: u64, [src, sh, sh2]: [Id; 3]) {
+    assert_eq!(read_all(a, src), pattern(1, 2 * c), "src's bytes: the kept chunk and the group's backup");
+    assert_eq!(read(a, sh, c, 3), b"own");
+    a.write(src, c + 5, b"grp").unwrap();
+    assert_eq!(read(a, sh, 5, 3), b"grp", "src and sh share again");
+    a.write(sh2, 9, b"kept").unwrap();
+    assert_eq!(read(a, src, 9, 4), b"kept", "src maps sh2's chunk again");
+    let s = a.stats().unwrap();
+    assert_eq!((s.mapped_bytes, s.shared_bytes), (3 * c, 2 * c));
+}
+
+#[test]
+fn wake_of_sharers_restores_every_share() {
+    let (d, a, c, ids) = sleeping_sharers();
+    let s = a.stats().unwrap();
+    assert_eq!((s.mapped_bytes, s.pooled_bytes), (c, c), "only sh2's chunk is kept, and k's cached one");
+    a.wake(1).unwrap();
+    check_woken_sharers(&a, c, ids);
+    check_consistent(&a, &d);
+}
+
+/// The fault matrix of that wake: every call fails in turn, with each kind
+/// of failure; the arena is as before (every sleeper still asleep, its
+/// backup intact), and a wake without faults then restores every share.
+#[test]
+fn every_driver_call_of_a_wake_of_sharers_fails_cleanly() {
+    use vmm_arena::driver::fault::FaultKind;
+    let (twin_d, twin, _, _) = sleeping_sharers();
+    let calls0 = twin_d.fault.total_calls();
+    twin.wake(1).unwrap();
+    let calls = twin_d.fault.total_calls() - calls0;
+    assert!(calls >= 8, "steal, create, maps, access and writes: {calls} calls");
+    for i in 1..=calls {
+        for kind in FaultKind::ALL {
+            let what = format!("call {i} of {calls} fails with {kind:?}");
+            let (d, a, c, ids) = sleeping_sharers();
+            let before = (Snap::of(&a).without_driver_counters(), common::stats_sans_driver(a.stats().unwrap()));
+            let live = (d.fault.live_chunks(), d.fault.live_mappings());
+            d.fault.fail_nth(None, i, kind);
+            let e = a.wake(1).expect_err(&what);
+            assert!(matches!(e.status(), Status::OutOfMemory | Status::Driver), "{what}: {e}");
+            assert!(!d.fault.pending(), "{what}: fewer calls than the twin");
+            let after = (Snap::of(&a).without_driver_counters(), common::stats_sans_driver(a.stats().unwrap()));
+            assert_eq!(after, before, "{what}: the arena changed");
+            assert_eq!((d.fault.live_chunks(), d.fault.live_mappings()), live, "{what}: leaked");
+            d.fault.clear();
+            a.wake(1).unwrap_or_else(|e| panic!("{what}: the wake after: {e}"));
+            check_woken_sharers(&a, c, ids);
+            check_consistent(&a, &d);
+        }
+    }
+}
