@@ -129,14 +129,16 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
     let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
     let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
     println!(
-        "arena: hit {:.3}, evicted {}, preemptions {}, peak shared live {}",
+        "arena: hit {:.3}, evicted {}, take-overs {}, preemptions {}, peak shared live {}",
         r.prefix_hit_rate,
         extra("evicted_prefix_units"),
+        extra("take_overs"),
         r.preemptions,
         r.peak_shared_live_bytes
     );
     assert_eq!((r.integrity_errors, r.completed_requests), (0, 48), "every tag read back through shared chunks");
     assert!(r.prefix_hit_tokens > 0 && extra("evicted_prefix_units") != "0", "it shares and evicts");
+    assert!(extra("take_overs") != "0", "and admissions take entries over");
     assert!(r.peak_shared_live_bytes > 0, "running requests shared chunks");
     for k in ["cascade_evictions", "source_mismatches", "uncached_after_gap", "prefix_cache_errors"] {
         assert_eq!(extra(k), "0", "{k}");

@@ -70,6 +70,11 @@ pub struct CacheStats {
     /// Units a request could not cache because an earlier hash of its chain
     /// was held by another copy (vLLM would cache them apart).
     pub uncached_after_gap: u64,
+    /// Admissions that took over an entry's allocation (`take_over`), and
+    /// the units they evicted beyond their need (the oldest queued, which
+    /// LRU eviction would have taken next).
+    pub take_overs: u64,
+    pub early_evicted_units: u64,
     /// Finished requests kept as entries, and those freed as duplicates.
     pub entries_kept: u64,
     pub duplicates_freed: u64,
@@ -371,59 +376,76 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
         let mut evicted = 0u64;
         while evicted < n {
             let Some((_, first)) = self.lru.pop_first() else { break };
-            self.unit_mut(first).stamp = 0;
-            let mut work = vec![first];
-            while let Some(u) = work.pop() {
-                let Some(unit) = self.units[u as usize].as_ref() else { continue };
-                // Cut the hash's chain at this unit: it and its later units go.
-                let (hash, index) = (unit.hash, unit.index as usize);
-                let entry = self.cache.get_mut(&hash).expect("a cached unit's hash");
-                let ids: Vec<u32> = entry.drain(index..).collect();
-                if entry.is_empty() {
-                    self.cache.remove(&hash);
+            evicted += self.evict_unit(first, &mut changed);
+        }
+        self.settle(changed, None)
+    }
+
+    /// Evicts one queued unit (cutting its hash's chain there: its later
+    /// units go too) and truncates every holder that maps it. Returns the
+    /// units evicted.
+    fn evict_unit(&mut self, first: u32, changed: &mut Vec<K>) -> u64 {
+        let mut evicted = 0;
+        let stamp = std::mem::take(&mut self.unit_mut(first).stamp);
+        self.lru.remove(&stamp);
+        let mut work = vec![first];
+        while let Some(u) = work.pop() {
+            let Some(unit) = self.units[u as usize].as_ref() else { continue };
+            // Cut the hash's chain at this unit: it and its later units go.
+            let (hash, index) = (unit.hash, unit.index as usize);
+            let entry = self.cache.get_mut(&hash).expect("a cached unit's hash");
+            let ids: Vec<u32> = entry.drain(index..).collect();
+            if entry.is_empty() {
+                self.cache.remove(&hash);
+            }
+            // All of them leave the books before any holder is cut, so a
+            // holder's later units in this set are not counted as cascades.
+            let dead: Vec<(u32, Unit<K>)> =
+                ids.into_iter().map(|d| (d, self.units[d as usize].take().expect("a cached unit"))).collect();
+            for (d, unit) in dead {
+                assert_eq!(unit.refs, 0, "an evicted unit is mapped by a running request");
+                if unit.stamp != 0 {
+                    self.lru.remove(&unit.stamp);
                 }
-                // All of them leave the books before any holder is cut, so a
-                // holder's later units in this set are not counted as cascades.
-                let dead: Vec<(u32, Unit<K>)> =
-                    ids.into_iter().map(|d| (d, self.units[d as usize].take().expect("a cached unit"))).collect();
-                for (d, unit) in dead {
-                    assert_eq!(unit.refs, 0, "an evicted unit is mapped by a running request");
-                    if unit.stamp != 0 {
-                        self.lru.remove(&unit.stamp);
-                    }
-                    self.spare.push(d);
-                    evicted += 1;
-                    self.stats.evicted_units += 1;
-                    if let Some(o) = self.holders.get_mut(&unit.origin) {
-                        o.originated -= 1;
-                    }
-                    for k in unit.holders {
-                        let h = self.holders.get_mut(&k).expect("a unit's holder");
-                        assert!(!h.running, "a running holder maps an evicted unit");
-                        let pos = unit.pos as usize;
-                        if h.units.len() > pos && h.units[pos] == d {
-                            // Everything after it in this holder goes too; a
-                            // unit left unmapped by its origin is evicted.
-                            for &later in &h.units[pos + 1..] {
-                                if let Some(l) = self.units[later as usize].as_mut() {
-                                    l.holders.retain(|&x| x != k);
-                                    if l.holders.is_empty() || l.origin == k {
-                                        self.stats.cascade_evictions += 1;
-                                        work.push(later);
-                                    }
+                self.spare.push(d);
+                evicted += 1;
+                self.stats.evicted_units += 1;
+                if let Some(o) = self.holders.get_mut(&unit.origin) {
+                    o.originated -= 1;
+                }
+                for k in unit.holders {
+                    let h = self.holders.get_mut(&k).expect("a unit's holder");
+                    assert!(!h.running, "a running holder maps an evicted unit");
+                    let pos = unit.pos as usize;
+                    if h.units.len() > pos && h.units[pos] == d {
+                        // Everything after it in this holder goes too; a
+                        // unit left unmapped by its origin is evicted.
+                        for &later in &h.units[pos + 1..] {
+                            if let Some(l) = self.units[later as usize].as_mut() {
+                                l.holders.retain(|&x| x != k);
+                                if l.holders.is_empty() || l.origin == k {
+                                    self.stats.cascade_evictions += 1;
+                                    work.push(later);
                                 }
                             }
-                            h.units.truncate(pos);
-                            if !changed.contains(&k) {
-                                changed.push(k);
-                            }
+                        }
+                        h.units.truncate(pos);
+                        if !changed.contains(&k) {
+                            changed.push(k);
                         }
                     }
                 }
             }
         }
+        evicted
+    }
+
+    /// The entries that changed, as [`Release`]s; those left empty or with
+    /// nothing they computed leave the books. `keep` is not settled.
+    fn settle(&mut self, changed: Vec<K>, keep: Option<K>) -> Vec<(K, Release)> {
         changed
             .into_iter()
+            .filter(|&k| Some(k) != keep)
             .filter_map(|k| {
                 let (len, originated) = self.holders.get(&k).map(|h| (h.units.len(), h.originated))?;
                 if len == 0 || originated == 0 {
@@ -437,6 +459,96 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
                 }
             })
             .collect()
+    }
+
+    /// An admission with `hit` that needs `need` units evicted may take
+    /// over an entry instead of a new allocation: one that maps `hit` at its
+    /// start and whose other units are the oldest queued (all among the
+    /// `max(need, their number)` oldest: LRU eviction gives them up first).
+    /// They are evicted (those beyond `need` early, and counted), the rest
+    /// of `need` as usual, and the entry becomes the
+    /// running request's allocation: its chunks past the hit are reused
+    /// where they are mapped, where a new allocation would have to unmap
+    /// them there and map them again. Returns the entry and the other
+    /// entries that changed.
+    pub fn take_over(&mut self, hit: &[u32], need: u64) -> Option<(K, Vec<(K, Release)>)> {
+        if need == 0 {
+            return None;
+        }
+        // The hit leaves the queue first: eviction must not take it.
+        let mut taken = Vec::new();
+        for &u in hit {
+            let unit = self.unit_mut(u);
+            if unit.refs == 0 && unit.stamp != 0 {
+                let stamp = std::mem::take(&mut unit.stamp);
+                taken.push((u, stamp));
+                self.lru.remove(&stamp);
+            }
+        }
+        let restore = |c: &mut Self, taken: Vec<(u32, u64)>| {
+            for (u, stamp) in taken {
+                c.unit_mut(u).stamp = stamp;
+                c.lru.insert(stamp, u);
+            }
+        };
+        if need > self.lru.len() as u64 {
+            restore(self, taken);
+            return None;
+        }
+        let m = hit.len();
+        let candidates: Vec<K> = match hit.last() {
+            Some(&u) => self.unit(u).holders.clone(),
+            None => vec![self.unit(*self.lru.values().next().expect("queued")).origin],
+        };
+        // An entry fits if its units past the hit are the oldest queued:
+        // all among the max(need, its tail) oldest.
+        let fits = |h: &Holder| {
+            if h.running || h.units.len() <= m || h.units[..m] != *hit {
+                return false;
+            }
+            let tail = &h.units[m..];
+            let n = need.max(tail.len() as u64);
+            let Some(&bound) = self.lru.keys().nth(n as usize - 1) else { return false };
+            tail.iter().all(|&u| {
+                let unit = self.units[u as usize].as_ref().expect("a live unit");
+                unit.refs == 0 && unit.stamp != 0 && unit.stamp <= bound
+            })
+        };
+        let Some(k) =
+            candidates.into_iter().filter(|k| fits(&self.holders[k])).max_by_key(|k| self.holders[k].units.len())
+        else {
+            restore(self, taken);
+            return None;
+        };
+        let mut changed = Vec::new();
+        let mut evicted = 0;
+        while self.holders[&k].units.len() > m {
+            let tail = *self.holders[&k].units.last().expect("longer than the hit");
+            evicted += self.evict_unit(tail, &mut changed);
+        }
+        while evicted < need {
+            let Some((_, first)) = self.lru.pop_first() else { break };
+            evicted += self.evict_unit(first, &mut changed);
+        }
+        let others = self.settle(changed, Some(k));
+        // The entry runs again, mapping the hit (as `acquire`).
+        let h = self.holders.get_mut(&k).expect("the entry");
+        h.running = true;
+        h.taken = taken;
+        for &u in hit {
+            let unit = self.units[u as usize].as_mut().expect("a hit unit");
+            if unit.refs > 0 {
+                self.shared_live_units += 1;
+            }
+            unit.refs += 1;
+        }
+        if m > 0 {
+            self.stats.hits += 1;
+            self.stats.hit_units += m as u64;
+        }
+        self.stats.take_overs += 1;
+        self.stats.early_evicted_units += evicted.saturating_sub(need);
+        Some((k, others))
     }
 
     /// Checks the books: every queued unit has no running user, every
@@ -492,6 +604,11 @@ pub struct ArenaPrefixCache {
     /// arena's address space had no range for a new reservation.
     va_evictions: u64,
     peak_entries: u64,
+    /// Admissions that took over an entry's allocation, and the bytes of
+    /// its mapped chunks they reused in place (past their hit).
+    take_overs: u64,
+    take_over_failures: u64,
+    reused_bytes: u64,
     /// Resizes or frees of entries that failed (the arena is unchanged by
     /// a failed call; the books count the memory as evicted).
     errors: u64,
@@ -513,6 +630,9 @@ impl ArenaPrefixCache {
             evict_frees: 0,
             va_evictions: 0,
             peak_entries: 0,
+            take_overs: 0,
+            take_over_failures: 0,
+            reused_bytes: 0,
             errors: 0,
             last_error: None,
         })
@@ -539,6 +659,11 @@ impl ArenaPrefixCache {
         let full = q.full_hash_blocks() as usize;
         let hit = self.books.lookup(q.prompt, &q.hash_ids, full);
         let hit_bytes = hit.units.len() as u64 * self.unit_bytes;
+        if let Some(id) = self.take_over(arena, &hit.units, size, discard) {
+            self.books.cache_own(id, &q.hash_ids, full);
+            self.note_peaks(arena);
+            return Ok((id, hit_bytes / self.unit_bytes * self.books.unit_tokens()));
+        }
         let id = match hit.source {
             Some(src) => {
                 let (id, _) = arena.alloc_shared(src, 0, hit_bytes, max)?;
@@ -567,6 +692,35 @@ impl ArenaPrefixCache {
         self.note_peaks(arena);
         self.peak_entries = self.peak_entries.max(self.books.entries());
         Ok((id, hit_bytes / self.unit_bytes * self.books.unit_tokens()))
+    }
+
+    /// Where this admission must evict, gives it an entry's allocation that
+    /// already maps its hit ([`PrefixCache::take_over`]), resized to `size`.
+    fn take_over(&mut self, arena: &Arena, hit: &[u32], size: u64, discard: bool) -> Option<Id> {
+        let s = arena.stats().ok()?;
+        let need = (size - hit.len() as u64 * self.unit_bytes).saturating_sub(s.capacity_bytes - s.mapped_bytes);
+        let (id, others) = self.books.take_over(hit, need.div_ceil(self.unit_bytes))?;
+        for (k, r) in others {
+            match r {
+                Release::Keep(_) => self.evict_resizes += 1,
+                Release::Free(_) => self.evict_frees += 1,
+            }
+            self.apply(arena, k, r, discard);
+        }
+        self.take_overs += 1;
+        let backed = arena.query(id).map_or(0, |i| i.mapped_bytes);
+        self.reused_bytes += backed.min(size).saturating_sub(hit.len() as u64 * self.unit_bytes);
+        match self.grow_to(arena, id, backed, size, discard) {
+            Ok(()) => Some(id),
+            Err(_) => {
+                // It goes back to being an entry of its hit (or is freed):
+                // the admission fails, as it would have without the take-over.
+                self.take_over_failures += 1;
+                let r = self.books.release(id);
+                self.apply(arena, id, r, discard);
+                None
+            }
+        }
     }
 
     /// Grows a running request's allocation from `backed` to `new_size`
@@ -686,6 +840,10 @@ impl ArenaPrefixCache {
             ("prefix_entries_now".into(), self.books.entries().to_string()),
             ("peak_prefix_entries".into(), self.peak_entries.to_string()),
             ("va_evictions".into(), self.va_evictions.to_string()),
+            ("take_overs".into(), self.take_overs.to_string()),
+            ("early_evicted_units".into(), st.early_evicted_units.to_string()),
+            ("take_over_failures".into(), self.take_over_failures.to_string()),
+            ("take_over_reused_bytes".into(), self.reused_bytes.to_string()),
             ("cached_prefixes".into(), self.books.cached_prefixes().to_string()),
             ("cached_units_now".into(), self.books.cached_units().to_string()),
             ("evict_resizes".into(), self.evict_resizes.to_string()),
@@ -789,5 +947,29 @@ mod tests {
         c.check().unwrap();
         // The order is intact: the tail still goes first.
         assert_eq!(c.evict(1), vec![(1, Release::Keep(1))]);
+    }
+
+    /// An admission sharing h10 that needs two units evicted takes over
+    /// entry 1 (which maps h10, and whose h11 units are the two oldest),
+    /// not entry 2 (its h12 units were queued later).
+    #[test]
+    fn take_over_reuses_the_entry_whose_tail_lru_would_evict() {
+        let mut c = cache();
+        admit(&mut c, 1, 17, &[10, 11]); // a0 a1 b0 b1
+        c.release(1); // queue: b1 b0 a1 a0
+        admit(&mut c, 2, 17, &[10, 12]); // shares a0 a1, computes c0 c1
+        c.release(2); // queue: b1 b0 c1 c0 a1 a0
+        let hit = c.lookup(17, &[10, 13], 2);
+        assert_eq!((hit.units.len(), hit.source), (2, Some(1)));
+        assert_eq!(c.take_over(&hit.units, 0), None, "nothing to evict: a new allocation shares the hit");
+        let (k, others) = c.take_over(&hit.units, 2).expect("entry 1 fits");
+        assert_eq!((k, others), (1, vec![]));
+        assert_eq!((c.stats.evicted_units, c.stats.take_overs, c.stats.hits), (2, 1, 2));
+        assert_eq!(c.cache_own(1, &[10, 13], 2), 4, "h10, then h13 cached in entry 1's own place");
+        c.check().unwrap();
+        assert_eq!(c.shared_live_units(), 0);
+        // Entry 2's tail is not among the 2 oldest now (c1 c0 are), but for 3
+        // units a request without a hit takes nothing: h10's units are in use.
+        assert_eq!(c.take_over(&[], 3), None);
     }
 }
