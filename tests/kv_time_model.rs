@@ -199,6 +199,7 @@ fn prefix_hits_follow_the_chain_and_lru_eviction() {
 /// - R5 [h1 h2]: 1008 again from R1's 63; completes h2 with its own unit.
 /// - R6 [h1 h3]: h1 and the 3 units of h3 left (560 tokens) from R2's
 ///   entry; completes h3.
+///
 /// Every hit token's tag is read back through the shared chunks.
 #[test]
 fn arena_prefix_cache_shares_chunks_evicts_lru_and_cuts_chains() {
