@@ -327,7 +327,7 @@ fn pinned_host_buffers_round_trip_and_outlive_the_driver() {
     d.write(span.base, &want).unwrap();
     d.read(span.base, buf.as_mut_slice()).unwrap();
     assert!(buf.as_slice() == want.as_slice(), "device to pinned host");
-    d.fill_u32(span.base, 0, (2 * c / 4) as u64).unwrap();
+    d.fill_u32(span.base, 0, 2 * c / 4).unwrap();
     d.write(span.base, buf.as_slice()).unwrap();
     let mut back = vec![0u8; n];
     d.read(span.base, &mut back).unwrap();
