@@ -421,7 +421,9 @@ enum vmm_arena_status vmm_arena_free(struct vmm_arena *arena, vmm_arena_id id);
  * Grows or shrinks, keeping the first min(old, new) bytes. Grows in place
  * when it can, else moves by remapping (never by copying a chunk); after a
  * move the reservation is at least new_size. Shrinking gives whole tail
- * chunks back to the pool. out_ptr receives the (maybe new) address.
+ * chunks back to the pool, but a chunk another allocation also maps
+ * (vmm_arena_alloc_shared) stays with it. out_ptr receives the (maybe new)
+ * address.
  *
  * # Safety
  * `arena` is NULL or a live handle; `out_ptr` is NULL or writable.
