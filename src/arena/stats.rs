@@ -54,6 +54,10 @@ pub struct Stats {
     pub asleep_bytes: u64,
     /// Host bytes held as sleeping allocations' backups.
     pub backup_bytes: u64,
+    /// Physical bytes mapped by more than one live allocation (see
+    /// [`Arena::alloc_shared`]), each chunk once; they count once in
+    /// `mapped_bytes` too.
+    pub shared_bytes: u64,
 }
 
 /// What [`Arena::compact`] did.
@@ -104,7 +108,7 @@ impl Arena {
         Stats {
             live_allocations: st.live_count + st.small.live,
             live_bytes: st.live_bytes + st.small.live_bytes,
-            mapped_bytes: (st.backed_pages - idle_slabs) * c,
+            mapped_bytes: (st.backing_chunks() - idle_slabs) * c,
             pooled_bytes: (st.pooled_pages() + idle_slabs) * c,
             peak_physical_bytes: st.peak_held_pages.max(st.held_pages()) * c,
             capacity_bytes: st.cap_pages * c,
@@ -127,6 +131,7 @@ impl Arena {
             small_slabs: st.small.slab_count(),
             asleep_bytes: st.asleep_pages * c,
             backup_bytes: st.backup_bytes,
+            shared_bytes: st.shared.len() as u64 * c,
         }
     }
 
