@@ -98,6 +98,12 @@ impl Arena {
     /// Grows or shrinks an allocation, keeping its first `min(old, new)`
     /// bytes. Grows in place when its reservation (or the free space after
     /// it) allows, else moves it by remapping. Returns the (maybe new) address.
+    ///
+    /// Shrinking gives whole tail chunks to the pool, but a chunk another
+    /// allocation also maps (see [`Arena::alloc_shared`]) stays with it: a
+    /// growable allocation unmaps its page of that chunk at once (after a
+    /// device synchronize: the one shrink that makes driver calls, and can
+    /// fail, leaving the allocation as it was), any other retires it.
     pub fn resize(&self, id: Id, new_size: u64) -> Result<u64> {
         let chunk = self.chunk;
         let np = pages_for(new_size, chunk, "new_size")?;

@@ -245,7 +245,11 @@ pub(super) fn alloc_shared_pages(
 /// The books of putting `slot` to sleep, its pages already unmapped:
 /// each page drops its reference; a page whose chunk was shared joins the
 /// chunk's group. Returns the chunks nobody maps any more (to release).
-pub(super) fn sleep_books(st: &mut State, slot: u32, backup: Option<std::sync::Arc<Vec<u8>>>) -> Vec<ChunkHandle> {
+pub(super) fn sleep_books(
+    st: &mut State,
+    slot: u32,
+    backup: Option<std::sync::Arc<crate::driver::HostBuffer>>,
+) -> Vec<ChunkHandle> {
     let a = st.alloc(slot).clone();
     let mut doomed = Vec::new();
     let mut shares = Vec::new();
