@@ -27,7 +27,7 @@ fn run(name: &str, layout: Layout, capacity: u64, requests: &[trace::Request]) -
     let s = shape(layout);
     let max_batch = 64;
     let reserve = managers::arena_reserve(s, capacity, max_batch);
-    let arena = ArenaOptions { capacity, reserve, retain: u64::MAX, no_implicit_moves: false };
+    let arena = ArenaOptions::new(capacity, reserve);
     let max_tokens = requests.iter().map(|q| q.output).max().unwrap_or(1);
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens };
     let mut m = managers::build(name, s, opts).expect("manager");
