@@ -335,3 +335,59 @@ fn plain_frees_under_pressure_synchronize_to_steal() {
     assert_eq!((r.critical_path_syncs, r.critical_path_event_waits, c.event_record), (1, 0, 0));
     assert_eq!(r.between_calls.management() + r.between_calls.drains(), 0, "nothing between steps");
 }
+
+/// The same load on `arena`: B's preemption frees it on the stream, so its
+/// chunks are not reusable within step 2 (the event completes when the GPU
+/// has finished step 2). A's retry finds nothing else: the arena waits on
+/// that event (one blocking wait, no device synchronize), and B's chunks,
+/// now known idle, are stolen without one: an unmap of one chunk, a map and
+/// an access call in step 2, the same again in step 4. Three frees on the
+/// stream (B preempted, A, B) record three events. The calls cost what
+/// `arena-sync`'s cost (2 unmapped chunks, no event cost in this profile)
+/// and the one drain loses the same overlap: the same simulated time.
+#[test]
+fn stream_frees_are_not_reusable_within_their_step() {
+    let r = run_tight("arena");
+    let c = r.critical_calls;
+    assert_eq!(r.preemptions, 1);
+    assert_eq!(
+        (c.create, c.map, c.set_access, c.set_access_chunks, c.unmap, c.unmap_chunks),
+        (4, 6, 4, 6, 2, 2),
+        "{c:?}"
+    );
+    assert_eq!((r.critical_path_syncs, r.critical_path_event_waits, c.event_record), (0, 1, 3));
+    assert_eq!(r.between_calls.management() + r.between_calls.drains(), 0, "prefetch is off");
+    let sync = run_tight("arena-sync");
+    assert!(
+        close(r.simulated_seconds, sync.simulated_seconds),
+        "{} vs {}",
+        r.simulated_seconds,
+        sync.simulated_seconds
+    );
+}
+
+/// `arena` with its default prefetch (4 chunks created ahead, one mapped
+/// ahead of each tensor) on the one-request load of
+/// `driver_calls_on_the_critical_path_are_charged`: admission still
+/// creates, maps and sets access on its chunk (111 µs: nothing was ready
+/// yet). Between step 1 and 2, `maintain` creates the 4 chunks and one more
+/// mapped ahead of the tensor (5 creates, a map, an access call: 511 µs,
+/// under the GPU's 2 ms). Step 2's growth adopts that chunk: no call; after
+/// it, `maintain` maps a pooled chunk ahead and creates one to refill the
+/// pool (111 µs, hidden). Step 3's free on the stream records an event.
+/// So 111 µs charged instead of 222, 622 µs hidden, 7 chunks created.
+#[test]
+fn prefetch_moves_driver_work_between_steps() {
+    let mib = 1 << 20;
+    let r = run("arena", mib, 64 * mib, &[req(0.0, 1, 3, &[])]);
+    let decode = |kv: u64| (2e9 + kv as f64) / 1e12;
+    let steps = [4e-6 + decode(mib) + 111e-6, decode(2 * mib), decode(3 * mib)];
+    assert!(close(r.critical_path_alloc_s, 111e-6), "{}", r.critical_path_alloc_s);
+    assert!(close(r.overlapped_alloc_s, 622e-6), "{}", r.overlapped_alloc_s);
+    assert!(close(r.simulated_seconds, steps.iter().sum()), "{} vs {steps:?}", r.simulated_seconds);
+    let (c, b) = (r.critical_calls, r.between_calls);
+    assert_eq!((c.create, c.map, c.set_access, c.event_record), (1, 1, 1, 1), "{c:?}");
+    assert_eq!((b.create, b.map, b.set_access, b.drains()), (6, 2, 2, 0), "{b:?}");
+    assert_eq!(r.peak_physical_bytes, 14 * mib);
+    assert_eq!((r.critical_path_creates, r.critical_path_creates_warm), (1, 0));
+}

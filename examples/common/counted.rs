@@ -410,6 +410,9 @@ impl<D: Driver> Driver for Counted<D> {
         e.query += 1;
         e.complete(event)
     }
+    fn wait_event(&self, event: u64) -> Result<()> {
+        self.wait_for_event(event)
+    }
     fn destroy_event(&self, event: u64) -> Result<()> {
         let mut e = self.events()?;
         e.destroy += 1;

@@ -1,5 +1,6 @@
 //! KV-cache managers driven by the replay: vmm-arena (with and without
-//! implicit moves) and the baselines — PyTorch's caching allocator (native
+//! implicit moves, driven with stream-ordered frees, prefetch and batch
+//! growth; and `arena-sync`, driven as before) and the baselines — PyTorch's caching allocator (native
 //! and expandable segments) holding each request's KV as contiguous tensors
 //! grown by doubling with a copy, and vLLM's static block pool.
 //!
@@ -576,6 +577,18 @@ impl KvManager for ArenaMgr {
             ("driver_syncs".into(), s.driver_syncs.to_string()),
             ("release_retired_errors".into(), self.release_errors.to_string()),
             ("maintain_errors".into(), self.maintain_errors.to_string()),
+            ("arena_caller_driver_calls".into(), s.caller_driver_calls.to_string()),
+            ("arena_caller_creates".into(), s.caller_creates.to_string()),
+            ("arena_caller_syncs".into(), s.caller_syncs.to_string()),
+            ("arena_maintain_driver_calls".into(), s.maintain_driver_calls.to_string()),
+            ("arena_maintain_failures".into(), s.maintain_failures.to_string()),
+            ("arena_stream_frees".into(), s.stream_frees.to_string()),
+            ("arena_event_polls".into(), s.event_polls.to_string()),
+            ("arena_event_waits".into(), s.event_waits.to_string()),
+            ("arena_pending_free_bytes".into(), s.pending_free_bytes.to_string()),
+            ("arena_prefetched_bytes".into(), s.prefetched_bytes.to_string()),
+            ("arena_final_pooled_bytes".into(), s.pooled_bytes.to_string()),
+            ("arena_final_cached_mapped_bytes".into(), s.cached_mapped_bytes.to_string()),
             ("arena_mode".into(), format!("{:?}", format!("{:?}", self.mode).to_lowercase())),
         ]
     }
