@@ -57,6 +57,8 @@ fn index(k: CallKind) -> usize {
         CallKind::Data => 8,
         // Stream events: every call counts here, and by kind in `Events`.
         CallKind::Event => 9,
+        // Host buffers for sleep backups: counted, not modeled.
+        CallKind::HostAlloc => 10,
     }
 }
 
@@ -194,9 +196,9 @@ impl Events {
 pub struct Counted<D> {
     inner: D,
     capacity: u64,
-    counts: [AtomicU64; 10],
+    counts: [AtomicU64; 11],
     /// Chunks covered, by call kind (see [`Calls::create_chunks`]).
-    chunks: [AtomicU64; 10],
+    chunks: [AtomicU64; 11],
     create_failed: AtomicU64,
     live: AtomicU64,
     peak: AtomicU64,
@@ -420,6 +422,10 @@ impl<D: Driver> Driver for Counted<D> {
             Some(_) => Ok(()),
             None => Err(Error::InvalidArgument(format!("event {event} is unknown or destroyed"))),
         }
+    }
+    fn alloc_host(&self, len: usize) -> Result<vmm_arena::driver::HostBuffer> {
+        self.count(CallKind::HostAlloc);
+        self.inner.alloc_host(len)
     }
 }
 
