@@ -13,8 +13,9 @@
 //! - `release` punches the chunk's hole (`fallocate(PUNCH_HOLE)`), giving the
 //!   pages back to the kernel, once the chunk's last mapping is gone.
 //!
-//! Every call is first checked against [`Rules`], so an arena bug that a GPU
-//! driver would reject fails here too instead of silently working.
+//! Every call is first checked against the CUDA rules checker (`rules.rs`),
+//! so an arena bug that a GPU driver would reject fails here too instead of
+//! silently working.
 #![allow(unsafe_code)]
 
 use super::{ChunkHandle, Driver, Granularity};
