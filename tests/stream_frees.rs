@@ -298,3 +298,38 @@ fn resize_and_compaction_never_touch_a_pending_free() {
     a.free(w).unwrap();
     check(&a);
 }
+
+#[test]
+fn failed_event_polls_waits_and_destroys_lose_nothing() {
+    let d = Arc::new(FaultDriver::new(MockDriver::with_streams(C, 1 << 30)));
+    let cfg = ArenaConfig { capacity_bytes: 2 * C, reserve_bytes: 16 * C, chunk_bytes: C, ..Default::default() };
+    let a = Arena::with_driver(d.clone(), cfg).unwrap();
+    let (x, _) = a.alloc(C).unwrap();
+    let (y, _) = a.alloc(C).unwrap();
+    // A failed poll: the free stays pending, and is reaped by a later poll.
+    a.free_on_stream(x, 1).unwrap();
+    d.inner().complete_all_events();
+    d.fail_nth(Some(CallKind::Event), 1, FaultKind::Driver);
+    a.maintain().unwrap();
+    assert_eq!(a.stats().unwrap().pending_free_bytes, C, "not seen complete yet");
+    a.maintain().unwrap();
+    assert_eq!(a.stats().unwrap().pending_free_bytes, 0);
+    // A failed destroy: the memory is reaped all the same (one event leaks).
+    a.free_on_stream(y, 1).unwrap();
+    d.inner().complete_all_events();
+    d.fail_nth(Some(CallKind::Event), 2, FaultKind::Driver);
+    a.maintain().unwrap();
+    assert_eq!(a.stats().unwrap().pending_free_bytes, 0);
+    check(&a);
+    // A failed wait: the request fails with it, the free stays pending.
+    let (z, _) = a.alloc(2 * C).unwrap();
+    a.free_on_stream(z, 3).unwrap();
+    let before = Snap::of(&a).without_driver_counters();
+    d.fail_nth(Some(CallKind::Event), 2, FaultKind::Driver); // the poll passes, the wait fails
+    assert!(matches!(a.alloc(C), Err(Error::Driver { .. })));
+    assert_eq!(Snap::of(&a).without_driver_counters(), before);
+    let (w, _) = a.alloc(C).unwrap();
+    assert_eq!(a.stats().unwrap().event_waits, 1);
+    a.free(w).unwrap();
+    check(&a);
+}
