@@ -175,7 +175,8 @@ fn a_callback_calling_into_its_arena_is_refused_under_loom() {
 /// it is a `Driver`, and no part of the protocol under test).
 fn mock_arena(cap: u64, reserve: u64) -> (std::sync::Arc<MockDriver>, Arena) {
     let d = std::sync::Arc::new(MockDriver::new(C, 1 << 30));
-    let cfg = ArenaConfig { capacity_bytes: cap * C, reserve_bytes: reserve * C, chunk_bytes: C, ..ArenaConfig::default() };
+    let cfg =
+        ArenaConfig { capacity_bytes: cap * C, reserve_bytes: reserve * C, chunk_bytes: C, ..ArenaConfig::default() };
     (d.clone(), Arena::with_driver(d, cfg).unwrap())
 }
 
