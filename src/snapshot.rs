@@ -1,5 +1,7 @@
 //! The JSON snapshot of an arena: every range in address order and the stats.
 //!
+//! `inflight_chunks`: chunks the prefetcher is creating or mapping outside
+//! the lock at this moment (held, counted in `pooled_bytes`).
 //! Slabs of small allocations appear as `"kind":"slab"` ranges, the
 //! reservations of allocations freed on a stream whose event has not
 //! completed as `"kind":"pending"` (with the `mapped_bytes` they hold). A live
@@ -19,9 +21,10 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
     let mut s = String::with_capacity(256 + st.by_start.len() * 160);
     let _ = write!(
         s,
-        "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"ranges\":[",
+        "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"inflight_chunks\":{},\"ranges\":[",
         st.base,
-        st.pool.len()
+        st.pool.len(),
+        st.inflight_pages
     );
     let cached_in = |from: u64, to: u64| st.cached.range(from..to).count() as u64 * c;
     for (i, (start, len, kind)) in st.segments().into_iter().enumerate() {

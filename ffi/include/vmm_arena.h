@@ -424,6 +424,7 @@ enum vmm_arena_status vmm_arena_free_on_stream(struct vmm_arena *arena,
  *    mapped and accessible right after its backed size, as many as its
  *    reservation has room for up to this amount (growth into them makes no
  *    driver call). They do not count toward precreate_bytes.
+ *
  * Both count in pooled_bytes, are held within the capacity left by live
  * allocations, and are the first to be used or given back under pressure:
  * they never cause an OUT_OF_MEMORY. 0, 0 (the default) turns it off. The
@@ -453,12 +454,13 @@ enum vmm_arena_status vmm_arena_maintain(struct vmm_arena *arena);
 
 /**
  * Resizes count allocations in one call (e.g. every running sequence's KV
- * cache before a decode step), ids[i] to new_sizes[i], each as
- * vmm_arena_resize would, planned together: one choice of chunk sources, at
- * most one device synchronization and one access call per contiguous run
- * of newly mapped pages across all of them. out_ptrs[i] receives ids[i]'s
- * address after the whole call (an allocation may move when it outgrows
- * its reservation, or when room is made for another). All or nothing: on
+ * cache before a decode step): the allocation ids names at each index to
+ * the size new_sizes holds at that index, each as vmm_arena_resize would,
+ * planned together: one choice of chunk sources, at most one device
+ * synchronization and one access call per contiguous run of newly mapped
+ * pages across all of them. out_ptrs receives, at the same index, each
+ * allocation's address after the whole call (an allocation may move when
+ * it outgrows its reservation, or when room is made for another). All or nothing: on
  * any error no allocation has changed and out_ptrs is not written.
  * count == 0 does nothing (the pointers may then be NULL). Statuses, in
  * this precedence: INVALID_ARGUMENT (arena, ids, new_sizes or out_ptrs

@@ -424,7 +424,8 @@ class Arena {
      vmm_arena_resize_many); returns their addresses, in order. */
   std::vector<uint64_t> resize_many(const std::vector<Id> &ids, const std::vector<uint64_t> &new_sizes) {
     if (ids.size() != new_sizes.size())
-      throw Error(Status::InvalidArgument, "resize_many: ids and new_sizes differ in length");
+      throw Error(Status::InvalidArgument,
+                  std::string(status_name(Status::InvalidArgument)) + ": resize_many: ids and new_sizes differ in length");
     std::vector<uint64_t> ptrs(ids.size());
     detail::check(vmm_arena_resize_many(handle_, ids.data(), new_sizes.data(), ids.size(), ptrs.data()));
     return ptrs;

@@ -204,6 +204,14 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
     if ahead > 0 {
         let missing: Vec<Vec<u64>> = missing_ahead(st, ahead).collect();
         if let Some(first) = missing.first() {
+            // Chunks for the whole window first, so that it is mapped in
+            // one round with one access call.
+            let short = (first.len() as u64).saturating_sub(st.pool.len() as u64);
+            if short > 0 && create_room > 0 {
+                let n = short.min(create_room).min(CREATES_PER_ROUND);
+                st.inflight_pages += n;
+                return Some(Round::Create(n));
+            }
             if !st.pool.is_empty() {
                 let k = first.len().min(st.pool.len());
                 let chunks = st.pool.split_off(st.pool.len() - k);

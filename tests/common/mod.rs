@@ -307,6 +307,8 @@ pub struct Snap {
     pub base: u64,
     pub chunk: u64,
     pub pooled_unmapped_chunks: u64,
+    /// Chunks the prefetcher works on outside the lock (held, pooled).
+    pub inflight_chunks: u64,
     pub ranges: Vec<Range>,
     pub stats: BTreeMap<String, u64>,
 }
@@ -370,6 +372,7 @@ impl Snap {
             base: j.u64("base"),
             chunk: j.u64("chunk_bytes"),
             pooled_unmapped_chunks: j.u64("pooled_unmapped_chunks"),
+            inflight_chunks: j.u64("inflight_chunks"),
             ranges,
             stats,
         }
@@ -544,7 +547,7 @@ impl Snap {
         assert_eq!(s["cached_mapped_bytes"], cached);
         assert_eq!(
             s["pooled_bytes"],
-            cached + (self.pooled_unmapped_chunks + idle_slabs) * c + s["pending_free_bytes"],
+            cached + (self.pooled_unmapped_chunks + self.inflight_chunks + idle_slabs) * c + s["pending_free_bytes"],
             "pooled = cached + unmapped pool + slabs of retired objects + pending frees"
         );
         let pending: u64 = self.ranges.iter().filter(|r| r.kind == Kind::Pending).map(|r| r.mapped_bytes).sum();
