@@ -93,10 +93,12 @@ impl Arena {
     /// between decode steps, while the device computes), and gives back the
     /// memory of stream-ordered frees whose events have completed.
     ///
-    /// Best effort: falling short of a target is not an error. A driver
-    /// failure is returned (`Error::Driver`, or `OutOfMemory` from the
-    /// driver) and keeps what was completed before it, with the arena
-    /// consistent and nothing lost; it counts in `maintain_failures`. Other
+    /// Best effort: falling short of a target is not an error, and neither
+    /// is a driver out of memory (the device has no more for the targets;
+    /// it ends the call early and counts in `maintain_failures`). Another
+    /// driver failure is returned (`Error::Driver`) and keeps what was
+    /// completed before it, with the arena consistent and nothing lost; it
+    /// counts in `maintain_failures` too. Other
     /// threads' calls are not held up for the duration of its driver calls
     /// (see the module docs). Its driver calls count in
     /// `maintain_driver_calls`, not `caller_driver_calls`. If another
@@ -134,9 +136,18 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
         progressed = true;
         let failed = commit(&mut inner, round, done);
         sh.round_done.notify_all();
-        if let Err(e) = failed {
-            inner.maintain_failures += 1;
-            break Err(e);
+        match failed {
+            Ok(()) => {}
+            // The device has no memory for more: the target is out of
+            // reach, which is no error (the contract), but it is counted.
+            Err(Error::OutOfMemory(_)) => {
+                inner.maintain_failures += 1;
+                break Ok(());
+            }
+            Err(e) => {
+                inner.maintain_failures += 1;
+                break Err(e);
+            }
         }
     };
     inner.maintaining = false;
