@@ -82,6 +82,7 @@ impl Arena {
         inner.st.prefetch = (precreate_bytes.div_ceil(c), map_ahead_bytes.div_ceil(c));
         inner.st.prefetch_dirty = true;
         if inner.worker_waiting {
+            inner.st.prefetch_dirty = false;
             inner.worker_waiting = false;
             self.sh.work.notify_one();
         }
@@ -116,6 +117,8 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
         return Ok(false);
     }
     let ctx = sh.bg_ctx();
+    // Everything is looked at now; what changes meanwhile sets it again.
+    inner.st.prefetch_dirty = false;
     let mut progressed = reap(&mut inner.st, &ctx, Poll::All) > 0;
     if progressed {
         super::pool::enforce_watermark(&mut inner, &ctx);
