@@ -216,8 +216,7 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
     };
     let create_room = room.min(retain_room);
     if ahead > 0 {
-        let missing: Vec<Vec<u64>> = missing_ahead(st, ahead).collect();
-        if let Some(first) = missing.first() {
+        if let Some(first) = missing_ahead(st, ahead).next() {
             // Chunks for the whole window first, so that it is mapped in
             // one round with one access call.
             let short = (first.len() as u64).saturating_sub(st.pool.len() as u64);
@@ -226,21 +225,15 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
                 st.inflight_pages += n;
                 return Some(Round::Create(n));
             }
-            if !st.pool.is_empty() {
-                let k = first.len().min(st.pool.len());
-                let chunks = st.pool.split_off(st.pool.len() - k);
-                let work: Vec<(u64, ChunkHandle)> = first[..k].iter().copied().zip(chunks).collect();
-                st.inflight_pages += k as u64;
-                st.set_aside.extend(work.iter().map(|&(p, _)| p));
-                return Some(Round::Map(work));
+            if st.pool.is_empty() {
+                return None;
             }
-            let wanted: u64 = missing.iter().map(|m| m.len() as u64).sum::<u64>() + pre;
-            if create_room > 0 {
-                let n = wanted.min(create_room).min(CREATES_PER_ROUND);
-                st.inflight_pages += n;
-                return Some(Round::Create(n));
-            }
-            return None;
+            let k = first.len().min(st.pool.len());
+            let chunks = st.pool.split_off(st.pool.len() - k);
+            let work: Vec<(u64, ChunkHandle)> = first[..k].iter().copied().zip(chunks).collect();
+            st.inflight_pages += k as u64;
+            st.set_aside.extend(work.iter().map(|&(p, _)| p));
+            return Some(Round::Map(work));
         }
     }
     let have = st.pool.len() as u64;
