@@ -215,26 +215,26 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
         (st.retain_bytes / st.chunk).saturating_sub(st.pooled_pages() + st.inflight_pages)
     };
     let create_room = room.min(retain_room);
-    if ahead > 0 {
-        if let Some(first) = missing_ahead(st, ahead).next() {
-            // Chunks for the whole window first, so that it is mapped in
-            // one round with one access call.
-            let short = (first.len() as u64).saturating_sub(st.pool.len() as u64);
-            if short > 0 && create_room > 0 {
-                let n = short.min(create_room).min(CREATES_PER_ROUND);
-                st.inflight_pages += n;
-                return Some(Round::Create(n));
-            }
-            if st.pool.is_empty() {
-                return None;
-            }
-            let k = first.len().min(st.pool.len());
-            let chunks = st.pool.split_off(st.pool.len() - k);
-            let work: Vec<(u64, ChunkHandle)> = first[..k].iter().copied().zip(chunks).collect();
-            st.inflight_pages += k as u64;
-            st.set_aside.extend(work.iter().map(|&(p, _)| p));
-            return Some(Round::Map(work));
+    // (A separate statement: the scan's borrow ends before `st` changes.)
+    let first = if ahead > 0 { missing_ahead(st, ahead).next() } else { None };
+    if let Some(first) = first {
+        // Chunks for the whole window first, so that it is mapped in
+        // one round with one access call.
+        let short = (first.len() as u64).saturating_sub(st.pool.len() as u64);
+        if short > 0 && create_room > 0 {
+            let n = short.min(create_room).min(CREATES_PER_ROUND);
+            st.inflight_pages += n;
+            return Some(Round::Create(n));
         }
+        if st.pool.is_empty() {
+            return None;
+        }
+        let k = first.len().min(st.pool.len());
+        let chunks = st.pool.split_off(st.pool.len() - k);
+        let work: Vec<(u64, ChunkHandle)> = first[..k].iter().copied().zip(chunks).collect();
+        st.inflight_pages += k as u64;
+        st.set_aside.extend(work.iter().map(|&(p, _)| p));
+        return Some(Round::Map(work));
     }
     let have = st.pool.len() as u64;
     if have < pre && create_room > 0 {
