@@ -447,11 +447,12 @@ impl Arena {
         };
         enforce_watermark(&mut inner, &ctx);
         inner.st.note_peak();
-        if inner.st.prefetch_dirty {
-            inner.st.prefetch_dirty = false;
+        // The flag stays set for a busy worker to see before it sleeps.
+        if inner.st.prefetch_dirty && inner.worker_waiting {
             let wanted = inner.st.prefetch != (0, 0) || !inner.st.pending.is_empty();
-            if inner.worker_waiting && wanted {
+            if wanted {
                 // Once per wait of the worker: a futex wake, no driver call.
+                inner.st.prefetch_dirty = false;
                 inner.worker_waiting = false;
                 self.sh.work.notify_one();
             }

@@ -82,6 +82,7 @@ impl Arena {
         inner.st.prefetch = (precreate_bytes.div_ceil(c), map_ahead_bytes.div_ceil(c));
         inner.st.prefetch_dirty = true;
         if inner.worker_waiting {
+            inner.st.prefetch_dirty = false;
             inner.worker_waiting = false;
             self.sh.work.notify_one();
         }
@@ -93,10 +94,12 @@ impl Arena {
     /// between decode steps, while the device computes), and gives back the
     /// memory of stream-ordered frees whose events have completed.
     ///
-    /// Best effort: falling short of a target is not an error. A driver
-    /// failure is returned (`Error::Driver`, or `OutOfMemory` from the
-    /// driver) and keeps what was completed before it, with the arena
-    /// consistent and nothing lost; it counts in `maintain_failures`. Other
+    /// Best effort: falling short of a target is not an error, and neither
+    /// is a driver out of memory (the device has no more for the targets;
+    /// it ends the call early and counts in `maintain_failures`). Another
+    /// driver failure is returned (`Error::Driver`) and keeps what was
+    /// completed before it, with the arena consistent and nothing lost; it
+    /// counts in `maintain_failures` too. Other
     /// threads' calls are not held up for the duration of its driver calls
     /// (see the module docs). Its driver calls count in
     /// `maintain_driver_calls`, not `caller_driver_calls`. If another
@@ -114,6 +117,8 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
         return Ok(false);
     }
     let ctx = sh.bg_ctx();
+    // Everything is looked at now; what changes meanwhile sets it again.
+    inner.st.prefetch_dirty = false;
     let mut progressed = reap(&mut inner.st, &ctx, Poll::All) > 0;
     if progressed {
         super::pool::enforce_watermark(&mut inner, &ctx);
@@ -134,9 +139,18 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
         progressed = true;
         let failed = commit(&mut inner, round, done);
         sh.round_done.notify_all();
-        if let Err(e) = failed {
-            inner.maintain_failures += 1;
-            break Err(e);
+        match failed {
+            Ok(()) => {}
+            // The device has no memory for more: the target is out of
+            // reach, which is no error (the contract), but it is counted.
+            Err(Error::OutOfMemory(_)) => {
+                inner.maintain_failures += 1;
+                break Ok(());
+            }
+            Err(e) => {
+                inner.maintain_failures += 1;
+                break Err(e);
+            }
         }
     };
     inner.maintaining = false;
@@ -201,33 +215,26 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
         (st.retain_bytes / st.chunk).saturating_sub(st.pooled_pages() + st.inflight_pages)
     };
     let create_room = room.min(retain_room);
-    if ahead > 0 {
-        let missing: Vec<Vec<u64>> = missing_ahead(st, ahead).collect();
-        if let Some(first) = missing.first() {
-            // Chunks for the whole window first, so that it is mapped in
-            // one round with one access call.
-            let short = (first.len() as u64).saturating_sub(st.pool.len() as u64);
-            if short > 0 && create_room > 0 {
-                let n = short.min(create_room).min(CREATES_PER_ROUND);
-                st.inflight_pages += n;
-                return Some(Round::Create(n));
-            }
-            if !st.pool.is_empty() {
-                let k = first.len().min(st.pool.len());
-                let chunks = st.pool.split_off(st.pool.len() - k);
-                let work: Vec<(u64, ChunkHandle)> = first[..k].iter().copied().zip(chunks).collect();
-                st.inflight_pages += k as u64;
-                st.set_aside.extend(work.iter().map(|&(p, _)| p));
-                return Some(Round::Map(work));
-            }
-            let wanted: u64 = missing.iter().map(|m| m.len() as u64).sum::<u64>() + pre;
-            if create_room > 0 {
-                let n = wanted.min(create_room).min(CREATES_PER_ROUND);
-                st.inflight_pages += n;
-                return Some(Round::Create(n));
-            }
+    // (A separate statement: the scan's borrow ends before `st` changes.)
+    let first = if ahead > 0 { missing_ahead(st, ahead).next() } else { None };
+    if let Some(first) = first {
+        // Chunks for the whole window first, so that it is mapped in
+        // one round with one access call.
+        let short = (first.len() as u64).saturating_sub(st.pool.len() as u64);
+        if short > 0 && create_room > 0 {
+            let n = short.min(create_room).min(CREATES_PER_ROUND);
+            st.inflight_pages += n;
+            return Some(Round::Create(n));
+        }
+        if st.pool.is_empty() {
             return None;
         }
+        let k = first.len().min(st.pool.len());
+        let chunks = st.pool.split_off(st.pool.len() - k);
+        let work: Vec<(u64, ChunkHandle)> = first[..k].iter().copied().zip(chunks).collect();
+        st.inflight_pages += k as u64;
+        st.set_aside.extend(work.iter().map(|&(p, _)| p));
+        return Some(Round::Map(work));
     }
     let have = st.pool.len() as u64;
     if have < pre && create_room > 0 {

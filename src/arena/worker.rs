@@ -58,6 +58,12 @@ fn work(sh: &Shared) {
             if inner.stop_worker {
                 return;
             }
+            // Work made since the last look (an operation's, or
+            // set_prefetch's): look again instead of sleeping.
+            if idle && inner.st.prefetch_dirty {
+                inner.st.prefetch_dirty = false;
+                idle = false;
+            }
             if idle {
                 inner.worker_waiting = true;
                 let poll = !inner.st.pending.is_empty();
