@@ -119,6 +119,11 @@ fn in_place_together(
         let a = st.alloc(slot);
         let np = pages[i];
         if np <= a.backed {
+            // A shrink that gives up a shared chunk makes driver calls or
+            // retires pages: the general way handles it.
+            if (a.start + np..a.start + a.backed).any(|p| st.page_shared(p)) {
+                return Ok(None);
+            }
             continue;
         }
         let fits = np <= a.reserved || st.free.contains(a.start + a.reserved, np - a.reserved);
@@ -168,7 +173,8 @@ fn in_place_together(
         let a = st.alloc(slot).clone();
         let np = pages[i];
         if np < a.backed {
-            st.shrink_backing(slot, np);
+            let kept = st.shrink_backing(slot, np);
+            debug_assert!(kept.is_empty(), "shared pages take the general way");
             if !a.growable {
                 st.free.insert(a.start + np, a.reserved - np);
                 st.alloc_mut(slot).reserved = np;

@@ -22,7 +22,7 @@ use std::cell::RefCell;
 
 use std::sync::Arc;
 
-use crate::driver::{Driver, Granularity};
+use crate::driver::{ChunkHandle, Driver, Granularity};
 use crate::error::{Error, Result};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 use crate::Id;
@@ -33,6 +33,7 @@ mod config;
 mod moves;
 mod pool;
 mod prefetch;
+mod shared;
 mod sleep;
 pub(crate) mod small;
 pub(crate) mod state;
@@ -554,7 +555,8 @@ impl Drop for Arena {
         for run in state::runs(&mapped) {
             let _ = self.sh.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);
         }
-        let mut owned: Vec<_> = st.pool.clone();
+        // A set: a shared chunk backs several pages, and is released once.
+        let mut owned: std::collections::BTreeSet<ChunkHandle> = st.pool.iter().copied().collect();
         owned.extend(st.cached.iter().filter_map(|&p| st.mapped[p as usize]));
         for a in st.slots.iter().filter_map(|s| s.alloc.as_ref()) {
             owned.extend((a.start..a.start + a.backed).filter_map(|p| st.mapped[p as usize]));

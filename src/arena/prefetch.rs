@@ -92,7 +92,8 @@ impl Arena {
     /// Brings the arena as close to its prefetch targets as the capacity
     /// left by live allocations allows, now, on the calling thread (e.g.
     /// between decode steps, while the device computes), and gives back the
-    /// memory of stream-ordered frees whose events have completed.
+    /// memory of stream-ordered frees whose events have completed (that
+    /// bookkeeping, unlike the prefetch, also while an allocation sleeps).
     ///
     /// Best effort: falling short of a target is not an error, and neither
     /// is a driver out of memory (the device has no more for the targets;

@@ -91,6 +91,10 @@ pub struct Stats {
     /// Driver failures in `maintain` or the background worker; each left
     /// the arena consistent and lost nothing.
     pub maintain_failures: u64,
+    /// Physical bytes mapped by more than one live allocation (see
+    /// [`Arena::alloc_shared`]), each chunk once; they count once in
+    /// `mapped_bytes` too.
+    pub shared_bytes: u64,
 }
 
 /// What [`Arena::compact`] did.
@@ -140,11 +144,12 @@ impl Arena {
         let idle_slabs = st.small.reclaimable_slabs();
         let (fg, bg) = (&self.sh.counts, &self.sh.bg_counts);
         let both = |f: fn(&super::txn::Counters) -> &AtomicU64| load(f(fg)) + load(f(bg));
+        let pending = super::stream::pending_chunks(st);
         Stats {
             live_allocations: st.live_count + st.small.live,
             live_bytes: st.live_bytes + st.small.live_bytes,
-            mapped_bytes: (st.backed_pages - idle_slabs - st.pending_pages) * c,
-            pooled_bytes: (st.pooled_pages() + idle_slabs + st.pending_pages + st.inflight_pages) * c,
+            mapped_bytes: (st.backing_chunks() - idle_slabs - pending) * c,
+            pooled_bytes: (st.pooled_pages() + idle_slabs + pending + st.inflight_pages) * c,
             peak_physical_bytes: st.peak_held_pages.max(st.held_pages()) * c,
             capacity_bytes: st.cap_pages * c,
             reserved_va_bytes: st.pages * c,
@@ -173,9 +178,10 @@ impl Arena {
             stream_frees: both(|c| &c.event_records),
             event_polls: both(|c| &c.event_queries),
             event_waits: both(|c| &c.event_waits),
-            pending_free_bytes: st.pending_pages * c,
+            pending_free_bytes: pending * c,
             prefetched_bytes: (super::prefetch::prefetched_pages(st) + st.inflight_pages) * c,
             maintain_failures: inner.maintain_failures,
+            shared_bytes: st.shared.len() as u64 * c,
         }
     }
 

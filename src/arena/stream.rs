@@ -88,7 +88,6 @@ fn hold(st: &mut State, target: Target, event: u64) {
             // Dead to callers: no longer live, no id resolves to it.
             st.live_bytes -= a.size;
             st.live_count -= 1;
-            st.pending_pages += a.backed;
             let m = st.alloc_mut(slot);
             m.owner = Owner::Pending;
             m.pinned = false;
@@ -103,6 +102,21 @@ fn hold(st: &mut State, target: Target, event: u64) {
     };
     st.pending.push_back(Pending { event, what, waited: false });
     st.prefetch_dirty = true;
+}
+
+/// Distinct chunks held only by pending frees of whole chunks (a chunk
+/// shared with a live allocation backs that one; see `Arena::alloc_shared`).
+pub(super) fn pending_chunks(st: &State) -> u64 {
+    let mut pages_of: std::collections::HashMap<crate::driver::ChunkHandle, u32> = Default::default();
+    for p in &st.pending {
+        if let Held::Chunks(slot) = p.what {
+            let a = st.alloc(slot);
+            for page in a.start..a.start + a.backed {
+                *pages_of.entry(st.mapped[page as usize].expect("backing page is mapped")).or_default() += 1;
+            }
+        }
+    }
+    pages_of.iter().filter(|(h, &n)| st.shared.get(h).map_or(true, |&all| all == n)).count() as u64
 }
 
 /// Polls pending events and gives back the memory of completed frees.
