@@ -333,3 +333,30 @@ fn failed_event_polls_waits_and_destroys_lose_nothing() {
     a.free(w).unwrap();
     check(&a);
 }
+
+#[test]
+fn a_shared_chunk_freed_on_a_stream_stays_with_its_other_holder() {
+    let (d, a) = arena(8, 32);
+    let (src, src_ptr) = a.alloc(2 * C).unwrap();
+    a.write(src, 0, b"shared 0").unwrap();
+    let (sh, sh_ptr) = a.alloc_shared(src, 0, C, 2 * C).unwrap();
+    a.free_on_stream(src, 1).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.pending_free_bytes, C, "only src's second chunk waits: the first backs `sh` too");
+    assert_eq!(s.mapped_bytes, C);
+    check(&a);
+    let mut out = [0u8; 8];
+    a.read(sh, 0, &mut out).unwrap();
+    assert_eq!(&out, b"shared 0");
+    assert_eq!(&read_at(&d, src_ptr + C), &[0u8; 8], "src's own chunk is still mapped where it was");
+    d.complete_all_events();
+    a.maintain().unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.pending_free_bytes, s.mapped_bytes), (0, C));
+    a.read(sh, 0, &mut out).unwrap();
+    assert_eq!(&out, b"shared 0");
+    assert_eq!(a.query(sh).unwrap().ptr, sh_ptr);
+    a.free(sh).unwrap();
+    a.release_retired().unwrap();
+    check(&a);
+}
