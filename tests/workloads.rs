@@ -9,7 +9,9 @@ mod common;
 use std::sync::atomic::AtomicU64;
 
 use common::caching::CachingAllocator;
-use common::managers::{self, new_device, ArenaMgr, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
+use common::managers::{
+    self, new_device, ArenaMgr, ArenaMode, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS,
+};
 use common::replay::{replay, RunResult, SchedConfig};
 use common::timing::Profile;
 use common::{scenario, trace};
@@ -27,7 +29,7 @@ fn run(name: &str, layout: Layout, capacity: u64, requests: &[trace::Request]) -
     let s = shape(layout);
     let max_batch = 64;
     let reserve = managers::arena_reserve(s, capacity, max_batch);
-    let arena = ArenaOptions { capacity, reserve, retain: u64::MAX, no_implicit_moves: false };
+    let arena = ArenaOptions::new(capacity, reserve);
     let max_tokens = requests.iter().map(|q| q.output).max().unwrap_or(1);
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens };
     let mut m = managers::build(name, s, opts).expect("manager");
@@ -73,6 +75,21 @@ fn tiny_replay_token_major_keeps_every_tag() {
     assert_eq!(arena.bytes_copied, 0, "the arena never copies");
     let vllm = rs.iter().find(|r| r.name == "vllm-paged").unwrap();
     assert_eq!(vllm.peak_physical_bytes, 4 * GIB, "vLLM holds the whole capacity");
+    // The arena rows: `arena` frees each request's one allocation on the
+    // stream (one event each, 60 requests, no preemption), moves its
+    // prefetch between steps and never drains on the critical path; between
+    // steps only `release_retired` may synchronize, once per moved
+    // allocation's old range at most (a live allocation's old addresses are
+    // not known idle). `arena-sync` records no event and creates nothing
+    // between steps (no prefetch).
+    let sync = rs.iter().find(|r| r.name == "arena-sync").unwrap();
+    assert_eq!((arena.preemptions, sync.preemptions), (0, 0));
+    assert_eq!(arena.critical_calls.event_record + arena.between_calls.event_record, 60);
+    assert_eq!((arena.critical_path_syncs, arena.critical_path_event_waits), (0, 0));
+    assert_eq!(arena.between_steps_drains, arena.between_calls.synchronize, "no event wait between steps");
+    assert!(arena.between_steps_drains <= arena.moves, "{} drains, {} moves", arena.between_steps_drains, arena.moves);
+    assert!(arena.between_calls.create > 0, "maintain creates ahead between steps");
+    assert_eq!((sync.critical_calls.event_record + sync.between_calls.event_record, sync.between_calls.create), (0, 0));
 }
 
 #[test]
@@ -123,9 +140,11 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
         reserve: managers::arena_reserve(shape, capacity, 16),
         retain: u64::MAX,
         no_implicit_moves: false,
+        precreate_bytes: 0,
+        map_ahead_bytes: 0,
     };
     let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
-    let mut m = ArenaMgr::new("arena", shape, arena).unwrap().with_prefix_cache(true);
+    let mut m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
     let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
     let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
     println!(
@@ -171,6 +190,8 @@ fn run_shape(name: &str, s: KvShape, capacity: u64, requests: &[trace::Request])
         reserve: managers::arena_reserve(s, capacity, 16),
         retain: u64::MAX,
         no_implicit_moves: false,
+        precreate_bytes: 0,
+        map_ahead_bytes: 0,
     };
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 100 };
     let mut m = managers::build(name, s, opts).expect("manager");

@@ -594,6 +594,9 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
 /// when nothing of their own is cached any more.
 pub struct ArenaPrefixCache {
     pub books: PrefixCache<Id>,
+    /// Frees are ordered on this stream (`free_on_stream`), as the
+    /// manager's own, where it frees on a stream.
+    pub stream: Option<u64>,
     unit_bytes: u64,
     peak_footprint: u64,
     peak_shared_bytes: u64,
@@ -623,6 +626,7 @@ impl ArenaPrefixCache {
         let unit_bytes = unit_tokens * bpt;
         (unit_bytes % chunk == 0).then(|| ArenaPrefixCache {
             books: PrefixCache::new(unit_tokens, super::trace::HASH_BLOCK_TOKENS),
+            stream: None,
             unit_bytes,
             peak_footprint: 0,
             peak_shared_bytes: 0,
@@ -731,6 +735,22 @@ impl ArenaPrefixCache {
         Ok(())
     }
 
+    /// Grows several running requests' allocations at once
+    /// (`Arena::resize_many`, all or nothing) by `more` bytes in all,
+    /// evicting what they need.
+    pub fn resize_many(&mut self, arena: &Arena, targets: &[(Id, u64)], more: u64, discard: bool) -> Result<(), Error> {
+        self.make_room(arena, more, discard);
+        loop {
+            match arena.resize_many(targets) {
+                Ok(_) => break,
+                Err(Error::OutOfMemory(_)) if self.books.queued_units() > 0 => self.evict(arena, 1, discard),
+                Err(e) => return Err(e),
+            }
+        }
+        self.note_peaks(arena);
+        Ok(())
+    }
+
     fn grow_to(&mut self, arena: &Arena, id: Id, backed: u64, new_size: u64, discard: bool) -> Result<(), Error> {
         self.make_room(arena, new_size.saturating_sub(backed), discard);
         loop {
@@ -808,7 +828,10 @@ impl ArenaPrefixCache {
         }
         let done = match r {
             Release::Keep(n) => arena.resize(id, n as u64 * self.unit_bytes).map(|_| ()),
-            Release::Free(_) => arena.free(id),
+            Release::Free(_) => match self.stream {
+                Some(stream) => arena.free_on_stream(id, stream),
+                None => arena.free(id),
+            },
         };
         if let Err(e) = done {
             self.errors += 1;

@@ -48,7 +48,7 @@ fn generated_header_parses_to_the_whole_api() {
     let src = std::fs::read_to_string(ffi_dir().join("include/vmm_arena.h")).unwrap();
     let items = parse_header(&src);
     let functions = items.values().filter(|i| matches!(i.decl, Decl::Function(..))).count();
-    assert_eq!(functions, 23, "{items:#?}");
+    assert_eq!(functions, 27, "{items:#?}");
     // The testing hooks are not part of the header.
     assert!(items.keys().all(|k| !k.contains("testing")), "{:?}", items.keys());
     match &items["vmm_arena_stats"].decl {
@@ -103,10 +103,15 @@ fn define_value(text: &str) -> Option<u64> {
     }
 }
 
+/// The project's own additions, in neither contract header (each documented
+/// in the header in the contract's style).
+const PROJECT_ONLY: [&str; 1] = ["vmm_arena_resize_many"];
+
 /// What the header adds from the contract of the open work
-/// (`vmm_arena_next.h`: sleep and wake, and alloc_shared, so far) is declared as it says: its
-/// functions identically, its macros with the same value and type
-/// (unsigned), and each new status member with the value its comment gives.
+/// (`vmm_arena_next.h`: sleep and wake, alloc_shared, stream-ordered
+/// frees and prefetch so far) is declared as it says: its functions
+/// identically, its macros with the same value and type (unsigned), and
+/// each new status member with the value its comment gives.
 #[test]
 fn additions_match_the_next_contract() {
     let Some(contract_path) = contract_header() else { return };
@@ -127,10 +132,19 @@ fn additions_match_the_next_contract() {
         "VMM_ARENA_ALL_TAGS",
         "VMM_ARENA_SLEEP_BACKUP",
         "vmm_arena_alloc_shared",
+        "vmm_arena_free_on_stream",
+        "vmm_arena_set_prefetch",
+        "vmm_arena_maintain",
+        "VMM_ARENA_FLAG_BACKGROUND",
+        "vmm_arena_resize_many",
     ] {
         assert!(added.contains(&&name.to_string()), "{name} is not declared");
     }
     for name in added {
+        if PROJECT_ONLY.contains(&name.as_str()) {
+            assert!(!next.contains_key(name), "{name} is in the contract now: check it there");
+            continue;
+        }
         let want = next.get(name).unwrap_or_else(|| panic!("{name} is in neither contract header"));
         match (&ours[name].decl, &want.decl) {
             (Decl::Define(g), Decl::Define(w)) => {
