@@ -368,7 +368,7 @@ pub(super) fn group_sources(before: &State, g: u64) -> Vec<GroupPiece> {
             Some((z.seq, slot, i, covers))
         })
         .collect();
-    members.sort_unstable_by(|x, y| y.0.cmp(&x.0));
+    members.sort_unstable_by_key(|&(seq, ..)| std::cmp::Reverse(seq));
     let mut pieces = Vec::new();
     let mut covered = 0;
     for (_, slot, page, covers) in members {
