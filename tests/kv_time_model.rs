@@ -183,6 +183,100 @@ fn prefix_hits_follow_the_chain_and_lru_eviction() {
     assert_eq!((off.prefix_hit_tokens, off.integrity_errors), (0, 0));
 }
 
+/// The arena's prefix cache on six requests one after another, 128 KiB of
+/// KV per token: a 2 MiB chunk is one 16-token unit, a 512-token hash
+/// block 32 chunks; a device of 128 chunks. Each request's entry is shrunk
+/// to its cached units when it ends.
+/// - R1 [h1 h2], 1024 tokens (65 chunks): no hit; caches h1, h2; kept: 64.
+/// - R2 [h1 h3]: h1 (512 tokens, 32 chunks shared from R1); caches h3
+///   (33 new chunks); kept: 64, of which 32 are R1's.
+/// - R3 [h1 h2]: h1 and 31 units of h2 (hits stop below the last token):
+///   1008; it caches nothing of its own, so it is freed (a duplicate).
+/// - R4, 980 tokens, no hashes: 62 chunks, 32 free: 30 units evicted in LRU
+///   order: h2's last (R1's entry cut to 63), then h3's last 29, tail first
+///   (R2's cut to 35: h1 and h3's first 3).
+/// - R5 [h1 h2]: 1008 again from R1's 63; completes h2 with its own unit.
+/// - R6 [h1 h3]: h1 and the 3 units of h3 left (560 tokens) from R2's
+///   entry; completes h3.
+///
+/// Every hit token's tag is read back through the shared chunks.
+#[test]
+fn arena_prefix_cache_shares_chunks_evicts_lru_and_cuts_chains() {
+    let reqs = [
+        req(0.0, 1024, 1, &[1, 2]),
+        req(10.0, 1024, 1, &[1, 3]),
+        req(20.0, 1024, 1, &[1, 2]),
+        req(30.0, 980, 1, &[]),
+        req(40.0, 1024, 1, &[1, 2]),
+        req(50.0, 1024, 1, &[1, 3]),
+    ];
+    let mib = 1u64 << 20;
+    let r = run("arena", 128 << 10, 256 * mib, &reqs);
+    let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+    assert_eq!(extra("arena_prefix_caching"), "\"on\"");
+    assert_eq!(r.prefix_hit_tokens, 512 + 1008 + 1008 + 560);
+    assert_eq!(r.prompt_tokens, 5 * 1024 + 980);
+    assert_eq!(extra("prefix_hits"), "4");
+    assert_eq!(extra("evicted_prefix_units"), "30", "h2's last unit and h3's last 29");
+    assert_eq!(extra("prefix_duplicates_freed"), "1", "R3");
+    assert_eq!(extra("prefix_entries_now"), "4", "R1, R2, R5, R6");
+    assert_eq!(extra("cached_prefixes"), "3");
+    assert_eq!(extra("cached_units_now"), "96");
+    // Chunks mapped by several entries: h1 (4 entries), h2's first 31 (R1,
+    // R5), h3's first 3 (R2, R6).
+    assert_eq!(extra("shared_bytes_now"), (66 * 2 * mib).to_string());
+    for k in ["cascade_evictions", "source_mismatches", "uncached_after_gap", "prefix_cache_errors"] {
+        assert_eq!(extra(k), "0", "{k}");
+    }
+    assert_eq!((r.bytes_copied, r.peak_shared_live_bytes), (0, 0), "nothing copied, one request at a time");
+    // R4 fills the device exactly: 66 chunks of entries + its 62.
+    assert_eq!(r.peak_physical_bytes, 256 * mib);
+    assert_eq!(
+        extra("peak_footprint_bytes"),
+        (65 * 2 * mib).to_string(),
+        "one request's 65 chunks, the cache left out"
+    );
+    assert_eq!(r.final_physical_bytes, 256 * mib, "the pool keeps what it created (retain all)");
+    // Off: the same replay computes every prompt token.
+    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
+    let arena = ArenaOptions {
+        capacity: 256 * mib,
+        reserve: 0,
+        retain: u64::MAX,
+        no_implicit_moves: false,
+        precreate_bytes: 0,
+        map_ahead_bytes: 0,
+    };
+    let mut m = managers::build("arena", shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
+    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: 128 << 10, profile: profile() };
+    let off = replay(m.as_mut(), &reqs, &cfg, &AtomicU64::new(0));
+    assert_eq!((off.prefix_hit_tokens, off.integrity_errors), (0, 0));
+}
+
+/// Two requests at once sharing h1 (32 chunks): the second maps the
+/// first's chunks while both run, so the distinct live KV is the sum less
+/// 32 chunks, and the arena maps them once.
+#[test]
+fn distinct_live_kv_counts_a_shared_prefix_once() {
+    let mib = 1u64 << 20;
+    let reqs = [req(0.0, 600, 40, &[1]), req(0.001, 600, 20, &[1])];
+    for name in ["arena", "vllm-paged"] {
+        let r = run(name, 128 << 10, 256 * mib, &reqs);
+        assert_eq!(r.prefix_hit_tokens, 512, "{name}");
+        assert_eq!(r.peak_shared_live_bytes, 64 * mib, "{name}");
+        assert_eq!(r.peak_distinct_live_bytes, r.peak_live_bytes - 64 * mib, "{name}");
+    }
+    let r = run("arena", 128 << 10, 256 * mib, &reqs);
+    let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+    assert_eq!(extra("peak_shared_bytes"), (64 * mib).to_string());
+    let footprint: u64 = extra("peak_footprint_bytes").parse().unwrap();
+    assert!(
+        footprint >= r.peak_distinct_live_bytes && footprint <= r.peak_distinct_live_bytes + 2 * 2 * mib,
+        "{footprint} vs {}",
+        r.peak_distinct_live_bytes
+    );
+}
+
 /// A forced preemption on `ideal-contiguous`, 1000 bytes per token, a
 /// capacity of 50,000 bytes. A (prompt 15, 10 tokens) and B (prompt 15,
 /// 5 tokens) start with room for 16 tokens each (32,000 bytes). In step 2

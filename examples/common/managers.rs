@@ -34,6 +34,7 @@ use vmm_arena::{Arena, ArenaConfig, Error, Id};
 
 use super::caching::CachingAllocator;
 use super::counted::{is_host_limit, Calls, Counted};
+use super::prefix_cache::ArenaPrefixCache;
 use super::trace::{Request, HASH_BLOCK_TOKENS};
 
 /// The host backend in sparse mode, counted, capped at `capacity`.
@@ -155,6 +156,12 @@ pub trait KvManager {
     fn extra(&self) -> Vec<(String, String)> {
         Vec::new()
     }
+    /// Bytes of the running requests' KV that several of them map (a
+    /// shared prefix), counted once per request beyond the first: the sum
+    /// of the requests' KV less this is the distinct live KV.
+    fn shared_live_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// This machine's physical memory (`MemTotal`), or 8 GiB if unknown.
@@ -207,8 +214,10 @@ pub fn check_host_memory(
     let batch_tokens: u64 = longest.iter().take(max_batch).sum();
     let live = device_tokens.min(batch_tokens) * TAG_PAGE_BYTES;
     let hashes = requests.iter().any(|q| !q.hash_ids.is_empty());
-    let worst =
-        |m: &str| if m == "vllm-paged" && prefix_caching && hashes { device_tokens * TAG_PAGE_BYTES } else { live };
+    // Both prefix caches (vLLM's, and the arena's in the token-major
+    // layout) keep the tags of cached blocks resident.
+    let caches = |m: &str| m == "vllm-paged" || (m.starts_with("arena") && shape.layout == Layout::TokenMajor);
+    let worst = |m: &str| if caches(m) && prefix_caching && hashes { device_tokens * TAG_PAGE_BYTES } else { live };
     let mut per: Vec<u64> = managers.iter().map(|m| worst(m) + host_budget_for(capacity, ram)).collect();
     per.sort_unstable_by(|a, b| b.cmp(a));
     let need: u64 = per.iter().take(jobs.max(1)).sum();
@@ -288,6 +297,10 @@ pub struct ArenaMgr {
     maintain_errors: u64,
     last_maintain_error: Option<String>,
     discard: bool,
+    /// The prefix cache (`prefix_cache.rs`), where it is on and the layout
+    /// allows it; with it, admission, growth and free go through it.
+    prefix: Option<ArenaPrefixCache>,
+    prefix_state: &'static str,
 }
 
 /// How the engine drives the arena (see [`ArenaMgr`]).
@@ -386,11 +399,37 @@ impl ArenaMgr {
             maintain_errors: 0,
             last_maintain_error: None,
             discard: false,
+            prefix: None,
+            prefix_state: "off",
         })
+    }
+
+    /// Turns the prefix cache on (`--prefix-caching on`) where a 16-token
+    /// unit is whole chunks of the token-major layout's one allocation per
+    /// request (see `prefix_cache.rs` for why not otherwise).
+    pub fn with_prefix_cache(mut self, on: bool) -> ArenaMgr {
+        if !on {
+            return self;
+        }
+        if self.shape.layout != Layout::TokenMajor {
+            self.prefix_state = "off: token-major layout only";
+            return self;
+        }
+        self.prefix = ArenaPrefixCache::new(self.chunk, self.shape.bpt());
+        if let Some(p) = self.prefix.as_mut() {
+            p.stream = (self.mode == ArenaMode::Stream).then_some(ENGINE_STREAM);
+        }
+        self.prefix_state = if self.prefix.is_some() { "on" } else { "off: 16 tokens are not whole chunks" };
+        self
     }
 
     pub fn arena(&self) -> &Arena {
         &self.arena
+    }
+
+    /// The prefix cache, where it is on.
+    pub fn prefix_cache(&self) -> Option<&ArenaPrefixCache> {
+        self.prefix.as_ref()
     }
 
     pub fn device(&self) -> &Dev {
@@ -427,9 +466,14 @@ impl KvManager for ArenaMgr {
         self.name
     }
 
-    fn admit(&mut self, seq: usize, tokens: u64, _q: &Request) -> Result<u64, Fail> {
+    fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
         let size = self.bytes_for(tokens);
         let max = size.max(self.bytes_for(self.shape.max_context));
+        if let Some(p) = self.prefix.as_mut() {
+            let (id, hit) = p.admit(&self.arena, size, max, q, self.discard).map_err(|e| self.fail(e, size))?;
+            *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids: vec![id], cap: size / self.shape.bpt() });
+            return Ok(hit);
+        }
         let n = self.shape.n_allocs() as usize;
         let mut ids = Vec::with_capacity(n);
         for k in 0..n {
@@ -457,6 +501,12 @@ impl KvManager for ArenaMgr {
         let new_size = self.bytes_for(tokens);
         let old_size = self.bytes_for(s.cap);
         let ids = s.ids.clone();
+        if let Some(p) = self.prefix.as_mut() {
+            p.grow(&self.arena, ids[0], old_size, new_size, self.discard)
+                .map_err(|e| self.fail(e, new_size - old_size))?;
+            self.seqs[seq].as_mut().expect("live").cap = new_size / self.shape.bpt();
+            return Ok(());
+        }
         for (k, &id) in ids.iter().enumerate() {
             if let Err(e) = self.arena.resize(id, new_size) {
                 return Err(self.fail(e, (ids.len() - k) as u64 * (new_size - old_size)));
@@ -487,7 +537,12 @@ impl KvManager for ArenaMgr {
         if targets.is_empty() {
             return Ok(());
         }
-        self.arena.resize_many(&targets).map_err(|e| self.fail(e, new_total - old_total))?;
+        match self.prefix.as_mut() {
+            // The cache gives up what the batch needs first.
+            Some(p) => p.resize_many(&self.arena, &targets, new_total - old_total, self.discard),
+            None => self.arena.resize_many(&targets).map(|_| ()),
+        }
+        .map_err(|e| self.fail(e, new_total - old_total))?;
         for (seq, cap) in grown {
             self.seqs[seq].as_mut().expect("live").cap = cap;
         }
@@ -496,6 +551,10 @@ impl KvManager for ArenaMgr {
 
     fn free(&mut self, seq: usize) {
         if let Some(s) = self.seqs[seq].take() {
+            if let Some(p) = self.prefix.as_mut() {
+                p.release(&self.arena, s.ids[0], self.discard);
+                return;
+            }
             for id in s.ids {
                 if self.discard {
                     if let Ok(q) = self.arena.query(id) {
@@ -567,7 +626,7 @@ impl KvManager for ArenaMgr {
 
     fn extra(&self) -> Vec<(String, String)> {
         let Ok(s) = self.arena.stats() else { return Vec::new() };
-        vec![
+        let mut v: Vec<(String, String)> = vec![
             ("arena_peak_physical_bytes".into(), s.peak_physical_bytes.to_string()),
             ("arena_driver_creates".into(), s.driver_creates.to_string()),
             ("arena_driver_maps".into(), s.driver_maps.to_string()),
@@ -590,7 +649,16 @@ impl KvManager for ArenaMgr {
             ("arena_final_pooled_bytes".into(), s.pooled_bytes.to_string()),
             ("arena_final_cached_mapped_bytes".into(), s.cached_mapped_bytes.to_string()),
             ("arena_mode".into(), format!("{:?}", format!("{:?}", self.mode).to_lowercase())),
-        ]
+            ("arena_prefix_caching".into(), serde_json::to_string(self.prefix_state).unwrap_or_default()),
+        ];
+        if let Some(p) = &self.prefix {
+            v.extend(p.extra(&self.arena));
+        }
+        v
+    }
+
+    fn shared_live_bytes(&self) -> u64 {
+        self.prefix.as_ref().map_or(0, |p| p.shared_live_bytes())
     }
 }
 
@@ -818,6 +886,8 @@ pub struct VllmMgr {
     seqs: Vec<Option<Vec<u32>>>,
     hit_blocks: u64,
     evicted_blocks: u64,
+    /// Blocks mapped by more than one running request, once per extra one.
+    shared_live_blocks: u64,
     capacity: u64,
     discard: bool,
 }
@@ -863,6 +933,7 @@ impl VllmMgr {
             seqs: Vec::new(),
             hit_blocks: 0,
             evicted_blocks: 0,
+            shared_live_blocks: 0,
             capacity,
             discard: false,
         };
@@ -963,6 +1034,9 @@ impl VllmMgr {
         for b in blocks.into_iter().rev() {
             let r = &mut self.refs[b as usize];
             *r -= 1;
+            if *r > 0 {
+                self.shared_live_blocks -= 1;
+            }
             if *r == 0 {
                 if self.discard && self.block_hash[b as usize].is_none() {
                     // Dead KV (no prefix cache keeps it): give its host pages back.
@@ -1018,6 +1092,8 @@ impl KvManager for VllmMgr {
         for &b in &hit {
             if self.refs[b as usize] == 0 {
                 self.unfree(b);
+            } else {
+                self.shared_live_blocks += 1;
             }
             self.refs[b as usize] += 1;
         }
@@ -1122,6 +1198,10 @@ impl KvManager for VllmMgr {
             ("evicted_prefix_blocks".into(), self.evicted_blocks.to_string()),
             ("cached_prefixes".into(), self.cache.len().to_string()),
         ]
+    }
+
+    fn shared_live_bytes(&self) -> u64 {
+        self.shared_live_blocks * VLLM_BLOCK_TOKENS * self.shape.kv_bytes_per_token
     }
 }
 
@@ -1284,24 +1364,23 @@ pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvMa
     let arena = o.arena;
     let cap = arena.capacity;
     Ok(match name {
-        "arena" => Box::new(ArenaMgr::new(
-            "arena",
-            shape,
-            ArenaOptions { no_implicit_moves: false, ..arena },
-            ArenaMode::Stream,
-        )?),
-        "arena-no-moves" => Box::new(ArenaMgr::new(
-            "arena-no-moves",
-            shape,
-            ArenaOptions { no_implicit_moves: true, ..arena },
-            ArenaMode::Stream,
-        )?),
-        "arena-sync" => Box::new(ArenaMgr::new(
-            "arena-sync",
-            shape,
-            ArenaOptions { no_implicit_moves: false, ..arena },
-            ArenaMode::Sync,
-        )?),
+        "arena" => Box::new(
+            ArenaMgr::new("arena", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Stream)?
+                .with_prefix_cache(o.prefix_caching),
+        ),
+        "arena-no-moves" => Box::new(
+            ArenaMgr::new(
+                "arena-no-moves",
+                shape,
+                ArenaOptions { no_implicit_moves: true, ..arena },
+                ArenaMode::Stream,
+            )?
+            .with_prefix_cache(o.prefix_caching),
+        ),
+        "arena-sync" => Box::new(
+            ArenaMgr::new("arena-sync", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Sync)?
+                .with_prefix_cache(o.prefix_caching),
+        ),
         "pytorch-caching" => Box::new(TorchMgr::new("pytorch-caching", shape, cap, false)?),
         "pytorch-expandable" => Box::new(TorchMgr::new("pytorch-expandable", shape, cap, true)?),
         "vllm-paged" => Box::new(VllmMgr::new(shape, cap, o.prefix_caching)?),

@@ -6,6 +6,8 @@
 //! - [`caching`]: a model of PyTorch's CUDA caching allocator (native and
 //!   expandable segments);
 //! - [`managers`]: KV-cache managers (vmm-arena and the baselines);
+//! - [`prefix_cache`]: the arena manager's prefix cache (hash chains, LRU
+//!   eviction, entries sharing chunks);
 //! - [`trace`]: trace files and the synthetic trace;
 //! - [`replay`]: the continuous-batching scheduler;
 //! - [`timing`]: the step-time model (GPU profiles, driver costs);
@@ -16,6 +18,7 @@
 pub mod caching;
 pub mod counted;
 pub mod managers;
+pub mod prefix_cache;
 pub mod replay;
 pub mod scenario;
 pub mod timing;

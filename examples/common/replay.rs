@@ -83,6 +83,13 @@ pub struct RunResult {
     pub peak_live_bytes: u64,
     /// The same, sampled only at the end of each step (after its frees).
     pub peak_live_end_of_step_bytes: u64,
+    /// Largest *distinct* live KV (sampled as `peak_live_bytes`): a prefix
+    /// that several running requests map counts once
+    /// ([`KvManager::shared_live_bytes`]).
+    pub peak_distinct_live_bytes: u64,
+    /// Largest KV that several running requests mapped at once, counted
+    /// once per request beyond the first (what sharing saved at that time).
+    pub peak_shared_live_bytes: u64,
     pub peak_physical_bytes: u64,
     pub mean_physical_bytes: f64,
     pub mean_live_bytes: f64,
@@ -191,6 +198,14 @@ fn note(r: &mut RunResult, f: &Fail, what: impl Fn() -> String) {
     }
 }
 
+/// Samples the instantaneous live KV: `live` summed over running requests,
+/// `shared` of it mapped by more than one.
+fn sample(r: &mut RunResult, live: u64, shared: u64) {
+    r.peak_live_bytes = r.peak_live_bytes.max(live);
+    r.peak_distinct_live_bytes = r.peak_distinct_live_bytes.max(live - shared);
+    r.peak_shared_live_bytes = r.peak_shared_live_bytes.max(shared);
+}
+
 /// `q`-quantile of sorted values (nearest rank), 0 when empty.
 fn quantile(sorted: &[f64], q: f64) -> f64 {
     match sorted.len() {
@@ -290,7 +305,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                     admitted_at[seq].get_or_insert(now);
                     running.push(Live { seq, stored });
                     live_now += stored * kvpt;
-                    r.peak_live_bytes = r.peak_live_bytes.max(live_now);
+                    sample(&mut r, live_now, mgr.shared_live_bytes());
                     step_peak_live = step_peak_live.max(live_now);
                 }
                 Err(f) => {
@@ -346,7 +361,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
             work.decode_kv_bytes += stored * kvpt;
             running[i].stored += 1;
             live_now += kvpt;
-            r.peak_live_bytes = r.peak_live_bytes.max(live_now);
+            sample(&mut r, live_now, mgr.shared_live_bytes());
             step_peak_live = step_peak_live.max(live_now);
             generated[seq] += 1;
             r.output_tokens += 1;

@@ -104,7 +104,9 @@ struct Opts {
     /// JSON object overriding fields of the profile (see common/timing.rs).
     #[arg(long)]
     profile_file: Option<PathBuf>,
-    /// vLLM's automatic prefix caching in vllm-paged (on by default, as in vLLM).
+    /// Prefix caching: vLLM's automatic prefix caching in vllm-paged, and
+    /// the arena's prefix cache (shared chunks, token-major layout only) in
+    /// arena and arena-no-moves; on by default, as in vLLM.
     #[arg(long, value_enum, default_value = "on")]
     prefix_caching: OnOff,
     /// contiguous-max's room for output tokens (default: the trace's largest output).
@@ -293,10 +295,15 @@ fn main() {
         p.cpu_step_s * 1e3
     );
     println!(
-        "  managers  arena: virtual range {}, retain {}, prefetch {} created + {} mapped ahead per tensor (arena-sync: none); \
+        "  managers  arena: virtual range {}, retain {}, prefix cache {}, prefetch {} created + {} mapped ahead per tensor (arena-sync: none); \
          vllm-paged: prefix caching {}; contiguous-max: room for {} output tokens",
         fmt_bytes(s.build.arena.reserve),
         if o.retain == u64::MAX { "all pooled memory".to_string() } else { fmt_bytes(o.retain) },
+        match (s.build.prefix_caching, s.shape.layout) {
+            (false, _) => "off",
+            (true, Layout::PerLayer) => "off (token-major layout only)",
+            (true, Layout::TokenMajor) => "on",
+        },
         fmt_bytes(o.precreate),
         fmt_bytes(o.map_ahead),
         if s.build.prefix_caching { "on" } else { "off" },
@@ -397,8 +404,32 @@ fn print_table(results: &[RunResult], trace: &Trace) {
     println!("  alloc s charged = driver time on the critical path (admission, growth, free), plus between-steps");
     println!("  driver time the GPU did not hide; hidden = between-steps driver time under the GPU; syncs = device");
     println!("  synchronizes on the critical path (each costs its step the CPU/GPU overlap); prefix hit = prompt");
-    println!("  tokens found in vLLM's prefix cache; recomp = tokens computed again after preemptions; peak live =");
-    println!("  KV of running requests at its instantaneous peak; GiB for memory. See common/timing.rs.");
+    println!("  tokens found in a prefix cache; recomp = tokens computed again after preemptions; peak live = KV");
+    println!("  of running requests at its instantaneous peak (a shared prefix once per request); GiB for memory.");
+    println!("  See common/timing.rs.");
+    let shared: Vec<&RunResult> = results.iter().filter(|r| r.peak_shared_live_bytes > 0).collect();
+    if !shared.is_empty() {
+        println!("  Shared prefixes (a prefix mapped by several running requests counts once in distinct live KV):");
+        for r in shared {
+            let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).and_then(|(_, v)| v.parse::<f64>().ok());
+            println!(
+                "    {}: peak distinct live {} GiB, peak shared live {} GiB{}{}",
+                r.name,
+                gib(r.peak_distinct_live_bytes as f64),
+                gib(r.peak_shared_live_bytes as f64),
+                extra("peak_footprint_bytes").map_or(String::new(), |f| format!(
+                    ", peak footprint {} GiB ({:.4}x distinct live; prefix-cache-only chunks left out)",
+                    gib(f),
+                    f / r.peak_distinct_live_bytes.max(1) as f64
+                )),
+                extra("prefix_hits").map_or(String::new(), |h| format!(
+                    ", {h:.0} hits, {:.0} units evicted, {} bytes copied",
+                    extra("evicted_prefix_units").unwrap_or(0.0),
+                    r.bytes_copied
+                )),
+            );
+        }
+    }
     print_driver_table(results);
     if let Some(a) = results.iter().find(|r| r.name == "arena") {
         let rel: Vec<String> = results
