@@ -8,7 +8,11 @@
 //! them with no driver call at all). Both are ordinary pooled chunks: they
 //! count in `pooled_bytes`, are made only within the capacity left
 //! (`held <= capacity` always, work in flight included) and within
-//! `retain_bytes`, and are the first taken by any plan (the pool first,
+//! `retain_bytes`. They come from the cheapest source that does not grow
+//! the footprint first: pooled chunks, then *spare* known-idle cached
+//! chunks (no window holds them; unmapping them needs no synchronize),
+//! and a create only when the arena holds no spare chunk. They are the
+//! first taken by any plan (the pool first,
 //! then idle cached chunks, which include the mapped-ahead ones: unmapping
 //! them needs no synchronize) and the first given back by `trim`. So they
 //! never cause an out-of-memory.
@@ -18,13 +22,17 @@
 //! what it works on: for a *create* round, capacity only (`inflight_pages`
 //! grows, so no other operation can be promised those chunks); for a *map*
 //! round, chunks taken out of the pool and the pages they go to
-//! (`State::set_aside`). It then makes its driver calls without the lock,
+//! (`State::set_aside`), and spare idle cached pages taken out of `cached`
+//! and `idle` into `set_aside` (their chunks are unmapped first, then
+//! mapped at the window's pages, or join the pool for the precreate
+//! target). It then makes its driver calls without the lock,
 //! and takes the lock again to commit: created chunks join the pool; mapped
 //! pages become cached and idle wherever they now lie (the allocation may
 //! have been freed, moved or shrunk meanwhile: the pages are then free or
-//! in its unbacked tail, where a cached chunk is at home). A failure
-//! returns the chunks to the pool (the map round's transaction unmaps what
-//! it mapped first) and counts in `maintain_failures`.
+//! in its unbacked tail, where a cached chunk is at home); the spare pages
+//! become unmapped. A failure returns the chunks where they were (the map
+//! round's transaction unmaps what it mapped and maps the spare pages back,
+//! cached and idle again) and counts in `maintain_failures`.
 //!
 //! Other threads' operations never wait for a create: creates set no pages
 //! aside. An operation that needs a page being mapped (typically the
