@@ -130,6 +130,28 @@ fn cases() -> Vec<Case> {
             expect: Expect::Maintain,
         },
         Case {
+            name: "maintain: map ahead, precreate from idle cached chunks",
+            cap: 12,
+            reserve: 24,
+            retain: KEEP,
+            setup: |a, c| {
+                let h = a.alloc_growable(c, 4 * c).unwrap().0;
+                let g = a.alloc_growable(c, 4 * c).unwrap().0;
+                a.set_prefetch(0, 2 * c).unwrap();
+                a.maintain().unwrap();
+                // h's window stays mapped at free pages: idle cached chunks.
+                a.free(h).unwrap();
+                // Too big for h's hole: placed after g, its window empty.
+                let k = a.alloc_growable(c, 6 * c).unwrap().0;
+                a.set_prefetch(2 * c, 2 * c).unwrap();
+                vec![g, k]
+            },
+            // k's window: an idle chunk unmapped (no synchronize), mapped
+            // with a new one, one access call; the pool: creates.
+            op: |a, _, _| a.maintain(),
+            expect: Expect::Maintain,
+        },
+        Case {
             name: "resize_many: three growths in place, planned together",
             cap: 12,
             reserve: 24,

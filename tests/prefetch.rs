@@ -83,6 +83,44 @@ fn growth_into_mapped_ahead_chunks_makes_no_driver_call() {
 }
 
 #[test]
+fn maintain_reuses_idle_cached_chunks_instead_of_creating() {
+    let d = Arc::new(MockDriver::with_streams(C, 1 << 30));
+    let a = Arena::with_driver(d.clone(), config(64, 256)).unwrap();
+    let (g, g_ptr) = a.alloc_growable(C, 16 * C).unwrap();
+    let (x, _) = a.alloc(6 * C).unwrap();
+    a.free_on_stream(x, 1).unwrap();
+    d.complete_all_events();
+    a.maintain().unwrap();
+    let s0 = a.stats().unwrap();
+    assert_eq!((s0.pooled_bytes, s0.cached_mapped_bytes, s0.pending_free_bytes), (6 * C, 6 * C, 0), "reaped: idle");
+
+    a.set_prefetch(3 * C, 2 * C).unwrap();
+    a.maintain().unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.driver_creates, s0.driver_creates, "the targets are met from the idle cached chunks");
+    assert_eq!(s.driver_syncs, s0.driver_syncs, "known idle: no synchronize");
+    assert_eq!(s.pooled_bytes, 6 * C, "the footprint stays");
+    assert_eq!(s.prefetched_bytes, 5 * C, "three pooled unmapped, two mapped ahead");
+    assert_eq!(s.cached_mapped_bytes, 3 * C, "the window's two and one left where it was");
+    check(&a);
+    // The growth adopts the window with no driver call.
+    let calls = s.caller_driver_calls;
+    assert_eq!(a.resize(g, 3 * C).unwrap(), g_ptr);
+    assert_eq!(a.stats().unwrap().caller_driver_calls, calls);
+
+    // A create only once no spare chunk is left: the window moves on (two
+    // pooled chunks), the pool is topped up with the last spare cached
+    // chunk, then one create.
+    a.maintain().unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.driver_creates, s0.driver_creates + 1, "one create, no more");
+    assert_eq!(s.cached_mapped_bytes, 2 * C, "the window's two only");
+    assert_eq!((s.prefetched_bytes, s.pooled_bytes), (5 * C, 5 * C));
+    assert_eq!(s.driver_syncs, s0.driver_syncs);
+    check(&a);
+}
+
+#[test]
 fn prefetch_stays_within_the_capacity_and_retain_bytes() {
     let a = arena(6, 64);
     let (_g, _) = a.alloc_growable(C, 32 * C).unwrap();

@@ -135,6 +135,25 @@ fn steal_after(on_stream: bool) -> (u64, u64) {
 }
 
 #[test]
+fn an_allocation_reuses_a_completed_free_rather_than_create() {
+    let (d, a) = arena(16, 64);
+    let (x, _) = a.alloc(4 * C).unwrap();
+    let (y, _) = a.alloc(C).unwrap();
+    a.free_on_stream(x, 1).unwrap();
+    d.complete_all_events();
+    let s0 = a.stats().unwrap();
+    assert_eq!(s0.pending_free_bytes, 4 * C, "not reaped yet: nothing polled since");
+    // Capacity is left for new chunks, yet the completed free serves.
+    a.alloc(3 * C).unwrap();
+    a.resize(y, 2 * C).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.driver_creates, s0.driver_creates, "x's chunks serve, no create");
+    assert_eq!((s.driver_syncs, s.event_waits), (s0.driver_syncs, 0), "polled, never waited");
+    assert_eq!((s.pending_free_bytes, s.pooled_bytes), (0, 0));
+    check(&a);
+}
+
+#[test]
 fn idle_chunks_are_stolen_without_a_synchronize_and_plain_frees_keep_their_meaning() {
     assert_eq!(steal_after(true), (0, 0), "known idle: no synchronize");
     assert_eq!(steal_after(false), (1, 1), "a plain free's chunk: synchronize first, as before");
@@ -325,7 +344,8 @@ fn failed_event_polls_waits_and_destroys_lose_nothing() {
     let (z, _) = a.alloc(2 * C).unwrap();
     a.free_on_stream(z, 3).unwrap();
     let before = Snap::of(&a).without_driver_counters();
-    d.fail_nth(Some(CallKind::Event), 2, FaultKind::Driver); // the poll passes, the wait fails
+    // The alloc's first poll and the out-of-memory poll pass, the wait fails.
+    d.fail_nth(Some(CallKind::Event), 3, FaultKind::Driver);
     assert!(matches!(a.alloc(C), Err(Error::Driver { .. })));
     assert_eq!(Snap::of(&a).without_driver_counters(), before);
     let (w, _) = a.alloc(C).unwrap();

@@ -410,6 +410,9 @@ impl Arena {
     ///
     /// Before `op`, waits while the prefetcher has set aside pages that
     /// `touch` says `op` may need (a map of a few chunks, never a create).
+    /// First reaps the stream-ordered frees that completed, oldest first
+    /// (polls up to the first incomplete event), so that an operation that
+    /// would otherwise create chunks reuses theirs.
     /// When `op` runs out of memory or address space it is retried (every
     /// operation is all or nothing, so a failed attempt changed nothing)
     /// once chunks in flight have landed, or once stream-ordered frees have
@@ -422,6 +425,12 @@ impl Arena {
         let mut inner = self.lock()?;
         let mut events = Vec::new();
         let ctx = self.ctx();
+        if !inner.st.pending.is_empty() {
+            // Frees whose events completed since the last look serve this
+            // operation rather than new chunks: a poll (no wait) until the
+            // first incomplete one, under a microsecond each.
+            stream::reap(&mut inner.st, &ctx, stream::Poll::UntilIncomplete);
+        }
         let out = loop {
             inner = self.sh.wait_out_conflicts(inner, touch)?;
             match op(&mut inner, &ctx, &mut events) {

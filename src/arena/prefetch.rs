@@ -8,7 +8,11 @@
 //! them with no driver call at all). Both are ordinary pooled chunks: they
 //! count in `pooled_bytes`, are made only within the capacity left
 //! (`held <= capacity` always, work in flight included) and within
-//! `retain_bytes`, and are the first taken by any plan (the pool first,
+//! `retain_bytes`. They come from the cheapest source that does not grow
+//! the footprint first: pooled chunks, then *spare* known-idle cached
+//! chunks (no window holds them; unmapping them needs no synchronize),
+//! and a create only when the arena holds no spare chunk. They are the
+//! first taken by any plan (the pool first,
 //! then idle cached chunks, which include the mapped-ahead ones: unmapping
 //! them needs no synchronize) and the first given back by `trim`. So they
 //! never cause an out-of-memory.
@@ -18,13 +22,17 @@
 //! what it works on: for a *create* round, capacity only (`inflight_pages`
 //! grows, so no other operation can be promised those chunks); for a *map*
 //! round, chunks taken out of the pool and the pages they go to
-//! (`State::set_aside`). It then makes its driver calls without the lock,
+//! (`State::set_aside`), and spare idle cached pages taken out of `cached`
+//! and `idle` into `set_aside` (their chunks are unmapped first, then
+//! mapped at the window's pages, or join the pool for the precreate
+//! target). It then makes its driver calls without the lock,
 //! and takes the lock again to commit: created chunks join the pool; mapped
 //! pages become cached and idle wherever they now lie (the allocation may
 //! have been freed, moved or shrunk meanwhile: the pages are then free or
-//! in its unbacked tail, where a cached chunk is at home). A failure
-//! returns the chunks to the pool (the map round's transaction unmaps what
-//! it mapped first) and counts in `maintain_failures`.
+//! in its unbacked tail, where a cached chunk is at home); the spare pages
+//! become unmapped. A failure returns the chunks where they were (the map
+//! round's transaction unmaps what it mapped and maps the spare pages back,
+//! cached and idle again) and counts in `maintain_failures`.
 //!
 //! Other threads' operations never wait for a create: creates set no pages
 //! aside. An operation that needs a page being mapped (typically the
@@ -56,8 +64,33 @@ const CREATES_PER_ROUND: u64 = 1;
 enum Round {
     /// Create this many chunks for the pool.
     Create(u64),
-    /// Map these chunks at these pages (sorted), one access call per run.
-    Map(Vec<(u64, ChunkHandle)>),
+    /// Move chunks: unmap the known-idle cached chunks of `from` (no
+    /// synchronize), then map `pooled` followed by `from`'s chunks at `to`
+    /// (sorted), one access call per run. With `to` empty, `from`'s chunks
+    /// go to the pool.
+    Map(Move),
+}
+
+/// A map round's chunks and pages, all set aside.
+struct Move {
+    /// Idle cached pages (sorted) and their chunks: out of `cached` and in
+    /// `set_aside` while the round is in flight (still mapped).
+    from: Vec<(u64, ChunkHandle)>,
+    /// Chunks taken out of the pool.
+    pooled: Vec<ChunkHandle>,
+    /// Unmapped pages to map, in `set_aside`.
+    to: Vec<u64>,
+}
+
+impl Move {
+    fn chunks(&self) -> u64 {
+        (self.pooled.len() + self.from.len()) as u64
+    }
+
+    /// The chunk each page of `to` gets.
+    fn targets(&self) -> impl Iterator<Item = (u64, ChunkHandle)> + '_ {
+        self.to.iter().copied().zip(self.pooled.iter().copied().chain(self.from.iter().map(|&(_, h)| h)))
+    }
 }
 
 impl Arena {
@@ -219,31 +252,94 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
     // (A separate statement: the scan's borrow ends before `st` changes.)
     let first = if ahead > 0 { missing_ahead(st, ahead).next() } else { None };
     if let Some(first) = first {
-        // Chunks for the whole window first, so that it is mapped in
-        // one round with one access call.
-        let short = (first.len() as u64).saturating_sub(st.pool.len() as u64);
-        if short > 0 && create_room > 0 {
-            let n = short.min(create_room).min(CREATES_PER_ROUND);
+        // Sources in order of cost, none growing the footprint before a
+        // create: the pool, then known-idle cached chunks no window holds.
+        let need = first.len();
+        let from_pool = need.min(st.pool.len());
+        let spare = spare_idle(st, ahead, need - from_pool);
+        let have = from_pool + spare.len();
+        // Chunks for the whole window first, so that it is mapped in one
+        // round with one access call.
+        if have < need && create_room > 0 {
+            let n = ((need - have) as u64).min(create_room).min(CREATES_PER_ROUND);
             st.inflight_pages += n;
             return Some(Round::Create(n));
         }
-        if st.pool.is_empty() {
+        if have == 0 {
             return None;
         }
-        let k = first.len().min(st.pool.len());
-        let chunks = st.pool.split_off(st.pool.len() - k);
-        let work: Vec<(u64, ChunkHandle)> = first[..k].iter().copied().zip(chunks).collect();
-        st.inflight_pages += k as u64;
-        st.set_aside.extend(work.iter().map(|&(p, _)| p));
-        return Some(Round::Map(work));
+        let pooled = st.pool.split_off(st.pool.len() - from_pool);
+        let mv = Move { from: set_aside_idle(st, &spare), pooled, to: first[..have].to_vec() };
+        st.inflight_pages += mv.chunks();
+        st.set_aside.extend(mv.to.iter().copied());
+        return Some(Round::Map(mv));
     }
     let have = st.pool.len() as u64;
-    if have < pre && create_room > 0 {
-        let n = (pre - have).min(create_room).min(CREATES_PER_ROUND);
-        st.inflight_pages += n;
-        return Some(Round::Create(n));
+    if have < pre {
+        // Known-idle cached chunks first: an unmap, no synchronize, and the
+        // footprint stays; a create only when the arena holds none spare.
+        let spare = spare_idle(st, ahead, (pre - have) as usize);
+        if !spare.is_empty() {
+            let mv = Move { from: set_aside_idle(st, &spare), pooled: Vec::new(), to: Vec::new() };
+            st.inflight_pages += mv.chunks();
+            return Some(Round::Map(mv));
+        }
+        if create_room > 0 {
+            let n = (pre - have).min(create_room).min(CREATES_PER_ROUND);
+            st.inflight_pages += n;
+            return Some(Round::Create(n));
+        }
     }
     None
+}
+
+/// Up to `want` known-idle cached pages (sorted) that no awake growable
+/// allocation's map-ahead window holds: chunks the arena holds and no
+/// growth adopts soon, whose unmapping needs no synchronize.
+fn spare_idle(st: &State, ahead: u64, want: usize) -> Vec<u64> {
+    if want == 0 {
+        return Vec::new();
+    }
+    let in_window = |p: u64| {
+        let Some((_, &slot)) = st.by_start.range(..=p).next_back() else { return false };
+        let a = st.alloc(slot);
+        if !a.growable || !a.owner.counts_live() || a.sleep.is_some() {
+            return false;
+        }
+        let from = a.start + a.backed;
+        (from..from + ahead.min(a.reserved - a.backed)).contains(&p)
+    };
+    // Deepest into their free range (or allocation) first: a new
+    // allocation placed there adopts the cached chunks at its start, so
+    // those are the likeliest to save a caller's driver calls.
+    let depth = |p: u64| match st.free.containing(p) {
+        Some((s, _)) => p - s,
+        None => st.by_start.range(..=p).next_back().map_or(0, |(&s, _)| p - s),
+    };
+    let mut spare: Vec<(u64, u64)> =
+        st.idle.iter().filter(|p| st.cached.contains(p) && !in_window(**p)).map(|&p| (depth(p), p)).collect();
+    if spare.len() > want {
+        spare.select_nth_unstable_by(want, |a, b| b.cmp(a));
+        spare.truncate(want);
+    }
+    let mut pages: Vec<u64> = spare.into_iter().map(|(_, p)| p).collect();
+    pages.sort_unstable();
+    pages
+}
+
+/// Sets idle cached pages aside for a round: out of `cached` and `idle`
+/// (no one else steals or adopts them), into `set_aside` (no one maps
+/// there), still mapped in the books until the commit.
+fn set_aside_idle(st: &mut State, pages: &[u64]) -> Vec<(u64, ChunkHandle)> {
+    pages
+        .iter()
+        .map(|&p| {
+            st.cached.remove(&p);
+            st.idle.remove(&p);
+            st.set_aside.insert(p);
+            (p, st.mapped[p as usize].expect("cached page is mapped"))
+        })
+        .collect()
 }
 
 /// What a round's driver calls produced (outside the lock).
@@ -274,23 +370,30 @@ fn execute(round: &Round, ctx: &super::Ctx<'_>, base: u64, chunk: u64) -> Done {
             tx.commit();
             Done { created, error }
         }
-        Round::Map(work) => {
-            let mapped = (|| {
-                for &(p, h) in work {
+        Round::Map(mv) => {
+            let moved = (|| {
+                let from: Vec<u64> = mv.from.iter().map(|&(p, _)| p).collect();
+                let mut i = 0;
+                for run in runs(&from) {
+                    let n = (run.end - run.start) as usize;
+                    tx.unmap_idle(run.start, mv.from[i..i + n].iter().map(|&(_, h)| h).collect())?;
+                    i += n;
+                }
+                for (p, h) in mv.targets() {
                     tx.map(p, h)?;
                 }
-                let pages: Vec<u64> = work.iter().map(|&(p, _)| p).collect();
-                for run in runs(&pages) {
+                for run in runs(&mv.to) {
                     tx.set_access(run.start, run.end - run.start)?;
                 }
                 Ok::<_, Error>(())
             })();
-            match mapped {
+            match moved {
                 Ok(()) => {
                     tx.commit();
                     Done { created: Vec::new(), error: None }
                 }
                 Err(e) => {
+                    // Unmaps what it mapped, maps `from` back.
                     tx.rollback();
                     Done { created: Vec::new(), error: Some(e) }
                 }
@@ -307,23 +410,34 @@ fn commit(inner: &mut Inner, round: Round, done: Done) -> Result<()> {
             st.inflight_pages -= n;
             st.pool.extend(done.created);
         }
-        Round::Map(work) => {
-            st.inflight_pages -= work.len() as u64;
-            for &(p, _) in &work {
-                st.set_aside.remove(&p);
+        Round::Map(mv) => {
+            st.inflight_pages -= mv.chunks();
+            for p in mv.to.iter().chain(mv.from.iter().map(|(p, _)| p)) {
+                st.set_aside.remove(p);
             }
             if done.error.is_none() {
+                for &(p, _) in &mv.from {
+                    st.mapped[p as usize] = None;
+                }
+                if mv.to.is_empty() {
+                    st.pool.extend(mv.from.iter().map(|&(_, h)| h));
+                }
                 // Wherever the page lies now (its allocation's unbacked
                 // tail, or free pages if it was freed or moved meanwhile),
                 // a cached chunk that no work has used.
-                for (p, h) in work {
+                for (p, h) in mv.targets() {
                     debug_assert!(st.mapped[p as usize].is_none(), "page {p} was set aside");
                     st.mapped[p as usize] = Some(h);
                     st.cached.insert(p);
                     st.idle.insert(p);
                 }
             } else {
-                st.pool.extend(work.into_iter().map(|(_, h)| h));
+                // The transaction mapped `from` back: cached and idle again.
+                for &(p, _) in &mv.from {
+                    st.cached.insert(p);
+                    st.idle.insert(p);
+                }
+                st.pool.extend(mv.pooled);
             }
         }
     }
