@@ -40,6 +40,7 @@ pub mod arena;
 mod compact;
 pub mod driver;
 pub mod error;
+pub mod group;
 mod id;
 mod snapshot;
 mod sync;
@@ -50,6 +51,7 @@ pub use arena::{
     DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,
 };
 pub use error::{Error, Result, Status};
+pub use group::{Group, GroupConfig, GroupError, GroupId};
 pub use id::Id;
 
 /// The README's code blocks, compiled and run as doc tests.

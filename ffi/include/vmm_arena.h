@@ -54,6 +54,16 @@
 #define VMM_ARENA_SLEEP_BACKUP 1u
 
 /**
+ * vmm_arena_group_create flag: on the CUDA backend, every member's chunks
+ * are made readable and writable from every other device of the group
+ * (one access descriptor per device in each cuMemSetAccess; peer access
+ * enabled through the runtime API does not reach these mappings). A pair
+ * of devices without peer access is VMM_ARENA_ERR_UNSUPPORTED. No effect
+ * on the host backend.
+ */
+#define VMM_ARENA_GROUP_PEER_ACCESS 1u
+
+/**
  * What every call that can fail returns. Values are never changed or reused.
  */
 typedef enum vmm_arena_status {
@@ -128,6 +138,11 @@ typedef enum vmm_arena_backend {
  * Opaque arena.
  */
 typedef struct vmm_arena vmm_arena;
+
+/**
+ * Opaque device group: one arena per device.
+ */
+typedef struct vmm_arena_group vmm_arena_group;
 
 /**
  * Arena configuration. Defaults (vmm_arena_config_default): backend CUDA,
@@ -299,6 +314,12 @@ typedef void (*vmm_arena_move_fn)(void *user,
                                   uint64_t old_ptr,
                                   uint64_t new_ptr,
                                   uint64_t size);
+
+/**
+ * Names one group allocation for the group's lifetime; 0 is never issued
+ * and an id is never reused.
+ */
+typedef uint64_t vmm_arena_group_id;
 
 #ifdef __cplusplus
 extern "C" {
@@ -556,6 +577,158 @@ enum vmm_arena_status vmm_arena_snapshot_json(struct vmm_arena *arena,
                                               char *buf,
                                               size_t cap,
                                               size_t *out_len);
+
+/**
+ * Creates a group of `count` members, member i on device devices[i]
+ * (distinct ordinals; on the host backend any distinct values: N arenas
+ * stand for N devices), each configured by `config` (its device field is
+ * ignored). flags: VMM_ARENA_GROUP_PEER_ACCESS or 0; unknown bits are
+ * INVALID_ARGUMENT, as are a NULL config, devices or out, count 0 and a
+ * repeated device. A member that cannot be created fails the call with its
+ * status (vmm_arena_group_last_member() names it) and the members made
+ * before it are destroyed. *out receives the group on VMM_ARENA_OK; the
+ * caller owns it and destroys it with vmm_arena_group_destroy.
+ *
+ * # Safety
+ * `config` is NULL or points to a config of at least its `struct_size`
+ * bytes; `devices` is NULL or has `count` readable entries; `out` is NULL
+ * or writable.
+ */
+enum vmm_arena_status vmm_arena_group_create(const struct vmm_arena_config *config,
+                                             const int32_t *devices,
+                                             uint32_t count,
+                                             uint32_t flags,
+                                             struct vmm_arena_group **out);
+
+/**
+ * Destroys every member (unmapping and releasing everything, as
+ * vmm_arena_destroy does) and the group. NULL is fine.
+ *
+ * # Safety
+ * `group` is NULL or a live handle that no other thread is using, and is
+ * not used again.
+ */
+void vmm_arena_group_destroy(struct vmm_arena_group *group);
+
+/**
+ * The member index named by this thread's last failing vmm_arena_group_*
+ * call (the member whose call failed; vmm_arena_last_error() says how), or
+ * -1 if it named none (a bad argument, an unknown group id) or no group
+ * call has failed on this thread. A successful call leaves it as it was.
+ */
+int32_t vmm_arena_group_last_member(void);
+
+/**
+ * Number of members.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out_count` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_member_count(struct vmm_arena_group *group,
+                                                   uint32_t *out_count);
+
+/**
+ * Allocates `size` bytes on every member (as vmm_arena_alloc), all or
+ * nothing: if member k fails, members 0..k-1 free what they allocated and
+ * the call returns member k's status (vmm_arena_group_last_member() is k).
+ * out_ptrs receives each member's address, member order; out_ptrs_len
+ * below the member count is INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out_id` is NULL or writable;
+ * `out_ptrs` is NULL or has `out_ptrs_len` writable entries.
+ */
+enum vmm_arena_status vmm_arena_group_alloc(struct vmm_arena_group *group,
+                                            uint64_t size,
+                                            vmm_arena_group_id *out_id,
+                                            uint64_t *out_ptrs,
+                                            uint32_t out_ptrs_len);
+
+/**
+ * vmm_arena_alloc_growable on every member, all or nothing (as
+ * vmm_arena_group_alloc).
+ *
+ * # Safety
+ * As for `vmm_arena_group_alloc`.
+ */
+enum vmm_arena_status vmm_arena_group_alloc_growable(struct vmm_arena_group *group,
+                                                     uint64_t size,
+                                                     uint64_t max_size,
+                                                     vmm_arena_group_id *out_id,
+                                                     uint64_t *out_ptrs,
+                                                     uint32_t out_ptrs_len);
+
+/**
+ * Resizes every member's allocation (as vmm_arena_resize), all or nothing:
+ * if member k fails, members 0..k-1 are resized back to the old size and
+ * the call returns member k's status. A resize back is a shrink after a
+ * growth, which makes no driver call that can fail: the sizes, contents
+ * and mapped bytes are as before, though a member whose growth moved the
+ * allocation keeps its new address (its move callback was told). Shrinks
+ * never fail part-way unless a member was changed through another path.
+ * out_ptrs receives each member's (maybe new) address.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out_ptrs` is NULL or has
+ * `out_ptrs_len` writable entries.
+ */
+enum vmm_arena_status vmm_arena_group_resize(struct vmm_arena_group *group,
+                                             vmm_arena_group_id id,
+                                             uint64_t new_size,
+                                             uint64_t *out_ptrs,
+                                             uint32_t out_ptrs_len);
+
+/**
+ * Frees the allocation on every member; its id is never valid again.
+ * UNKNOWN_ALLOCATION for an id this group did not issue or already freed.
+ *
+ * # Safety
+ * `group` is NULL or a live handle.
+ */
+enum vmm_arena_status vmm_arena_group_free(struct vmm_arena_group *group, vmm_arena_group_id id);
+
+/**
+ * Member `member`'s address, size and own allocation id of a group
+ * allocation (each out-parameter may be NULL). A member index not below
+ * the member count is INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_query(struct vmm_arena_group *group,
+                                            vmm_arena_group_id id,
+                                            uint32_t member,
+                                            uint64_t *out_ptr,
+                                            uint64_t *out_size,
+                                            vmm_arena_id *out_member_id);
+
+/**
+ * Member `member`'s stats, as vmm_arena_stats_get (stats->struct_size
+ * must be set by the caller).
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `stats` is NULL or points to at least
+ * `stats->struct_size` writable bytes starting with a `uint32_t struct_size`.
+ */
+enum vmm_arena_status vmm_arena_group_stats_get(struct vmm_arena_group *group,
+                                                uint32_t member,
+                                                struct vmm_arena_stats *stats);
+
+/**
+ * A JSON object: "devices", "allocations" (each group allocation's "id",
+ * "size" and every member's "ids") and "members" (each member's snapshot,
+ * as vmm_arena_snapshot_json writes it). Buffer rules as for
+ * vmm_arena_snapshot_json: written with its NUL if cap suffices, and
+ * *out_len receives the size needed either way.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `buf` is NULL or has `cap` writable
+ * bytes; `out_len` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *group,
+                                                    char *buf,
+                                                    size_t cap,
+                                                    size_t *out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -30,6 +30,7 @@ use arena::driver::fault::FaultDriver;
 use arena::driver::host::HostDriver;
 use arena::{Arena, ArenaConfig, Backend, Error, Id, MoveEvent, Status};
 
+mod group;
 mod testing;
 mod torch;
 
@@ -263,6 +264,28 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
 /// `arena` must be NULL or a live handle: every caller passes its own
 /// `arena` argument, which its `# Safety` contract requires to be so.
 fn boundary(func: &'static str, arena: *const vmm_arena, body: impl FnOnce() -> Result<(), Error>) -> vmm_arena_status {
+    boundary_with(
+        func,
+        || {
+            // SAFETY: `arena` is NULL or a live handle (see above); the flag
+            // is atomic, so other threads may use the handle meanwhile.
+            if let Some(h) = unsafe { arena.as_ref() } {
+                h.poisoned.store(true, Ordering::SeqCst);
+            }
+        },
+        "arena",
+        body,
+    )
+}
+
+/// [`boundary`] for any handle: `poison` marks it when a panic is caught;
+/// `what` names it in the message.
+fn boundary_with(
+    func: &'static str,
+    poison: impl FnOnce(),
+    what: &str,
+    body: impl FnOnce() -> Result<(), Error>,
+) -> vmm_arena_status {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => VMM_ARENA_OK,
         Ok(Err(e)) => {
@@ -270,13 +293,9 @@ fn boundary(func: &'static str, arena: *const vmm_arena, body: impl FnOnce() -> 
             e.status().into()
         }
         Err(payload) => {
-            // SAFETY: `arena` is NULL or a live handle (see above); the flag
-            // is atomic, so other threads may use the handle meanwhile.
-            if let Some(h) = unsafe { arena.as_ref() } {
-                h.poisoned.store(true, Ordering::SeqCst);
-            }
+            poison();
             set_last_error(format!(
-                "{func}: internal error: a panic was caught ({}); the arena is poisoned",
+                "{func}: internal error: a panic was caught ({}); the {what} is poisoned",
                 panic_message(&*payload)
             ));
             VMM_ARENA_ERR_INTERNAL

@@ -235,6 +235,16 @@ fn c_fault_matrix() {
     assert!(out.contains("C ABI fault matrix size:"), "{out}");
 }
 
+/// Device groups from C: calls, arguments, the group fault matrix, threads.
+#[test]
+fn c_group_test() {
+    let exe = compile("test_group", Lang::C, &[source("c/test_group.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI group fault matrix size:"), "{out}");
+}
+
 #[test]
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);

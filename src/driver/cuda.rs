@@ -115,6 +115,7 @@ driver_api! {
     cuDeviceGetName: fn(*mut c_char, c_int, sys::CUdevice);
     cuDeviceGetAttribute: fn(*mut c_int, sys::CUdevice_attribute, sys::CUdevice);
     cuDeviceTotalMem_v2: fn(*mut usize, sys::CUdevice);
+    cuDeviceCanAccessPeer: fn(*mut c_int, sys::CUdevice, sys::CUdevice);
     cuDevicePrimaryCtxRetain: fn(*mut sys::CUcontext, sys::CUdevice);
     cuDevicePrimaryCtxRelease_v2: fn(sys::CUdevice);
     cuCtxGetCurrent: fn(*mut sys::CUcontext);
@@ -327,6 +328,14 @@ impl Lib {
         Ok(bytes as u64)
     }
 
+    fn can_access_peer(self, dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
+        let mut v: c_int = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local; the
+        // driver validates both device handles.
+        self.check("cuDeviceCanAccessPeer", unsafe { (self.api.cuDeviceCanAccessPeer)(&mut v, dev, peer) })?;
+        Ok(v != 0)
+    }
+
     fn primary_ctx_retain(self, dev: sys::CUdevice) -> Result<sys::CUcontext> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: resolved function; the out-pointer is a valid local.
@@ -413,10 +422,10 @@ impl Lib {
         self.check("cuMemMap", unsafe { (self.api.cuMemMap)(ptr, size, offset, handle, 0) })
     }
 
-    fn mem_set_access(self, ptr: u64, size: usize, desc: &sys::CUmemAccessDesc) -> Result<()> {
-        // SAFETY: resolved function; `desc` points to exactly one valid
-        // descriptor and the count says 1.
-        self.check("cuMemSetAccess", unsafe { (self.api.cuMemSetAccess)(ptr, size, desc, 1) })
+    fn mem_set_access(self, ptr: u64, size: usize, desc: &[sys::CUmemAccessDesc]) -> Result<()> {
+        // SAFETY: resolved function; `desc` points to `desc.len()` valid
+        // descriptors, borrowed for the call, and the count says so.
+        self.check("cuMemSetAccess", unsafe { (self.api.cuMemSetAccess)(ptr, size, desc.as_ptr(), desc.len()) })
     }
 
     fn mem_unmap(self, ptr: u64, size: usize) -> Result<()> {
@@ -516,6 +525,9 @@ pub struct CudaDriver {
     driver_version: i32,
     /// Handles created and not yet released (trap 4: never release twice).
     live: Mutex<HashSet<u64>>,
+    /// One access descriptor per device that gets read-write access to
+    /// every mapping: this device first, then its peers (trap 6).
+    access: Vec<sys::CUmemAccessDesc>,
 }
 
 // SAFETY: the CUDA driver API is thread-safe: a context handle may be made
@@ -535,13 +547,24 @@ impl CudaDriver {
     /// too old, the driver cannot initialise, the device does not exist, or it
     /// lacks virtual memory management. Never panics.
     pub fn new(device: i32) -> Result<CudaDriver> {
-        match catch_unwind(AssertUnwindSafe(|| CudaDriver::open(device))) {
+        CudaDriver::with_peer_access(device, &[])
+    }
+
+    /// Like [`CudaDriver::new`], and every mapping is also made readable
+    /// and writable from each device in `peers` (ordinals): one access
+    /// descriptor per device in each `cuMemSetAccess` call, since peer
+    /// access enabled through the runtime API does not reach VMM mappings
+    /// (design trap 6). A peer that does not exist, repeats, is `device`
+    /// itself, or cannot access `device`'s memory (`cuDeviceCanAccessPeer`)
+    /// is [`Error::Unsupported`], before anything is mapped.
+    pub fn with_peer_access(device: i32, peers: &[i32]) -> Result<CudaDriver> {
+        match catch_unwind(AssertUnwindSafe(|| CudaDriver::open(device, peers))) {
             Ok(r) => r,
             Err(_) => Err(Error::Unsupported("the CUDA driver could not be loaded (loader panicked)".into())),
         }
     }
 
-    fn open(ordinal: i32) -> Result<CudaDriver> {
+    fn open(ordinal: i32, peers: &[i32]) -> Result<CudaDriver> {
         let lib = Lib::load()?;
         lib.init().map_err(|e| Error::Unsupported(format!("the CUDA driver cannot initialise: {e}")))?;
         let count = lib.device_count().map_err(|e| Error::Unsupported(e.to_string()))?;
@@ -560,6 +583,22 @@ impl CudaDriver {
                 "CUDA device {ordinal} does not support virtual memory management"
             )));
         }
+        let mut access = vec![access_desc(ordinal)];
+        for (i, &peer) in peers.iter().enumerate() {
+            if peer < 0 || peer >= count || peer == ordinal || peers[..i].contains(&peer) {
+                return Err(Error::Unsupported(format!(
+                    "peer device {peer} of CUDA device {ordinal}: not another existing device, or listed twice \
+                     ({count} device(s) visible)"
+                )));
+            }
+            let peer_dev = lib.device_get(peer).map_err(|e| Error::Unsupported(e.to_string()))?;
+            if !lib.can_access_peer(peer_dev, device).map_err(unsupported)? {
+                return Err(Error::Unsupported(format!(
+                    "CUDA device {peer} cannot access the memory of device {ordinal} (cuDeviceCanAccessPeer)"
+                )));
+            }
+            access.push(access_desc(peer));
+        }
         let name = lib.device_name(device).unwrap_or_else(|_| "unknown".into());
         let driver_version = lib.driver_version().unwrap_or(0);
 
@@ -574,6 +613,7 @@ impl CudaDriver {
             name,
             driver_version,
             live: Mutex::new(HashSet::new()),
+            access,
         };
         let (minimum, recommended) = {
             // The granularity query wants the context current, like every call.
@@ -635,17 +675,23 @@ impl CudaDriver {
         Ok(CurrentCtx { lib: self.lib, restore })
     }
 
-    fn access_desc(&self) -> sys::CUmemAccessDesc {
-        sys::CUmemAccessDesc {
-            location: location(self.ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        }
+    /// The devices that get access to every mapping: this one, then its peers.
+    pub fn access_devices(&self) -> Vec<i32> {
+        self.access.iter().map(|d| d.location.id).collect()
     }
 
     fn live(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
         // A panic while holding this lock cannot leave the set inconsistent
         // (single inserts and removes), so a poisoned lock is used as is.
         self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Read-write access for device `ordinal`.
+fn access_desc(ordinal: i32) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: location(ordinal),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
 }
 
@@ -752,7 +798,7 @@ impl Driver for CudaDriver {
     fn set_access(&self, addr: u64, size: u64) -> Result<()> {
         let size = to_usize("size", size)?;
         let _cur = self.enter()?;
-        self.lib.mem_set_access(addr, size, &self.access_desc())
+        self.lib.mem_set_access(addr, size, &self.access)
     }
 
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
@@ -901,6 +947,23 @@ mod tests {
         assert!(REQUIRED_SYMBOLS.iter().all(|s| s.starts_with("cu")));
         for s in ["cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"] {
             assert!(REQUIRED_SYMBOLS.contains(&s), "{s}");
+        }
+    }
+
+    #[test]
+    fn access_descriptors_are_read_write_per_device() {
+        let d = access_desc(5);
+        assert_eq!(d.location.id, 5);
+        assert_eq!(d.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
+        assert_eq!(d.flags, sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // system calls
+    fn peers_that_cannot_exist_are_unsupported() {
+        for peers in [&[-1][..], &[i32::MAX], &[0]] {
+            let r = std::panic::catch_unwind(|| CudaDriver::with_peer_access(0, peers)).expect("no panic");
+            assert!(matches!(r, Err(Error::Unsupported(_))), "peers {peers:?}: {r:?}");
         }
     }
 
