@@ -1,0 +1,534 @@
+//! Allocation and growth: `alloc`, `free`, `resize` (in place, or by
+//! moving), small allocations in slabs, what an id names, pinning and
+//! `query`.
+
+use crate::compact;
+use crate::error::{Error, Result};
+use crate::Id;
+
+use super::moves::{forget_retired, make_room, move_alloc, release_retired_into};
+use super::small::SmallEntry;
+use super::state::{Alloc, MoveEvent, Owner, Plan, State};
+use super::txn::Txn;
+use super::{pages_for, AllocInfo, Arena, Ctx};
+
+impl Arena {
+    /// Allocates `size` bytes (rounded up to whole chunks). Returns the id and
+    /// the address, chunk-aligned.
+    pub fn alloc(&self, size: u64) -> Result<(Id, u64)> {
+        self.alloc_inner(size, size, false)
+    }
+
+    /// Allocates `size` bytes inside a reservation of `max_size`, so the
+    /// allocation can grow up to `max_size` without moving.
+    pub fn alloc_growable(&self, size: u64, max_size: u64) -> Result<(Id, u64)> {
+        if max_size < size {
+            return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
+        }
+        self.alloc_inner(size, max_size, true)
+    }
+
+    fn alloc_inner(&self, size: u64, max_size: u64, growable: bool) -> Result<(Id, u64)> {
+        let chunk = self.chunk;
+        let pages = pages_for(size, chunk, "size")?;
+        let reserved = pages_for(max_size, chunk, "max_size")?;
+        self.run(|inner, ctx, events| {
+            let st = &mut inner.st;
+            let mut tx = ctx.txn(st);
+            let small = if growable { None } else { st.small.classes.class_of(size) };
+            let placed = match small {
+                Some(class) => alloc_small(st, &mut tx, class, size, events).map(Target::Small),
+                None => {
+                    alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events).map(Target::Chunks)
+                }
+            };
+            match placed {
+                Ok(Target::Small(ss)) => {
+                    tx.commit();
+                    Ok((st.small_id(ss), small_ptr(st, ss)))
+                }
+                Ok(Target::Chunks(slot)) => {
+                    tx.commit();
+                    Ok((st.id_of(slot), st.addr(st.alloc(slot).start)))
+                }
+                Err(e) => {
+                    tx.rollback();
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Frees an allocation. Its chunks stay mapped in the pool (up to the
+    /// retain watermark), ready for the next allocation without a driver call.
+    pub fn free(&self, id: Id) -> Result<()> {
+        self.run(|inner, _, _| {
+            let st = &mut inner.st;
+            match st.resolve(id)? {
+                Target::Chunks(slot) => {
+                    if let Owner::Promoted(ss) = st.alloc(slot).owner {
+                        st.small.drop_slot(ss);
+                    }
+                    st.remove_alloc(slot);
+                }
+                Target::Small(ss) => {
+                    let SmallEntry::InSlab { slab, .. } = *st.small.entry_of(ss) else {
+                        unreachable!("resolve gives Small only for objects in slabs")
+                    };
+                    match st.small.release(ss) {
+                        Some(empty_slab) => st.remove_alloc(empty_slab),
+                        // Freeing a pinned object unpins it: the slab stays
+                        // pinned only while another object in it is.
+                        None => {
+                            let s = st.small.slab(slab);
+                            let (slab_slot, pinned) = (s.alloc_slot, s.pinned > 0);
+                            st.alloc_mut(slab_slot).pinned = pinned;
+                        }
+                    }
+                    st.small.drop_slot(ss);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Grows or shrinks an allocation, keeping its first `min(old, new)`
+    /// bytes. Grows in place when its reservation (or the free space after
+    /// it) allows, else moves it by remapping. Returns the (maybe new) address.
+    pub fn resize(&self, id: Id, new_size: u64) -> Result<u64> {
+        let chunk = self.chunk;
+        let np = pages_for(new_size, chunk, "new_size")?;
+        self.run(|inner, ctx, events| {
+            let st = &mut inner.st;
+            let slot = match st.resolve(id)? {
+                Target::Chunks(slot) => slot,
+                Target::Small(ss) => return resize_small(st, ctx, ss, id, new_size, events),
+            };
+            let a = st.alloc(slot).clone();
+            if a.sleep.is_some() {
+                return Err(Error::Asleep(id.get()));
+            }
+            if np <= a.backed {
+                if np < a.backed {
+                    st.shrink_backing(slot, np);
+                    if !a.growable {
+                        st.free.insert(a.start + np, a.reserved - np);
+                        st.alloc_mut(slot).reserved = np;
+                    }
+                }
+                st.live_bytes = st.live_bytes - a.size + new_size;
+                st.alloc_mut(slot).size = new_size;
+                return Ok(st.addr(a.start));
+            }
+            // A growable allocation that outgrew its reservation gets twice
+            // the room when it moves, so repeated growth stays cheap.
+            let wanted = if a.growable { np.max(a.reserved.saturating_mul(2)).min(st.pages) } else { np };
+            let tail = (a.start + a.reserved, np.saturating_sub(a.reserved));
+            let extend_in_place = np > a.reserved && st.free.contains(tail.0, tail.1);
+            let via = if np > a.reserved && !extend_in_place { in_place_route(st, slot, tail, wanted) } else { None };
+            if np > a.reserved && !extend_in_place && via.is_none() && a.pinned {
+                return Err(Error::Pinned(id.get()));
+            }
+            // Chunks held only by retired small objects come back when the
+            // retired memory is released: growth may count on them.
+            let short = np - a.backed > st.obtainable_pages();
+            if short && np - a.backed > st.obtainable_pages() + st.small.reclaimable_slabs() {
+                return Err(Error::OutOfMemory(format!(
+                    "growing to {new_size} bytes needs {} more chunks; {} are obtainable",
+                    np - a.backed,
+                    st.obtainable_pages()
+                )));
+            }
+            if (np <= a.reserved || extend_in_place) && !short {
+                let mut tx = ctx.txn(st);
+                return match grow_in_place(st, &mut tx, slot, np, new_size) {
+                    Ok(()) => {
+                        tx.commit();
+                        Ok(st.addr(a.start))
+                    }
+                    Err(e) => {
+                        tx.rollback();
+                        Err(e)
+                    }
+                };
+            }
+            let in_place = np <= a.reserved || extend_in_place || via.is_some();
+            // Several steps (releases, moves of neighbours or of the
+            // allocation itself): on a copy that replaces the state only
+            // if every driver call succeeded.
+            let mut sim = st.clone();
+            let mut tx = ctx.txn(st);
+            let mut evs = Vec::new();
+            let moved = (|| {
+                if in_place {
+                    match via {
+                        Some(InPlace::Release) => release_retired_into(&mut sim, &mut tx)?,
+                        Some(InPlace::Evacuate(moves)) => {
+                            // Planned on the books after the release, which
+                            // are `sim`'s once it is done.
+                            release_retired_into(&mut sim, &mut tx)?;
+                            for (other, dest) in moves {
+                                let o = sim.alloc(other).clone();
+                                move_alloc(&mut sim, &mut tx, other, dest, o.backed, o.reserved, o.size, &mut evs)?;
+                            }
+                            // The neighbours' old ranges are the pages to grow into.
+                            release_retired_into(&mut sim, &mut tx)?;
+                        }
+                        None if short => release_retired_into(&mut sim, &mut tx)?,
+                        None => {}
+                    }
+                    return grow_in_place(&mut sim, &mut tx, slot, np, new_size);
+                }
+                let (t, reserved) = match sim.free.best_fit(wanted) {
+                    Some(t) => (t, wanted),
+                    None => (make_room(&mut sim, &mut tx, np, Some(slot), &mut evs)?, np),
+                };
+                // The chunks of retired small objects' slabs only after the
+                // place is found: `make_room` refuses before any driver call,
+                // and a refusal after these unmaps would need a rollback whose
+                // own calls may fail.
+                if short {
+                    release_retired_into(&mut sim, &mut tx)?;
+                }
+                move_alloc(&mut sim, &mut tx, slot, t, np, reserved, new_size, &mut evs)
+            })();
+            match moved {
+                Ok(()) => {
+                    tx.commit();
+                    *st = sim;
+                    events.extend(evs);
+                    Ok(st.addr(st.alloc(slot).start))
+                }
+                Err(e) => {
+                    tx.rollback();
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Address and facts of a live allocation.
+    pub fn query(&self, id: Id) -> Result<AllocInfo> {
+        let inner = self.lock()?;
+        let st = &inner.st;
+        let slot = match st.resolve(id)? {
+            Target::Chunks(slot) => slot,
+            Target::Small(ss) => {
+                let SmallEntry::InSlab { slab, size, pinned, .. } = *st.small.entry_of(ss) else {
+                    unreachable!("resolve gives Small only for objects in slabs")
+                };
+                let class = st.small.classes.size(st.small.slab(slab).class);
+                return Ok(AllocInfo {
+                    ptr: small_ptr(st, ss),
+                    size,
+                    reserved_bytes: class,
+                    mapped_bytes: class,
+                    pinned,
+                    growable: false,
+                    tag: 0,
+                    asleep: false,
+                });
+            }
+        };
+        let a = st.alloc(slot);
+        Ok(AllocInfo {
+            ptr: st.addr(a.start),
+            size: a.size,
+            reserved_bytes: a.reserved * st.chunk,
+            mapped_bytes: a.backed * st.chunk,
+            pinned: a.pinned,
+            growable: a.growable,
+            tag: a.tag,
+            asleep: a.sleep.is_some(),
+        })
+    }
+
+    /// Pins an allocation: it never moves until unpinned (for buffers
+    /// registered with NCCL, RDMA or captured in CUDA graphs).
+    pub fn pin(&self, id: Id) -> Result<()> {
+        self.set_pinned(id, true)
+    }
+
+    /// Lets a pinned allocation move again.
+    pub fn unpin(&self, id: Id) -> Result<()> {
+        self.set_pinned(id, false)
+    }
+
+    fn set_pinned(&self, id: Id, pinned: bool) -> Result<()> {
+        let mut inner = self.lock()?;
+        let st = &mut inner.st;
+        match st.resolve(id)? {
+            Target::Chunks(slot) => {
+                // Unpinning a sleeping allocation is fine; pinning needs it awake.
+                if pinned && st.alloc(slot).sleep.is_some() {
+                    return Err(Error::Asleep(id.get()));
+                }
+                st.alloc_mut(slot).pinned = pinned
+            }
+            Target::Small(ss) => {
+                // A slab is pinned while any object in it is.
+                let (slab_slot, count) = st.small.set_pinned(ss, pinned).expect("object in a slab");
+                st.alloc_mut(slab_slot).pinned = count > 0;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How an allocation can grow in place beyond its reservation when the
+/// pages after it are not free.
+enum InPlace {
+    /// They are retired: release the retired ranges, then grow.
+    Release,
+    /// They hold unpinned allocations that fit elsewhere: move them
+    /// (slot, destination page, planned on the books after the release of
+    /// retired ranges), release, then grow.
+    Evacuate(Vec<(u32, u64)>),
+}
+
+/// Whether `slot` can grow in place into `tail` (start page, pages) after
+/// releasing retired ranges or moving its neighbours; `wanted` is the
+/// reservation it would get by moving instead.
+///
+/// In place is preferred to moving the allocation itself: its address
+/// stays, and the arena releases retired ranges when it needs their
+/// address space anyway. Neighbours move for it only when it is pinned or
+/// when no free range could take it (and never with `no_implicit_moves`).
+fn in_place_route(st: &State, slot: u32, tail: (u64, u64), wanted: u64) -> Option<InPlace> {
+    let (t0, n) = tail;
+    if t0.checked_add(n).map_or(true, |end| end > st.pages) {
+        return None;
+    }
+    let released_books;
+    let released = if st.retired.is_empty() && st.small.nothing_retired() {
+        st
+    } else {
+        let mut r = st.clone();
+        forget_retired(&mut r);
+        released_books = r;
+        &released_books
+    };
+    if released.free.contains(t0, n) {
+        // (Never with nothing retired: the caller found the pages not free.)
+        return Some(InPlace::Release);
+    }
+    if st.no_implicit_moves || (!st.alloc(slot).pinned && st.free.best_fit(wanted).is_some()) {
+        return None;
+    }
+    compact::plan_evacuation(released, t0, t0 + n, |other| other == slot || released.alloc(other).immovable())
+        .map(InPlace::Evacuate)
+}
+
+/// Grows `slot` to `np` pages within its reservation, or into the free
+/// range right after it. Changes `st` only on success.
+fn grow_in_place(st: &mut State, tx: &mut Txn<'_>, slot: u32, np: u64, new_size: u64) -> Result<()> {
+    let a = st.alloc(slot).clone();
+    let reserved = a.reserved.max(np);
+    let mut plan = Plan::new(st, &[], a.start + a.backed..a.start + np, a.start..a.start + reserved)?;
+    plan.execute(st, tx)?;
+    plan.apply(st);
+    if reserved > a.reserved {
+        st.free.remove(a.start + a.reserved, reserved - a.reserved);
+    }
+    st.backed_pages += np - a.backed;
+    st.live_bytes = st.live_bytes - a.size + new_size;
+    let m = st.alloc_mut(slot);
+    m.reserved = reserved;
+    m.backed = np;
+    m.size = new_size;
+    Ok(())
+}
+
+/// Places a new allocation of whole chunks: best fit, else after releasing
+/// retired ranges and compacting. Returns its slot. On error the state is
+/// unchanged and the caller rolls `tx` back.
+#[allow(clippy::too_many_arguments)]
+fn alloc_pages(
+    st: &mut State,
+    tx: &mut Txn<'_>,
+    pages: u64,
+    reserved: u64,
+    size: u64,
+    growable: bool,
+    owner: Owner,
+    events: &mut Vec<MoveEvent>,
+) -> Result<u32> {
+    let chunk = st.chunk;
+    // Chunks held only by retired small objects come back when the retired
+    // memory is released (below, on the slow path): count them.
+    let short = pages > st.obtainable_pages();
+    if short && pages > st.obtainable_pages() + st.small.reclaimable_slabs() {
+        return Err(Error::OutOfMemory(format!(
+            "{size} bytes need {pages} chunks; {} are obtainable under the capacity of {} bytes",
+            st.obtainable_pages(),
+            st.cap_pages * chunk
+        )));
+    }
+    if reserved > st.pages {
+        return Err(Error::OutOfAddressSpace(format!(
+            "a reservation of {} bytes exceeds the whole virtual range",
+            reserved * chunk
+        )));
+    }
+    let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false, owner, tag: 0, sleep: None };
+    if let (false, Some(t)) = (short, st.free.best_fit(reserved)) {
+        let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
+        plan.execute(st, tx)?;
+        plan.apply(st);
+        return Ok(st.insert_alloc(Alloc { start: t, ..a }));
+    }
+    // Several steps: work on a copy that replaces the state only on success.
+    let mut sim = st.clone();
+    let mut evs = Vec::new();
+    let t = make_room(&mut sim, tx, reserved, None, &mut evs)?;
+    // The chunks of retired small objects' slabs only after the place is
+    // found: `make_room` refuses before any driver call, and a refusal after
+    // these unmaps would need a rollback whose own calls may fail.
+    if short {
+        release_retired_into(&mut sim, tx)?;
+    }
+    let mut plan = Plan::new(&sim, &[], t..t + pages, t..t + reserved)?;
+    plan.execute(&sim, tx)?;
+    plan.apply(&mut sim);
+    let slot = sim.insert_alloc(Alloc { start: t, ..a });
+    *st = sim;
+    events.extend(evs);
+    Ok(slot)
+}
+
+/// Places a small allocation in a slab of its class, making a slab (one
+/// chunk, like any allocation) when none has room. Returns its small slot.
+fn alloc_small(st: &mut State, tx: &mut Txn<'_>, class: u16, size: u64, events: &mut Vec<MoveEvent>) -> Result<u32> {
+    let slab = match st.small.partial_slab(class) {
+        Some(s) => s,
+        None => {
+            let chunk = st.chunk;
+            let slot = alloc_pages(st, tx, 1, 1, chunk, false, Owner::Slab(u32::MAX), events)?;
+            let slab = st.small.add_slab(class, slot);
+            st.alloc_mut(slot).owner = Owner::Slab(slab);
+            slab
+        }
+    };
+    Ok(st.small.take(slab, size).0)
+}
+
+/// Address of a small allocation in its slab.
+pub(super) fn small_ptr(st: &State, small_slot: u32) -> u64 {
+    match st.small.slots[small_slot as usize].entry.as_ref().expect("live small slot") {
+        SmallEntry::InSlab { slab, index, .. } => {
+            let s = st.small.slab(*slab);
+            st.addr(st.alloc(s.alloc_slot).start) + *index as u64 * st.small.classes.size(s.class)
+        }
+        SmallEntry::Promoted { alloc_slot } => st.addr(st.alloc(*alloc_slot).start),
+    }
+}
+
+/// Resizes a small allocation. Within its class it stays where it is;
+/// beyond, it gets a new place (another class, or whole chunks) and its
+/// bytes are copied — the one place where the arena copies. The copy counts
+/// in `bytes_copied`, and the address change is reported like a move.
+fn resize_small(
+    st: &mut State,
+    ctx: &Ctx<'_>,
+    ss: u32,
+    id: Id,
+    new_size: u64,
+    events: &mut Vec<MoveEvent>,
+) -> Result<u64> {
+    let SmallEntry::InSlab { slab, size, pinned, .. } = *st.small.entry_of(ss) else {
+        unreachable!("resolve gives Small only for objects in slabs")
+    };
+    let class = st.small.slab(slab).class;
+    if new_size <= st.small.classes.size(class) {
+        st.small.set_size(ss, new_size);
+        return Ok(small_ptr(st, ss));
+    }
+    if pinned {
+        return Err(Error::Pinned(id.get()));
+    }
+    let mut sim = st.clone();
+    let mut tx = ctx.txn(st);
+    let mut evs = Vec::new();
+    let done = (|| {
+        let chunk = sim.chunk;
+        let new_place = match sim.small.classes.class_of(new_size) {
+            Some(c) => {
+                let tmp = alloc_small(&mut sim, &mut tx, c, new_size, &mut evs)?;
+                NewPlace::Small(tmp)
+            }
+            None => {
+                let pages = pages_for(new_size, chunk, "new_size")?;
+                let owner = Owner::Promoted(ss);
+                NewPlace::Chunks(alloc_pages(&mut sim, &mut tx, pages, pages, new_size, false, owner, &mut evs)?)
+            }
+        };
+        // Placing the new object may have compacted: read the old address now.
+        let old_ptr = small_ptr(&sim, ss);
+        let new_ptr = match new_place {
+            NewPlace::Small(tmp) => small_ptr(&sim, tmp),
+            NewPlace::Chunks(slot) => sim.addr(sim.alloc(slot).start),
+        };
+        ctx.drv.copy(new_ptr, old_ptr, size.min(new_size))?;
+        sim.bytes_copied += size.min(new_size);
+        // The old place is retired, not freed: a kernel may still use it.
+        sim.small.retire(ss);
+        match new_place {
+            NewPlace::Small(tmp) => sim.small.adopt(ss, tmp),
+            NewPlace::Chunks(slot) => sim.small.set_entry(ss, SmallEntry::Promoted { alloc_slot: slot }),
+        }
+        sim.moves += 1;
+        evs.push(MoveEvent { id, old_ptr, new_ptr, size: new_size });
+        Ok::<_, Error>(new_ptr)
+    })();
+    match done {
+        Ok(ptr) => {
+            tx.commit();
+            *st = sim;
+            events.extend(evs);
+            Ok(ptr)
+        }
+        Err(e) => {
+            tx.rollback();
+            Err(e)
+        }
+    }
+}
+
+enum NewPlace {
+    Small(u32),
+    Chunks(u32),
+}
+
+/// What an id names.
+pub(crate) enum Target {
+    /// An allocation of whole chunks (its arena slot).
+    Chunks(u32),
+    /// A small allocation in a slab (its small-table slot).
+    Small(u32),
+}
+
+impl State {
+    /// Resolves a caller's id; unknown, freed and internal ids are errors.
+    pub(crate) fn resolve(&self, id: Id) -> Result<Target> {
+        if !id.is_small() {
+            return self.lookup(id).map(Target::Chunks);
+        }
+        let crate::id::IdParts { generation, tag, slot, .. } = id.parts();
+        if tag != self.tag {
+            return Err(Error::UnknownAllocation(id.get()));
+        }
+        match self.small.entry(slot, generation) {
+            Some(SmallEntry::InSlab { .. }) => Ok(Target::Small(slot)),
+            Some(SmallEntry::Promoted { alloc_slot }) => Ok(Target::Chunks(*alloc_slot)),
+            None => Err(Error::UnknownAllocation(id.get())),
+        }
+    }
+
+    /// The id a caller knows an allocation of whole chunks by.
+    pub(crate) fn user_id(&self, slot: u32) -> Id {
+        match self.alloc(slot).owner {
+            Owner::Promoted(ss) => self.small_id(ss),
+            _ => self.id_of(slot),
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! The pool and giving memory back: `trim` and the retain watermark.
+
+use crate::driver::ChunkHandle;
+use crate::error::Result;
+
+use super::moves::forget_retired_pages;
+use super::state::{self, State};
+use super::txn;
+use super::{Arena, Ctx, Inner};
+
+impl Arena {
+    /// Gives pooled chunks back to the driver until at most `keep_bytes`
+    /// (or the retain watermark, if lower) stay pooled; returns the bytes
+    /// given back.
+    ///
+    /// Unlike every other operation, a driver failure here cannot undo what
+    /// was already given back: chunks released before the failure stay
+    /// released (and are counted), the rest stay pooled, and the error is
+    /// returned. Nothing is leaked either way.
+    ///
+    /// A chunk to be given back may still be mapped at retired pages (the
+    /// old range of an allocation that moved and was then freed or shrunk):
+    /// those pages are unmapped first, so the memory really goes back. No
+    /// other retired page is: a live allocation's old address stays valid
+    /// (for its current size) until [`Arena::release_retired`], and the bytes
+    /// returned never exceed what was pooled.
+    pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
+        // Down to the retain watermark too, if it is lower: `run` would give
+        // that back right after (pooled memory may exceed the watermark after
+        // a failed give-back), and the bytes returned must count it.
+        self.run(|inner, ctx, _| {
+            let keep = keep_bytes.min(inner.st.retain_bytes);
+            trim_pool(&mut inner.st, ctx, keep)
+        })
+    }
+}
+
+/// Gives pooled chunks back until at most `keep_bytes` stay pooled.
+///
+/// A chunk about to be given back may still be mapped at retired pages
+/// (the old range of an allocation that moved and was then freed or
+/// shrunk). Its memory would outlive the release, so those pages are
+/// unmapped first — only those: a pooled chunk backs no live allocation,
+/// so no live allocation's old address loses a byte below its size, and
+/// every other retired page (and retired small object) stays valid until
+/// `release_retired`. Hence the bytes given back never exceed what was
+/// pooled when the call began.
+fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
+    let keep = keep_bytes / st.chunk;
+    let pooled = st.pooled_pages();
+    if pooled <= keep {
+        return Ok(0);
+    }
+    let k = (pooled - keep) as usize;
+    // Unmapped pooled chunks first (giving them back needs no unmap of
+    // theirs), then cached chunks, highest addresses first.
+    let from_pool: Vec<ChunkHandle> = st.pool.iter().rev().take(k).copied().collect();
+    let mut cached_pages: Vec<u64> = st.cached.iter().rev().take(k - from_pool.len()).copied().collect();
+    cached_pages.sort_unstable();
+    let cached_chunks: Vec<ChunkHandle> =
+        cached_pages.iter().map(|&p| st.mapped[p as usize].expect("cached page is mapped")).collect();
+    let doomed: std::collections::HashSet<ChunkHandle> = from_pool.iter().chain(&cached_chunks).copied().collect();
+    let retired_pages: Vec<u64> = st
+        .retired
+        .iter()
+        .flat_map(|(&s, &l)| s..s + l)
+        .filter(|&p| st.mapped[p as usize].is_some_and(|h| doomed.contains(&h)))
+        .collect();
+    // Every unmap first, in one transaction (undoable until committed).
+    let mut tx = ctx.txn(st);
+    for run in state::runs(&retired_pages).into_iter().chain(state::runs(&cached_pages)) {
+        let hs: Vec<_> = run.clone().map(|p| st.mapped[p as usize].expect("page is mapped")).collect();
+        if let Err(e) = tx.unmap(run.start, hs) {
+            tx.rollback();
+            return Err(e);
+        }
+    }
+    tx.commit();
+    forget_retired_pages(st, &retired_pages);
+    for &p in &cached_pages {
+        st.cached.remove(&p);
+        st.mapped[p as usize] = None;
+    }
+    st.pool.truncate(st.pool.len() - from_pool.len());
+    // Then the releases, which cannot be undone: a failure keeps the rest pooled.
+    let chunks: Vec<ChunkHandle> = from_pool.into_iter().chain(cached_chunks).collect();
+    let mut released = 0u64;
+    for (i, &h) in chunks.iter().enumerate() {
+        if let Err(e) = txn::release(ctx.drv, ctx.counts, h) {
+            st.pool.extend_from_slice(&chunks[i..]);
+            return Err(e);
+        }
+        released += st.chunk;
+    }
+    Ok(released)
+}
+
+/// After an operation (a free, a shrink, a release of retired ranges that
+/// emptied a slab): give back pooled memory beyond the retain watermark.
+/// Best effort: the operation itself has succeeded, so a driver failure
+/// only keeps the memory pooled (counted in `release_failures`).
+pub(super) fn enforce_watermark(inner: &mut Inner, ctx: &Ctx<'_>) {
+    let st = &mut inner.st;
+    if st.retain_bytes == u64::MAX || st.pooled_pages() * st.chunk <= st.retain_bytes {
+        return;
+    }
+    if trim_pool(st, ctx, st.retain_bytes).is_err() {
+        inner.release_failures += 1;
+    }
+}

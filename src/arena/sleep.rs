@@ -1,0 +1,235 @@
+//! Tags, sleep and wake: giving a tagged group's physical memory back to
+//! the driver while its ids, addresses and reservations stay.
+
+use crate::driver::ChunkHandle;
+use crate::error::{Error, Result};
+use crate::Id;
+
+use super::alloc::Target;
+use super::moves::release_retired_into;
+use super::state::{self, Alloc, Owner, Plan, Sleep, State};
+use super::txn;
+use super::{Arena, Ctx, Inner, ALL_TAGS, SLEEP_BACKUP};
+
+impl Arena {
+    /// Sets an allocation's tag (0 by default), which [`Arena::sleep`] and
+    /// [`Arena::wake`] select by. Works on a sleeping allocation too.
+    ///
+    /// Small allocations (at most half a chunk, made by [`Arena::alloc`])
+    /// share slabs with others and cannot sleep on their own:
+    /// `Error::InvalidArgument` for them. Allocate more than half a chunk,
+    /// or with [`Arena::alloc_growable`], to tag an allocation. Small
+    /// allocations never sleep, whatever the tag asked for.
+    pub fn set_tag(&self, id: Id, tag: u32) -> Result<()> {
+        let mut inner = self.lock()?;
+        let st = &mut inner.st;
+        match st.resolve(id)? {
+            Target::Chunks(slot) => {
+                st.alloc_mut(slot).tag = tag;
+                Ok(())
+            }
+            Target::Small(_) => Err(Error::invalid(
+                "small allocations share slabs and cannot be tagged; allocate more than half a chunk, or use alloc_growable, to tag it",
+            )),
+        }
+    }
+
+    /// Puts every awake allocation with tag `tag` ([`ALL_TAGS`]: every tag)
+    /// to sleep, giving its physical memory back to the driver; ids, sizes,
+    /// addresses and reservations stay.
+    ///
+    /// In order: waits for the device; with [`SLEEP_BACKUP`] in `flags`,
+    /// copies each one's `size` bytes to host memory through the driver
+    /// (`cuMemcpy` on CUDA; the backup is a plain `Vec`, see below); unmaps
+    /// every retired range (a retired range may still map one of their
+    /// chunks, which must not outlive the sleep); unmaps them and every
+    /// cached pooled chunk; then releases their chunks and every pooled
+    /// chunk, whatever `retain_bytes` says. Pinned allocations sleep too,
+    /// already sleeping ones are left as they are, small allocations never
+    /// sleep (see [`Arena::set_tag`]).
+    ///
+    /// All or nothing: a failure of any call up to the unmaps undoes them
+    /// (remaps) and nothing has slept. The releases come after that point
+    /// and cannot be undone: a release that fails keeps its chunk pooled and
+    /// counts in `release_failures` (like the retain watermark), and the
+    /// sleep has succeeded; [`Arena::trim`] can give the chunk back later.
+    ///
+    /// The backups are ordinary host memory on every backend. Pinned host
+    /// memory (`cuMemHostAlloc`), which CUDA copies faster and could copy
+    /// asynchronously, is left for later: a plain `Vec` is what could be
+    /// tested here.
+    ///
+    /// Unknown bits in `flags`: `Error::InvalidArgument`.
+    pub fn sleep(&self, tag: u32, flags: u32) -> Result<()> {
+        if flags & !SLEEP_BACKUP != 0 {
+            return Err(Error::invalid(format!("unknown sleep flags {:#x}", flags & !SLEEP_BACKUP)));
+        }
+        self.run(|inner, ctx, _| sleep_tag(inner, ctx, tag, flags & SLEEP_BACKUP != 0))
+    }
+
+    /// Wakes every sleeping allocation with tag `tag` ([`ALL_TAGS`]: every
+    /// tag), each at its own address: chunks are taken from the pool or
+    /// created, mapped where its backing was, made accessible (one call per
+    /// run of pages), and its backup, if it has one, written back through
+    /// the driver. Without a backup its contents are whatever the driver
+    /// gives.
+    ///
+    /// All or nothing: on failure (`OutOfMemory` when the capacity is taken,
+    /// or a driver error) every one of them is still asleep with its backup
+    /// intact.
+    pub fn wake(&self, tag: u32) -> Result<()> {
+        self.run(|inner, ctx, _| wake_tag(&mut inner.st, ctx, tag))
+    }
+}
+
+/// Whether `a` is a caller's allocation of whole chunks that `tag` selects.
+fn tagged(a: &Alloc, tag: u32) -> bool {
+    !matches!(a.owner, Owner::Slab(_)) && (tag == ALL_TAGS || a.tag == tag)
+}
+
+/// [`Arena::sleep`]: the reversible part (synchronize, backups, unmaps) on a
+/// copy of the state, then the releases, best effort.
+fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result<()> {
+    let st = &mut inner.st;
+    let targets: Vec<u32> =
+        st.by_start.values().copied().filter(|&s| st.alloc(s).sleep.is_none() && tagged(st.alloc(s), tag)).collect();
+    let nothing_held = st.retired.is_empty() && st.small.nothing_retired() && st.pooled_pages() == 0;
+    if targets.is_empty() && nothing_held {
+        return Ok(());
+    }
+    let mut sim = st.clone();
+    let mut tx = ctx.txn(st);
+    let done = (|| {
+        tx.sync()?;
+        let mut backups = Vec::new();
+        if backup {
+            for &slot in &targets {
+                let a = sim.alloc(slot);
+                let len = usize::try_from(a.size).map_err(|_| Error::OutOfMemory("backup too large".into()))?;
+                let mut buf = Vec::new();
+                buf.try_reserve_exact(len)
+                    .map_err(|_| Error::OutOfMemory(format!("no host memory for a backup of {len} bytes")))?;
+                buf.resize(len, 0);
+                ctx.drv.read(sim.addr(a.start), &mut buf)?;
+                backups.push(Some(std::sync::Arc::new(buf)));
+            }
+        } else {
+            backups.resize(targets.len(), None);
+        }
+        // Retired ranges may map the sleepers' chunks (a moved allocation's
+        // old range): those mappings would keep the memory alive. All of
+        // them go, as when the arena needs their address space.
+        release_retired_into(&mut sim, &mut tx)?;
+        let mut pages: Vec<u64> = targets
+            .iter()
+            .flat_map(|&s| {
+                let a = sim.alloc(s);
+                a.start..a.start + a.backed
+            })
+            .chain(sim.cached.iter().copied())
+            .collect();
+        pages.sort_unstable();
+        for run in state::runs(&pages) {
+            let hs: Vec<_> = run.clone().map(|p| sim.mapped[p as usize].expect("page is mapped")).collect();
+            tx.unmap(run.start, hs)?;
+        }
+        Ok::<_, Error>(backups)
+    })();
+    let backups = match done {
+        Ok(b) => {
+            tx.commit();
+            b
+        }
+        Err(e) => {
+            tx.rollback();
+            return Err(e);
+        }
+    };
+    // Apply (infallible): the sleepers keep their reservations and map
+    // nothing; every chunk they had and every pooled chunk is to release.
+    let mut doomed: Vec<ChunkHandle> = Vec::new();
+    for (&slot, backup) in targets.iter().zip(backups) {
+        let a = sim.alloc(slot).clone();
+        doomed.extend((a.start..a.start + a.backed).map(|p| sim.mapped[p as usize].take().expect("backing page")));
+        sim.backed_pages -= a.backed;
+        sim.asleep_pages += a.reserved;
+        sim.backup_bytes += backup.as_ref().map_or(0, |b| b.len() as u64);
+        let m = sim.alloc_mut(slot);
+        m.sleep = Some(Sleep { backed: a.backed, backup });
+        m.backed = 0;
+    }
+    for p in std::mem::take(&mut sim.cached) {
+        doomed.push(sim.mapped[p as usize].take().expect("cached page is mapped"));
+    }
+    doomed.append(&mut sim.pool);
+    *st = sim;
+    for h in doomed {
+        if txn::release(ctx.drv, ctx.counts, h).is_err() {
+            inner.st.pool.push(h);
+            inner.release_failures += 1;
+        }
+    }
+    Ok(())
+}
+
+/// [`Arena::wake`]: every sleeper's chunks planned, mapped and made
+/// accessible on a copy of the state, then the backups written; the copy
+/// replaces the state only if every call succeeded.
+fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
+    let targets: Vec<u32> =
+        st.by_start.values().copied().filter(|&s| st.alloc(s).sleep.is_some() && tagged(st.alloc(s), tag)).collect();
+    if targets.is_empty() {
+        return Ok(());
+    }
+    // Out of memory is decided before any driver call: a refusal after some
+    // sleepers were mapped would need a rollback, whose own driver calls
+    // may fail and leave the arena unlike its books. Every pooled or cached
+    // chunk can serve (none is cached inside a sleeper's reservation), and
+    // new ones up to the capacity.
+    let needed: u64 = targets.iter().map(|&s| st.alloc(s).sleep.as_ref().map_or(0, |z| z.backed)).sum();
+    if needed > st.obtainable_pages() {
+        return Err(Error::OutOfMemory(format!(
+            "waking needs {needed} chunks of {} bytes; {} are obtainable under the capacity",
+            st.chunk,
+            st.obtainable_pages()
+        )));
+    }
+    let mut sim = st.clone();
+    let mut tx = ctx.txn(st);
+    let done = (|| {
+        for &slot in &targets {
+            let a = sim.alloc(slot).clone();
+            let sleep = a.sleep.as_ref().expect("asleep");
+            // Nothing is cached inside a sleeper's reservation (sleep
+            // unmapped it all, and nothing else maps there): every page
+            // gets a pooled, stolen or new chunk.
+            let mut plan = Plan::new(&sim, &[], a.start..a.start + sleep.backed, a.start..a.start + a.reserved)?;
+            plan.execute(&sim, &mut tx)?;
+            plan.apply(&mut sim);
+            sim.backed_pages += sleep.backed;
+            sim.asleep_pages -= a.reserved;
+            sim.backup_bytes -= sleep.backup.as_ref().map_or(0, |b| b.len() as u64);
+            let m = sim.alloc_mut(slot);
+            m.backed = sleep.backed;
+            m.sleep = None;
+        }
+        for &slot in &targets {
+            let a = st.alloc(slot);
+            if let Some(b) = a.sleep.as_ref().and_then(|s| s.backup.as_ref()) {
+                ctx.drv.write(st.addr(a.start), b)?;
+            }
+        }
+        Ok::<_, Error>(())
+    })();
+    match done {
+        Ok(()) => {
+            tx.commit();
+            *st = sim;
+            Ok(())
+        }
+        Err(e) => {
+            tx.rollback();
+            Err(e)
+        }
+    }
+}

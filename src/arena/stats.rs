@@ -1,0 +1,139 @@
+//! The report types ([`Stats`], [`CompactReport`], [`AllocInfo`]), the
+//! stats and the JSON snapshot.
+
+use crate::error::Result;
+use crate::sync::{AtomicU64, Ordering};
+
+use super::{Arena, Inner};
+
+/// Counters and sizes of an arena (every field of `vmm_arena_stats`, and more).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub live_allocations: u64,
+    /// Sum of the sizes callers asked for.
+    pub live_bytes: u64,
+    /// Physical bytes backing live allocations (each chunk once: a slab's
+    /// chunk counts while one of its objects is live).
+    pub mapped_bytes: u64,
+    /// Physical bytes held but backing no live allocation: cached and
+    /// unmapped pooled chunks, and slabs that hold only retired objects
+    /// (until retired memory is released, when they join the pool).
+    pub pooled_bytes: u64,
+    /// High-water mark of `mapped_bytes + pooled_bytes`.
+    pub peak_physical_bytes: u64,
+    pub capacity_bytes: u64,
+    pub reserved_va_bytes: u64,
+    /// Address space covered by no live reservation and no retired range.
+    pub free_va_bytes: u64,
+    pub largest_free_va_bytes: u64,
+    pub retired_va_bytes: u64,
+    /// Moves by remapping, ever.
+    pub moves: u64,
+    pub driver_creates: u64,
+    pub driver_releases: u64,
+    pub driver_maps: u64,
+    pub driver_unmaps: u64,
+    pub driver_access_calls: u64,
+    /// Device synchronizations (one before each batch of unmaps).
+    pub driver_syncs: u64,
+    /// The chunk size.
+    pub chunk_bytes: u64,
+    /// Pooled chunks mapped at a free address, ready to serve without a driver call.
+    pub cached_mapped_bytes: u64,
+    /// Chunk give-backs (watermark or drop) that failed and were kept pooled.
+    pub release_failures: u64,
+    /// Times the virtual reservation had to be retried smaller at creation.
+    pub reserve_fallbacks: u64,
+    /// Bytes copied by resizes of small allocations beyond their size class
+    /// (the only copies the arena ever makes).
+    pub bytes_copied: u64,
+    /// Chunks serving as slabs for small allocations.
+    pub small_slabs: u64,
+    /// Reserved bytes of sleeping allocations (they count in
+    /// `live_allocations` and `live_bytes`, not in `mapped_bytes`).
+    pub asleep_bytes: u64,
+    /// Host bytes held as sleeping allocations' backups.
+    pub backup_bytes: u64,
+}
+
+/// What [`Arena::compact`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompactReport {
+    /// Allocations that moved, as callers know them: every object of a
+    /// moved slab counts (each gets a move event and counts in `moves`).
+    pub moved_allocations: u64,
+    /// Physical bytes remapped to a new address.
+    pub moved_bytes: u64,
+    pub largest_free_va_before: u64,
+    pub largest_free_va_after: u64,
+}
+
+/// What [`Arena::query`] tells about one allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocInfo {
+    pub ptr: u64,
+    /// Size in bytes the caller asked for.
+    pub size: u64,
+    /// Address space reserved for it (its growth limit in place).
+    pub reserved_bytes: u64,
+    /// Physical bytes backing it.
+    pub mapped_bytes: u64,
+    pub pinned: bool,
+    pub growable: bool,
+    /// Its tag (see [`Arena::set_tag`]).
+    pub tag: u32,
+    /// Whether it sleeps (see [`Arena::sleep`]); `mapped_bytes` is 0 then.
+    pub asleep: bool,
+}
+
+impl Arena {
+    /// Counters and sizes.
+    pub fn stats(&self) -> Result<Stats> {
+        let inner = self.lock()?;
+        Ok(self.stats_of(&inner))
+    }
+
+    fn stats_of(&self, inner: &Inner) -> Stats {
+        let st = &inner.st;
+        let c = st.chunk;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        // Slabs holding only retired objects back no live allocation: their
+        // chunks are held memory, pooled (they return to the pool when
+        // retired memory is released).
+        let idle_slabs = st.small.reclaimable_slabs();
+        Stats {
+            live_allocations: st.live_count + st.small.live,
+            live_bytes: st.live_bytes + st.small.live_bytes,
+            mapped_bytes: (st.backed_pages - idle_slabs) * c,
+            pooled_bytes: (st.pooled_pages() + idle_slabs) * c,
+            peak_physical_bytes: st.peak_held_pages.max(st.held_pages()) * c,
+            capacity_bytes: st.cap_pages * c,
+            reserved_va_bytes: st.pages * c,
+            free_va_bytes: st.free.total() * c,
+            largest_free_va_bytes: st.free.largest() * c,
+            retired_va_bytes: st.retired_pages * c + st.small.retired_bytes,
+            moves: st.moves,
+            driver_creates: load(&self.counts.creates),
+            driver_releases: load(&self.counts.releases),
+            driver_maps: load(&self.counts.maps),
+            driver_unmaps: load(&self.counts.unmaps),
+            driver_access_calls: load(&self.counts.access_calls),
+            driver_syncs: load(&self.counts.syncs),
+            chunk_bytes: c,
+            cached_mapped_bytes: st.cached.len() as u64 * c,
+            release_failures: inner.release_failures,
+            reserve_fallbacks: self.reserve_fallbacks,
+            bytes_copied: st.bytes_copied,
+            small_slabs: st.small.slab_count(),
+            asleep_bytes: st.asleep_pages * c,
+            backup_bytes: st.backup_bytes,
+        }
+    }
+
+    /// A JSON object describing every range (live, free, retired), the
+    /// pooled chunks and the stats.
+    pub fn snapshot_json(&self) -> Result<String> {
+        let inner = self.lock()?;
+        Ok(crate::snapshot::to_json(&inner.st, &self.stats_of(&inner), self.driver.name()))
+    }
+}
