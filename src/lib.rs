@@ -50,6 +50,8 @@ pub use arena::{
     AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, ALL_TAGS,
     DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,
 };
+#[cfg(unix)]
+pub use arena::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
 pub use error::{Error, Result, Status};
 pub use group::{Group, GroupConfig, GroupError, GroupId};
 pub use id::Id;

@@ -33,8 +33,9 @@ fn index(k: CallKind) -> usize {
         CallKind::Unmap => 6,
         CallKind::Synchronize => 7,
         CallKind::Data => 8,
-        // Stream events: counted, not modeled (the managers here make none).
-        CallKind::Event => 9,
+        // Stream events and sharing: counted, not modeled (the managers
+        // here make none).
+        CallKind::Event | CallKind::Share => 9,
     }
 }
 

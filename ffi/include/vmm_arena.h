@@ -43,6 +43,16 @@
 #define VMM_ARENA_FLAG_NO_IMPLICIT_MOVES 1u
 
 /**
+ * Chunks are exportable to other processes (vmm_arena_export): on the
+ * host backend each chunk gets a sealed memfd of its own (one descriptor
+ * per chunk held by the arena); on CUDA chunks are created with the POSIX
+ * file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
+ * the device lacks it). (8, not 4: the contract's own program checks that
+ * 2 and 4 are refused, 2 being VMM_ARENA_FLAG_BACKGROUND of the open work.)
+ */
+#define VMM_ARENA_FLAG_EXPORTABLE 8u
+
+/**
  * Every tag, for vmm_arena_sleep and vmm_arena_wake.
  */
 #define VMM_ARENA_ALL_TAGS 4294967295u
@@ -62,6 +72,19 @@
  * on the host backend.
  */
 #define VMM_ARENA_GROUP_PEER_ACCESS 1u
+
+/**
+ * The format version of vmm_arena_export_layout this library writes and
+ * accepts (the version field).
+ */
+#define VMM_ARENA_EXPORT_FORMAT_VERSION 1u
+
+/**
+ * vmm_arena_import flag: map the chunks readable only (on the host backend
+ * a store through the pointer faults; on CUDA the access is
+ * CU_MEM_ACCESS_FLAGS_PROT_READ).
+ */
+#define VMM_ARENA_IMPORT_READ_ONLY 1u
 
 /**
  * What every call that can fail returns. Values are never changed or reused.
@@ -138,6 +161,13 @@ typedef enum vmm_arena_backend {
  * Opaque arena.
  */
 typedef struct vmm_arena vmm_arena;
+
+/**
+ * Opaque open export: one descriptor per chunk of an allocation and its
+ * layout. It may outlive the arena that made it (the descriptors keep the
+ * memory alive).
+ */
+typedef struct vmm_arena_export vmm_arena_export;
 
 /**
  * Opaque device group: one arena per device.
@@ -320,6 +350,34 @@ typedef void (*vmm_arena_move_fn)(void *user,
  * and an id is never reused.
  */
 typedef uint64_t vmm_arena_group_id;
+
+/**
+ * What an importer needs besides the descriptors: send it with them (a
+ * plain struct of integers, 32 bytes). struct_size is set by whoever fills
+ * it in and checked by whoever reads it.
+ */
+typedef struct vmm_arena_export_layout {
+  /**
+   * sizeof(vmm_arena_export_layout)
+   */
+  uint32_t struct_size;
+  /**
+   * VMM_ARENA_EXPORT_FORMAT_VERSION
+   */
+  uint32_t version;
+  /**
+   * bytes per chunk: the importing arena's chunk_bytes must be equal
+   */
+  uint64_t chunk_bytes;
+  /**
+   * chunks, one descriptor each, in address order
+   */
+  uint64_t chunk_count;
+  /**
+   * the allocation's size when it was exported
+   */
+  uint64_t size;
+} vmm_arena_export_layout;
 
 #ifdef __cplusplus
 extern "C" {
@@ -729,6 +787,132 @@ enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *grou
                                                     char *buf,
                                                     size_t cap,
                                                     size_t *out_len);
+
+/**
+ * Exports allocation `id`: *out receives a new export holding one file
+ * descriptor per chunk of the allocation, owned by the export. The
+ * allocation must be of whole chunks (more than half a chunk, or growable;
+ * a small allocation is INVALID_ARGUMENT) in an arena created with
+ * VMM_ARENA_FLAG_EXPORTABLE (else VMM_ARENA_ERR_UNSUPPORTED); an asleep
+ * one is VMM_ARENA_ERR_ASLEEP, an imported one INVALID_ARGUMENT.
+ *
+ * While any export of it is open, the allocation is pinned (it never
+ * moves; vmm_arena_unpin takes effect once every export is closed). From
+ * its first export until it is freed, its chunks never go back to the
+ * pool: vmm_arena_free unmaps and releases them, a resize below the chunks
+ * it exported is INVALID_ARGUMENT, and it never sleeps.
+ *
+ * If the exporter frees first: the importers' mappings stay valid, with
+ * their bytes, until each importer frees its import (the memory lives
+ * while any process maps it or holds a descriptor for it); the exporting
+ * arena no longer counts it.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_export_open(struct vmm_arena *arena,
+                                            vmm_arena_id id,
+                                            struct vmm_arena_export **out);
+
+/**
+ * Writes the export's layout (layout->struct_size must be set by the
+ * caller to sizeof(vmm_arena_export_layout)).
+ *
+ * # Safety
+ * `handle` is NULL or a live export; `layout` is NULL or points to at least
+ * `layout->struct_size` writable bytes starting with a `uint32_t struct_size`.
+ */
+enum vmm_arena_status vmm_arena_export_layout_get(const struct vmm_arena_export *handle,
+                                                  struct vmm_arena_export_layout *layout);
+
+/**
+ * The export's descriptors, in chunk order: if cap is at least their
+ * count, writes them into fds (fds may be NULL when cap is 0); either way
+ * *out_count receives the count, and the status is VMM_ARENA_OK. The
+ * descriptors stay owned by the export and are closed by
+ * vmm_arena_export_close: pass them on (SCM_RIGHTS gives the receiver its
+ * own) or dup() them before closing the export.
+ *
+ * # Safety
+ * `handle` is NULL or a live export; `fds` is NULL or has `cap` writable
+ * entries; `out_count` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_export_fds(const struct vmm_arena_export *handle,
+                                           int32_t *fds,
+                                           size_t cap,
+                                           size_t *out_count);
+
+/**
+ * Closes an export: its descriptors are closed, and once every export of
+ * the allocation is closed it is no longer pinned by them. Importers are
+ * not affected. NULL is fine.
+ *
+ * # Safety
+ * `handle` is NULL or a live export that no other thread is using, and is
+ * not used again.
+ */
+void vmm_arena_export_close(struct vmm_arena_export *handle);
+
+/**
+ * Maps the chunks behind fds (an export's descriptors, received from this
+ * or another process, count of them, in chunk order) into a new allocation
+ * of layout->size bytes; *out_id and *out_ptr receive it. The descriptors
+ * are borrowed: the arena keeps duplicates (closed at vmm_arena_free), the
+ * caller still owns and closes its own. flags: VMM_ARENA_IMPORT_READ_ONLY
+ * or 0.
+ *
+ * The import lives in an address range of its own: it never moves, counts
+ * in vmm_arena_sharing_stats and not in vmm_arena_stats (nor against the
+ * capacity, which is the arena's own memory), and works with
+ * vmm_arena_query, vmm_arena_pin/unpin (no effect) and vmm_arena_free
+ * (which unmaps it). vmm_arena_resize, vmm_arena_set_tag and
+ * vmm_arena_export_open of it are INVALID_ARGUMENT.
+ *
+ * INVALID_ARGUMENT: a NULL layout, fds (with count > 0), out_id or
+ * out_ptr; unknown flag bits; a layout whose struct_size or version is not
+ * this library's, whose chunk_bytes is not this arena's, whose chunk_count
+ * is not count, or whose size does not fill its chunks; a descriptor that
+ * is negative, closed, or not an exported chunk of chunk_bytes bytes. All
+ * or nothing: on failure nothing is mapped or kept.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `layout` is NULL or readable for its
+ * struct_size; `fds` is NULL or has `count` readable entries; the
+ * out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_import(struct vmm_arena *arena,
+                                       const struct vmm_arena_export_layout *layout,
+                                       const int32_t *fds,
+                                       size_t count,
+                                       uint32_t flags,
+                                       vmm_arena_id *out_id,
+                                       uint64_t *out_ptr);
+
+/**
+ * A DMA-BUF file descriptor for the allocation's backed bytes
+ * (cuMemGetHandleForAddressRange), for RDMA stacks to register. GPU only:
+ * VMM_ARENA_ERR_UNSUPPORTED on the host backend. *out_fd receives a
+ * descriptor the caller owns and closes. Pin the allocation first if the
+ * registration must not see it move (the call does not pin it).
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_fd` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_export_dmabuf(struct vmm_arena *arena,
+                                              vmm_arena_id id,
+                                              int32_t *out_fd);
+
+/**
+ * Imported allocations and the chunk bytes they map, and allocations
+ * exported at least once and not yet freed (each out-parameter may be NULL).
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_sharing_stats(struct vmm_arena *arena,
+                                              uint64_t *out_imported_allocations,
+                                              uint64_t *out_imported_bytes,
+                                              uint64_t *out_exported_allocations);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -31,6 +31,7 @@ use arena::driver::host::HostDriver;
 use arena::{Arena, ArenaConfig, Backend, Error, Id, MoveEvent, Status};
 
 mod group;
+mod share;
 mod testing;
 mod torch;
 
@@ -42,8 +43,16 @@ pub const VMM_ARENA_ABI_VERSION: u32 = 1;
 /// vmm_arena_compact and the resized allocation itself move.
 pub const VMM_ARENA_FLAG_NO_IMPLICIT_MOVES: u32 = 1u32;
 
+/// Chunks are exportable to other processes (vmm_arena_export): on the
+/// host backend each chunk gets a sealed memfd of its own (one descriptor
+/// per chunk held by the arena); on CUDA chunks are created with the POSIX
+/// file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
+/// the device lacks it). (8, not 4: the contract's own program checks that
+/// 2 and 4 are refused, 2 being VMM_ARENA_FLAG_BACKGROUND of the open work.)
+pub const VMM_ARENA_FLAG_EXPORTABLE: u32 = 8u32;
+
 /// Every flag bit this version knows.
-const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES;
+const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | VMM_ARENA_FLAG_EXPORTABLE;
 
 /// What every call that can fail returns. Values are never changed or reused.
 #[repr(C)]
@@ -459,6 +468,7 @@ fn arena_config(c: &vmm_arena_config) -> Result<ArenaConfig, Error> {
         chunk_bytes: c.chunk_bytes,
         retain_bytes: c.retain_bytes,
         no_implicit_moves: c.flags & VMM_ARENA_FLAG_NO_IMPLICIT_MOVES != 0,
+        exportable: c.flags & VMM_ARENA_FLAG_EXPORTABLE != 0,
     })
 }
 

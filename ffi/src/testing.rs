@@ -32,7 +32,11 @@ pub unsafe extern "C" fn vmm_arena_testing_create_faulty(
         if c.backend != vmm_arena_backend::VMM_ARENA_BACKEND_HOST as u32 {
             return Err(invalid("a faulty arena needs the host backend"));
         }
-        let fault = Arc::new(FaultDriver::new(HostDriver::new()?));
+        let host = match c.flags & crate::VMM_ARENA_FLAG_EXPORTABLE {
+            0 => HostDriver::new()?,
+            _ => HostDriver::with_exportable_chunks(Default::default())?,
+        };
+        let fault = Arc::new(FaultDriver::new(host));
         let arena = Arena::with_driver(Arc::clone(&fault), arena_config(&c)?)?;
         // SAFETY: `out` was checked and is writable per this function's contract.
         unsafe { publish(arena, Some(fault), out) }
@@ -41,7 +45,7 @@ pub unsafe extern "C" fn vmm_arena_testing_create_faulty(
 
 /// Makes the `n`th driver call from now (1-based) of `call_kind` fail:
 /// `call_kind` 0 = any call, 1.. = reserve, free_reservation, create,
-/// release, map, set_access, unmap, synchronize, data, event; `fault` 0 = out of
+/// release, map, set_access, unmap, synchronize, data, event, share; `fault` 0 = out of
 /// memory, 1 = a driver error. `n` 0 clears the plan. INVALID_ARGUMENT for an
 /// arena not made by `vmm_arena_testing_create_faulty`.
 ///

@@ -62,7 +62,11 @@ impl Arena {
     /// Frees an allocation. Its chunks stay mapped in the pool (up to the
     /// retain watermark), ready for the next allocation without a driver call.
     pub fn free(&self, id: Id) -> Result<()> {
-        self.run(|inner, _, _| {
+        self.run(|inner, _ctx, _| {
+            #[cfg(unix)]
+            if let Some(r) = super::share::free_shared(inner, _ctx, id) {
+                return r;
+            }
             let st = &mut inner.st;
             match st.resolve(id)? {
                 Target::Chunks(slot) => {
@@ -99,6 +103,8 @@ impl Arena {
         let chunk = self.chunk;
         let np = pages_for(new_size, chunk, "new_size")?;
         self.run(|inner, ctx, events| {
+            #[cfg(unix)]
+            inner.shares.check_resize(&inner.st, id, np)?;
             let st = &mut inner.st;
             let slot = match st.resolve(id)? {
                 Target::Chunks(slot) => slot,
@@ -211,6 +217,10 @@ impl Arena {
     pub fn query(&self, id: Id) -> Result<AllocInfo> {
         let inner = self.lock()?;
         let st = &inner.st;
+        #[cfg(unix)]
+        if let Some(info) = inner.shares.query(st, id) {
+            return info;
+        }
         let slot = match st.resolve(id)? {
             Target::Chunks(slot) => slot,
             Target::Small(ss) => {
@@ -256,6 +266,13 @@ impl Arena {
 
     fn set_pinned(&self, id: Id, pinned: bool) -> Result<()> {
         let mut inner = self.lock()?;
+        #[cfg(unix)]
+        {
+            let super::Inner { st, shares, .. } = &mut *inner;
+            if let Some(r) = shares.set_pinned(st, id, pinned) {
+                return r;
+            }
+        }
         let st = &mut inner.st;
         match st.resolve(id)? {
             Target::Chunks(slot) => {

@@ -29,6 +29,8 @@ mod alloc;
 mod config;
 mod moves;
 mod pool;
+#[cfg(unix)]
+mod share;
 mod sleep;
 pub(crate) mod small;
 pub(crate) mod state;
@@ -37,6 +39,8 @@ pub(crate) mod txn;
 
 use self::alloc::{small_ptr, Target};
 use pool::enforce_watermark;
+#[cfg(unix)]
+pub use share::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
 pub use state::MoveEvent;
 use state::State;
 pub use stats::{AllocInfo, CompactReport, Stats};
@@ -87,6 +91,13 @@ pub struct ArenaConfig {
     /// out-of-address-space instead); only `compact` and a resized
     /// allocation itself move.
     pub no_implicit_moves: bool,
+    /// Chunks can be exported to other processes ([`Arena::export`]): on the
+    /// host each chunk gets a sealed memfd of its own (one descriptor per
+    /// chunk), on CUDA chunks are created with the POSIX file-descriptor
+    /// handle type (refused as `Unsupported` where the device lacks it).
+    /// Used by [`Arena::new`]; with [`Arena::with_driver`] the driver
+    /// decides.
+    pub exportable: bool,
 }
 
 impl Default for ArenaConfig {
@@ -99,6 +110,7 @@ impl Default for ArenaConfig {
             chunk_bytes: 0,
             retain_bytes: u64::MAX,
             no_implicit_moves: false,
+            exportable: false,
         }
     }
 }
@@ -110,6 +122,9 @@ struct Inner {
     st: State,
     callback: Option<MoveCallback>,
     release_failures: u64,
+    /// Exports and imports (`share.rs`).
+    #[cfg(unix)]
+    shares: share::Shares,
 }
 
 /// A GPU (or host) memory arena over one reserved virtual range.
@@ -230,15 +245,20 @@ impl Ctx<'_> {
 impl Arena {
     /// Creates an arena on the backend named in `config`.
     pub fn new(config: ArenaConfig) -> Result<Arena> {
+        use crate::driver::host::{HostDriver, HostOptions};
         // Before loading a backend: an invalid config is invalid everywhere.
         config::check(&config)?;
+        let host = |options: HostOptions| match config.exportable {
+            true => HostDriver::with_exportable_chunks(options),
+            false => HostDriver::with_options(options),
+        };
         match config.backend {
-            Backend::Host => Arena::with_driver(crate::driver::host::HostDriver::new()?, config),
-            Backend::HostSparse => Arena::with_driver(
-                crate::driver::host::HostDriver::with_options(crate::driver::host::HostOptions { sparse: true })?,
+            Backend::Host => Arena::with_driver(host(HostOptions::default())?, config),
+            Backend::HostSparse => Arena::with_driver(host(HostOptions { sparse: true })?, config),
+            Backend::Cuda => Arena::with_driver(
+                crate::driver::cuda::CudaDriver::with_options(config.device, &[], config.exportable)?,
                 config,
             ),
-            Backend::Cuda => Arena::with_driver(crate::driver::cuda::CudaDriver::new(config.device)?, config),
         }
     }
 
@@ -300,7 +320,13 @@ impl Arena {
         Ok(Arena {
             driver: Box::new(driver),
             counts: Counters::default(),
-            inner: Mutex::new(Inner { st, callback: None, release_failures: 0 }),
+            inner: Mutex::new(Inner {
+                st,
+                callback: None,
+                release_failures: 0,
+                #[cfg(unix)]
+                shares: share::Shares::default(),
+            }),
             key,
             base,
             reserved_bytes: reserve,
@@ -330,7 +356,14 @@ impl Arena {
         if reentrant {
             return Err(Error::invalid("the arena was called from inside its own move callback"));
         }
-        self.inner.lock().map_err(|_| Error::Internal("the arena is poisoned by an earlier panic".into()))
+        let mut inner =
+            self.inner.lock().map_err(|_| Error::Internal("the arena is poisoned by an earlier panic".into()))?;
+        #[cfg(unix)]
+        {
+            let Inner { st, shares, .. } = &mut *inner;
+            shares.sweep(st);
+        }
+        Ok(inner)
     }
 
     fn ctx(&self) -> Ctx<'_> {
@@ -370,13 +403,24 @@ impl Arena {
     }
 
     /// The address of `len` bytes at `offset` in a live, awake allocation.
-    fn span(&self, st: &State, id: Id, offset: u64, len: usize) -> Result<u64> {
-        let (ptr, size, asleep) = match st.resolve(id)? {
-            Target::Chunks(slot) => {
-                let a = st.alloc(slot);
-                (st.addr(a.start), a.size, a.sleep.is_some())
+    fn span(&self, inner: &Inner, id: Id, offset: u64, len: usize) -> Result<u64> {
+        let st = &inner.st;
+        #[cfg(unix)]
+        let import = inner.shares.span(st, id);
+        #[cfg(not(unix))]
+        let import: Option<Result<(u64, u64)>> = None;
+        let (ptr, size, asleep) = match import {
+            Some(r) => {
+                let (ptr, size) = r?;
+                (ptr, size, false)
             }
-            Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), false),
+            None => match st.resolve(id)? {
+                Target::Chunks(slot) => {
+                    let a = st.alloc(slot);
+                    (st.addr(a.start), a.size, a.sleep.is_some())
+                }
+                Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), false),
+            },
         };
         match offset.checked_add(len as u64) {
             Some(end) if end <= size && asleep => Err(Error::Asleep(id.get())),
@@ -389,7 +433,7 @@ impl Arena {
     /// a memcpy on the host, a host-to-device copy on CUDA).
     pub fn write(&self, id: Id, offset: u64, data: &[u8]) -> Result<()> {
         let inner = self.lock()?;
-        let addr = self.span(&inner.st, id, offset, data.len())?;
+        let addr = self.span(&inner, id, offset, data.len())?;
         self.driver.write(addr, data)
     }
 
@@ -420,7 +464,7 @@ impl Arena {
     /// Copies bytes of the allocation at `offset` into `out`.
     pub fn read(&self, id: Id, offset: u64, out: &mut [u8]) -> Result<()> {
         let inner = self.lock()?;
-        let addr = self.span(&inner.st, id, offset, out.len())?;
+        let addr = self.span(&inner, id, offset, out.len())?;
         self.driver.read(addr, out)
     }
 }
@@ -429,12 +473,14 @@ impl Drop for Arena {
     fn drop(&mut self) {
         // Never panics: a poisoned lock still yields the state, and every
         // driver failure here is ignored (the process keeps the memory at worst).
-        let inner = match self.inner.lock() {
+        let mut inner = match self.inner.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        let st = &inner.st;
         let _ = self.driver.synchronize();
+        #[cfg(unix)]
+        inner.shares.drop_all(&*self.driver, self.chunk);
+        let st = &inner.st;
         let mapped: Vec<u64> = (0..st.pages).filter(|&p| st.mapped[p as usize].is_some()).collect();
         for run in state::runs(&mapped) {
             let _ = self.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);

@@ -54,6 +54,14 @@ pub struct Stats {
     pub asleep_bytes: u64,
     /// Host bytes held as sleeping allocations' backups.
     pub backup_bytes: u64,
+    /// Allocations imported from exports ([`Arena::import`]); they count
+    /// here only, not in `live_allocations`, `live_bytes` or `mapped_bytes`.
+    pub imported_allocations: u64,
+    /// Chunk bytes mapped by imported allocations (memory another arena
+    /// created: not held against this arena's capacity).
+    pub imported_bytes: u64,
+    /// Live allocations that were exported ([`Arena::export`]) at least once.
+    pub exported_allocations: u64,
 }
 
 /// What [`Arena::compact`] did.
@@ -101,6 +109,10 @@ impl Arena {
         // chunks are held memory, pooled (they return to the pool when
         // retired memory is released).
         let idle_slabs = st.small.reclaimable_slabs();
+        #[cfg(unix)]
+        let (imported, exported) = (inner.shares.imported(c), inner.shares.exported_count());
+        #[cfg(not(unix))]
+        let (imported, exported) = ((0, 0), 0);
         Stats {
             live_allocations: st.live_count + st.small.live,
             live_bytes: st.live_bytes + st.small.live_bytes,
@@ -127,6 +139,9 @@ impl Arena {
             small_slabs: st.small.slab_count(),
             asleep_bytes: st.asleep_pages * c,
             backup_bytes: st.backup_bytes,
+            imported_allocations: imported.0,
+            imported_bytes: imported.1,
+            exported_allocations: exported,
         }
     }
 

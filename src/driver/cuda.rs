@@ -147,6 +147,18 @@ driver_api! {
     cuEventRecord: fn(sys::CUevent, sys::CUstream);
     cuEventQuery: fn(sys::CUevent);
     cuEventDestroy_v2: fn(sys::CUevent);
+    cuMemExportToShareableHandle: fn(
+        *mut c_void,
+        sys::CUmemGenericAllocationHandle,
+        sys::CUmemAllocationHandleType,
+        u64,
+    );
+    cuMemImportFromShareableHandle: fn(
+        *mut sys::CUmemGenericAllocationHandle,
+        *mut c_void,
+        sys::CUmemAllocationHandleType,
+    );
+    cuMemGetHandleForAddressRange: fn(*mut c_void, sys::CUdeviceptr, usize, sys::CUmemRangeHandleType, u64);
 }
 
 /// The resolved table, or the name of the missing symbol.
@@ -489,6 +501,55 @@ impl Lib {
         self.check("cuEventDestroy", unsafe { (self.api.cuEventDestroy_v2)(ev as sys::CUevent) })
     }
 
+    fn export_fd(self, handle: u64) -> Result<c_int> {
+        let mut fd: c_int = -1;
+        // SAFETY: resolved function; for the POSIX file-descriptor type the
+        // driver writes one `int` through the pointer, a valid local; the
+        // handle is live (tracked by `CudaDriver`), flags 0.
+        self.check("cuMemExportToShareableHandle", unsafe {
+            (self.api.cuMemExportToShareableHandle)(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        Ok(fd)
+    }
+
+    fn import_fd(self, fd: c_int) -> Result<u64> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local; for
+        // the POSIX file-descriptor type the driver takes the descriptor's
+        // value in the pointer argument (it is never dereferenced) and does
+        // not take ownership of it.
+        self.check("cuMemImportFromShareableHandle", unsafe {
+            (self.api.cuMemImportFromShareableHandle)(
+                &mut handle,
+                fd as isize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        Ok(handle)
+    }
+
+    fn range_dmabuf_fd(self, ptr: u64, size: usize) -> Result<c_int> {
+        let mut fd: c_int = -1;
+        // SAFETY: resolved function; for the DMA-BUF type the driver writes
+        // one `int` through the pointer, a valid local; the range is device
+        // virtual address space, validated by the driver; flags 0.
+        self.check("cuMemGetHandleForAddressRange", unsafe {
+            (self.api.cuMemGetHandleForAddressRange)(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                ptr,
+                size,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
+        Ok(fd)
+    }
+
     fn memset_d32(self, dst: u64, value: u32, count: usize) -> Result<()> {
         // SAFETY: resolved function; device address only, validated by the
         // driver; no host memory is involved.
@@ -528,6 +589,13 @@ pub struct CudaDriver {
     /// One access descriptor per device that gets read-write access to
     /// every mapping: this device first, then its peers (trap 6).
     access: Vec<sys::CUmemAccessDesc>,
+    /// The same devices with read access only, for read-only imports.
+    read_access: Vec<sys::CUmemAccessDesc>,
+    /// Chunks are created with the POSIX file-descriptor handle type.
+    exportable: bool,
+    /// Imported read-only handles, and where each is mapped (address ->
+    /// size), so that `set_access` gives those spans read access only.
+    read_only: Mutex<(HashSet<u64>, std::collections::BTreeMap<u64, u64>)>,
 }
 
 // SAFETY: the CUDA driver API is thread-safe: a context handle may be made
@@ -558,13 +626,23 @@ impl CudaDriver {
     /// itself, or cannot access `device`'s memory (`cuDeviceCanAccessPeer`)
     /// is [`Error::Unsupported`], before anything is mapped.
     pub fn with_peer_access(device: i32, peers: &[i32]) -> Result<CudaDriver> {
-        match catch_unwind(AssertUnwindSafe(|| CudaDriver::open(device, peers))) {
+        CudaDriver::with_options(device, peers, false)
+    }
+
+    /// Like [`CudaDriver::with_peer_access`]; with `exportable`, chunks are
+    /// created with the POSIX file-descriptor handle type, so that
+    /// [`Driver::export_chunk`] can hand them to another process. A device
+    /// that does not support that handle type
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`)
+    /// is [`Error::Unsupported`].
+    pub fn with_options(device: i32, peers: &[i32], exportable: bool) -> Result<CudaDriver> {
+        match catch_unwind(AssertUnwindSafe(|| CudaDriver::open(device, peers, exportable))) {
             Ok(r) => r,
             Err(_) => Err(Error::Unsupported("the CUDA driver could not be loaded (loader panicked)".into())),
         }
     }
 
-    fn open(ordinal: i32, peers: &[i32]) -> Result<CudaDriver> {
+    fn open(ordinal: i32, peers: &[i32], exportable: bool) -> Result<CudaDriver> {
         let lib = Lib::load()?;
         lib.init().map_err(|e| Error::Unsupported(format!("the CUDA driver cannot initialise: {e}")))?;
         let count = lib.device_count().map_err(|e| Error::Unsupported(e.to_string()))?;
@@ -599,6 +677,23 @@ impl CudaDriver {
             }
             access.push(access_desc(peer));
         }
+        if exportable {
+            let posix = lib
+                .device_attribute(
+                    device,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                )
+                .map_err(unsupported)?;
+            if posix == 0 {
+                return Err(Error::Unsupported(format!(
+                    "CUDA device {ordinal} cannot export memory as POSIX file descriptors"
+                )));
+            }
+        }
+        let read_access = access
+            .iter()
+            .map(|d| sys::CUmemAccessDesc { flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ, ..*d })
+            .collect();
         let name = lib.device_name(device).unwrap_or_else(|_| "unknown".into());
         let driver_version = lib.driver_version().unwrap_or(0);
 
@@ -614,11 +709,14 @@ impl CudaDriver {
             driver_version,
             live: Mutex::new(HashSet::new()),
             access,
+            read_access,
+            exportable,
+            read_only: Mutex::new((HashSet::new(), std::collections::BTreeMap::new())),
         };
         let (minimum, recommended) = {
             // The granularity query wants the context current, like every call.
             let _cur = driver.enter().map_err(unsupported)?;
-            let prop = allocation_prop(ordinal);
+            let prop = allocation_prop(ordinal, exportable);
             let flag = |f| lib.granularity(&prop, f).map_err(unsupported);
             (
                 flag(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?,
@@ -680,6 +778,11 @@ impl CudaDriver {
         self.access.iter().map(|d| d.location.id).collect()
     }
 
+    fn ro(&self) -> std::sync::MutexGuard<'_, (HashSet<u64>, std::collections::BTreeMap<u64, u64>)> {
+        // Single inserts and removes, as for `live`: a poisoned lock is fine.
+        self.read_only.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn live(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
         // A panic while holding this lock cannot leave the set inconsistent
         // (single inserts and removes), so a poisoned lock is used as is.
@@ -699,11 +802,16 @@ fn location(ordinal: i32) -> sys::CUmemLocation {
     sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal }
 }
 
-/// Pinned device memory on `ordinal`, no shareable handle types.
-fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+/// Pinned device memory on `ordinal`; exportable as a POSIX file
+/// descriptor when asked, else with no shareable handle type.
+fn allocation_prop(ordinal: i32, exportable: bool) -> sys::CUmemAllocationProp {
+    let handles = match exportable {
+        true => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        false => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+    };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: handles,
         location: location(ordinal),
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -763,7 +871,7 @@ impl Driver for CudaDriver {
     fn create(&self, size: u64) -> Result<ChunkHandle> {
         let size = to_usize("size", size)?;
         let _cur = self.enter()?;
-        let handle = self.lib.mem_create(size, &allocation_prop(self.ordinal))?;
+        let handle = self.lib.mem_create(size, &allocation_prop(self.ordinal, self.exportable))?;
         self.live().insert(handle);
         Ok(ChunkHandle(handle))
     }
@@ -779,6 +887,7 @@ impl Driver for CudaDriver {
         let _cur = self.enter()?;
         self.lib.mem_release(chunk.0)?;
         live.remove(&chunk.0);
+        self.ro().0.remove(&chunk.0);
         Ok(())
     }
 
@@ -792,19 +901,33 @@ impl Driver for CudaDriver {
             )));
         }
         let _cur = self.enter()?;
-        self.lib.mem_map(addr, size, offset, chunk.0)
+        self.lib.mem_map(addr, size, offset, chunk.0)?;
+        let mut ro = self.ro();
+        if ro.0.contains(&chunk.0) {
+            ro.1.insert(addr, size as u64);
+        }
+        Ok(())
     }
 
     fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+        let read_only = self.ro().1.range(addr..addr + size).next().is_some();
         let size = to_usize("size", size)?;
         let _cur = self.enter()?;
-        self.lib.mem_set_access(addr, size, &self.access)
+        let desc = if read_only { &self.read_access } else { &self.access };
+        self.lib.mem_set_access(addr, size, desc)
     }
 
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        let bytes = size;
         let size = to_usize("size", size)?;
         let _cur = self.enter()?;
-        self.lib.mem_unmap(addr, size)
+        self.lib.mem_unmap(addr, size)?;
+        let mut ro = self.ro();
+        let gone: Vec<u64> = ro.1.range(addr..addr + bytes).map(|(&a, _)| a).collect();
+        for a in gone {
+            ro.1.remove(&a);
+        }
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -855,6 +978,49 @@ impl Driver for CudaDriver {
     fn destroy_event(&self, event: u64) -> Result<()> {
         let _cur = self.enter()?;
         self.lib.event_destroy(event)
+    }
+
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        if !self.live().contains(&chunk.0) {
+            return Err(Error::invalid(format!("chunk handle {:#x} is not live", chunk.0)));
+        }
+        if !self.exportable {
+            return Err(Error::Unsupported(
+                "this driver's chunks are not exportable: open it with exportable chunks".into(),
+            ));
+        }
+        let _cur = self.enter()?;
+        let fd = self.lib.export_fd(chunk.0)?;
+        // SAFETY: the driver just created this descriptor for the caller,
+        // who owns it from here on.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn import_chunk(&self, fd: std::os::fd::BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
+        use std::os::fd::AsRawFd;
+        let _ = size; // cuMemMap checks the size against the chunk's own.
+        let _cur = self.enter()?;
+        let handle = self.lib.import_fd(fd.as_raw_fd()).map_err(|e| match e {
+            Error::Driver { code, message, .. } if code == CUresult::CUDA_ERROR_INVALID_VALUE as i64 => {
+                Error::invalid(format!("import: descriptor {} is not an exported chunk: {message}", fd.as_raw_fd()))
+            }
+            e => e,
+        })?;
+        self.live().insert(handle);
+        if read_only {
+            self.ro().0.insert(handle);
+        }
+        Ok(ChunkHandle(handle))
+    }
+
+    fn dmabuf_fd(&self, addr: u64, size: u64) -> Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        let size = to_usize("size", size)?;
+        let _cur = self.enter()?;
+        let fd = self.lib.range_dmabuf_fd(addr, size)?;
+        // SAFETY: the driver just created this descriptor for the caller.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
     }
 }
 
@@ -969,10 +1135,12 @@ mod tests {
 
     #[test]
     fn allocation_prop_is_pinned_device_memory() {
-        let p = allocation_prop(3);
+        let p = allocation_prop(3, false);
         assert_eq!(p.type_, sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED);
         assert_eq!(p.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
         assert_eq!(p.location.id, 3);
         assert_eq!(p.requestedHandleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
+        let p = allocation_prop(3, true);
+        assert_eq!(p.requestedHandleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     }
 }

@@ -217,6 +217,23 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.enter(CallKind::Event)?;
         self.inner.destroy_event(event)
     }
+    #[cfg(unix)]
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {
+        self.enter(CallKind::Share)?;
+        self.inner.export_chunk(chunk)
+    }
+    #[cfg(unix)]
+    fn import_chunk(&self, fd: std::os::fd::BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
+        self.enter(CallKind::Share)?;
+        let h = self.inner.import_chunk(fd, size, read_only)?;
+        self.st().chunks.insert(h);
+        Ok(h)
+    }
+    #[cfg(unix)]
+    fn dmabuf_fd(&self, addr: u64, size: u64) -> Result<std::os::fd::OwnedFd> {
+        self.enter(CallKind::Share)?;
+        self.inner.dmabuf_fd(addr, size)
+    }
 }
 
 #[cfg(test)]
