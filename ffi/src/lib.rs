@@ -6,7 +6,7 @@
 //! contract header `abi/vmm_arena.h`, identically.
 //!
 //! House rules, each of them tested from C:
-//! - every exported function runs inside one panic boundary ([`boundary`]):
+//! - every exported function runs inside one panic boundary (`boundary`):
 //!   a panic becomes `VMM_ARENA_ERR_INTERNAL` and poisons the arena, which
 //!   then refuses every call but `vmm_arena_destroy`;
 //! - the function's own arguments are checked first (NULL pointers,

@@ -1,7 +1,7 @@
 //! The arena: public API, locking, and the operations built on the policy.
 //!
 //! Every public method takes the one state lock, plans, performs its driver
-//! calls through a [`txn::Txn`], and only then changes the bookkeeping: a
+//! calls through a `Txn` (`txn.rs`), and only then changes the bookkeeping: a
 //! failed driver call rolls the transaction back and leaves the state as it
 //! was. Operations that move several allocations (compaction) work on a copy
 //! of the state that replaces the original only when every call succeeded.

@@ -26,8 +26,9 @@
 //! as the CUDA driver frees a chunk exported to another process only when
 //! that process has released its handle too.
 //!
-//! Every call is first checked against [`Rules`], so an arena bug that a GPU
-//! driver would reject fails here too instead of silently working.
+//! Every call is first checked against the CUDA rules checker (`rules.rs`),
+//! so an arena bug that a GPU driver would reject fails here too instead of
+//! silently working.
 #![allow(unsafe_code)]
 
 use super::{ChunkHandle, Driver, Granularity};

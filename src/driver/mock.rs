@@ -1,6 +1,6 @@
 //! An in-memory backend: chunks are byte vectors, addresses are numbers.
 //!
-//! It enforces the same rules as the host backend (see [`super::rules`]) but
+//! It enforces the same rules as the host backend (`driver/rules.rs`) but
 //! makes no system call, so the whole policy runs under Miri and loom, and
 //! large-scale bookkeeping benches do not need real memory. Chunk memory is
 //! allocated lazily on first write, so a million untouched chunks cost nothing.
