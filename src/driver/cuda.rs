@@ -36,6 +36,15 @@
 //! calls themselves do not wait for the device: [`Driver::synchronize`]
 //! (`cuCtxSynchronize`) is the one place that does (trap 1).
 //!
+//! Peers and sharing: [`CudaDriver::with_options`] can give every mapping
+//! access from peer devices too (one `cuMemSetAccess` descriptor per device,
+//! design trap 6) and create chunks exportable as POSIX file descriptors
+//! (`cuMemExportToShareableHandle` / `cuMemImportFromShareableHandle`; a
+//! read-only import's mappings get read-only descriptors), and
+//! [`Driver::dmabuf_fd`] is `cuMemGetHandleForAddressRange`. These paths are
+//! built and unit-tested here but were not run on a GPU by the tests of this
+//! repository's host-only CI.
+//!
 //! Chunk handles are tracked: releasing a handle twice, or mapping a handle
 //! that was released, is an [`Error::InvalidArgument`] here rather than a call
 //! into the driver with a value that may by then name someone else's chunk
