@@ -12,7 +12,7 @@ use std::sync::Arc;
 use vmm_arena::driver::cuda::CudaDriver;
 use vmm_arena::driver::{ChunkHandle, Driver};
 use vmm_arena::error::Error;
-use vmm_arena::{Arena, ArenaConfig, Backend};
+use vmm_arena::{Arena, ArenaConfig, Backend, ALL_TAGS, SLEEP_BACKUP};
 
 /// Device 0, or `None` (with a message) where CUDA cannot run.
 fn gpu(test: &str) -> Option<CudaDriver> {
@@ -308,6 +308,48 @@ fn a_second_driver_on_the_same_device_shares_the_primary_context() {
     span.free(&d1);
 }
 
+#[test]
+fn pinned_host_buffers_round_trip_and_outlive_the_driver() {
+    let Some(d) = gpu("pinned_host_buffers_round_trip_and_outlive_the_driver") else {
+        return;
+    };
+    let c = chunk_size(&d);
+    let n = c as usize + 4097; // not a multiple of anything
+    let mut buf = d.alloc_host(n).unwrap();
+    assert!(buf.is_pinned(), "cuMemHostAlloc memory: {buf:?}");
+    assert_eq!(buf.len(), n);
+    assert!(buf.as_slice().iter().all(|&b| b == 0), "zeroed when made");
+    let want = pattern(n, 41);
+    let hs = [d.create(c).unwrap(), d.create(c).unwrap()];
+    let span = Span::reserve(&d, c, 2);
+    span.map_all(&d, &hs);
+    // Device -> pinned host -> device, as sleep and wake copy a backup.
+    d.write(span.base, &want).unwrap();
+    d.read(span.base, buf.as_mut_slice()).unwrap();
+    assert!(buf.as_slice() == want.as_slice(), "device to pinned host");
+    d.fill_u32(span.base, 0, 2 * c / 4).unwrap();
+    d.write(span.base, buf.as_slice()).unwrap();
+    let mut back = vec![0u8; n];
+    d.read(span.base, &mut back).unwrap();
+    assert!(back == want, "pinned host to device");
+    d.synchronize().unwrap();
+    span.unmap_all(&d, 2);
+    for h in hs {
+        d.release(h).unwrap();
+    }
+    span.free(&d);
+    assert!(!d.alloc_host(0).unwrap().is_pinned(), "an empty buffer needs no pinning");
+    // The buffer holds the context: it stays valid, and frees cleanly, after
+    // the driver is gone.
+    drop(d);
+    assert!(buf.as_slice() == want.as_slice());
+    buf.as_mut_slice()[0] ^= 1;
+    drop(buf);
+    let d = CudaDriver::new(0).unwrap();
+    let again = d.alloc_host(64).unwrap();
+    assert!(again.is_pinned());
+}
+
 // --- The arena over the CUDA backend -----------------------------------------
 
 #[test]
@@ -396,4 +438,48 @@ fn arena_pooled_alloc_free_makes_no_driver_call() {
         ),
         "the pooled path called the driver"
     );
+}
+
+#[test]
+fn arena_sleep_with_backup_and_wake_restore_the_device_bytes() {
+    let Some((a, c)) = cuda_arena("arena_sleep_with_backup_and_wake_restore_the_device_bytes", 16, 64) else {
+        return;
+    };
+    let (w, wp) = a.alloc(3 * c + 100).unwrap();
+    let (g, gp) = a.alloc_growable(c + 7, 4 * c).unwrap();
+    let (k, _) = a.alloc(2 * c).unwrap();
+    let (wdata, gdata, kdata) =
+        (pattern(3 * c as usize + 100, 3), pattern(c as usize + 7, 4), pattern(2 * c as usize, 5));
+    a.write(w, 0, &wdata).unwrap();
+    a.write(g, 0, &gdata).unwrap();
+    a.write(k, 0, &kdata).unwrap();
+    a.set_tag(w, 1).unwrap();
+    a.set_tag(g, 1).unwrap();
+    a.sleep(1, SLEEP_BACKUP).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.mapped_bytes, s.pooled_bytes), (2 * c, 0), "only k stays on the device: {s:?}");
+    assert_eq!(s.backup_bytes, 3 * c + 100 + c + 7, "{s:?}");
+    // The device memory is free for someone else meanwhile.
+    let (t, _) = a.alloc(8 * c).unwrap();
+    a.free(t).unwrap();
+    a.wake(1).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.asleep_bytes, s.backup_bytes), (0, 0), "{s:?}");
+    assert_eq!((a.query(w).unwrap().ptr, a.query(g).unwrap().ptr), (wp, gp), "same addresses");
+    for (id, want) in [(w, &wdata), (g, &gdata), (k, &kdata)] {
+        let mut back = vec![0u8; want.len()];
+        a.read(id, 0, &mut back).unwrap();
+        assert!(&back == want, "the bytes of {id} after wake");
+    }
+    // Without a backup the place stays and the bytes are the driver's.
+    a.sleep(ALL_TAGS, 0).unwrap();
+    assert_eq!(a.stats().unwrap().mapped_bytes, 0);
+    a.wake(ALL_TAGS).unwrap();
+    assert_eq!(a.query(w).unwrap().ptr, wp);
+    for id in [w, g, k] {
+        a.free(id).unwrap();
+    }
+    a.trim(0).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.driver_creates, s.driver_releases, "{s:?}");
 }

@@ -26,9 +26,11 @@
 //!      pooled, counts in `release_failures`, and the sleep succeeds as in
 //!      the twin;
 //!
-//!    and in every case: no chunk or mapping leaked (the driver's live
-//!    chunks equal the arena's held memory, its live mappings the arena's
-//!    mapped pages), and the arena keeps working (data still verifies, a
+//!    and in every case: no chunk, mapping or host buffer leaked (the
+//!    driver's live chunks equal the arena's held memory, its live mappings
+//!    the arena's mapped pages, its live host buffers the sleepers' backups;
+//!    a sleep's backup buffers, `Driver::alloc_host`, are among the calls
+//!    that fail), and the arena keeps working (data still verifies, a
 //!    follow-up wake of everything, alloc, write, read and free succeed).
 //!
 //! A case's setup may leave allocations asleep (for `wake`): it fills each
@@ -397,6 +399,8 @@ struct Recording {
     bytes: BTreeMap<Id, Vec<u8>>,
     live_chunks: usize,
     live_mappings: usize,
+    /// Host buffers (backups) lent by the driver and not yet freed.
+    live_host_buffers: usize,
     /// The memfd's committed bytes (host only).
     file_bytes: Option<u64>,
 }
@@ -412,9 +416,9 @@ impl Recording {
         }
         assert_eq!(now.bytes.len(), self.bytes.len());
         assert_eq!(
-            (now.live_chunks, now.live_mappings, now.file_bytes),
-            (self.live_chunks, self.live_mappings, self.file_bytes),
-            "{what}: the driver's chunks, mappings or committed memory changed"
+            (now.live_chunks, now.live_mappings, now.live_host_buffers, now.file_bytes),
+            (self.live_chunks, self.live_mappings, self.live_host_buffers, self.file_bytes),
+            "{what}: the driver's chunks, mappings, host buffers or committed memory changed"
         );
     }
 }
@@ -426,6 +430,7 @@ fn record(a: &Arena, d: &TestDriver, ids: &[Id]) -> Recording {
         bytes: ids.iter().map(|&id| (id, read_all(a, id))).collect(),
         live_chunks: d.fault.live_chunks(),
         live_mappings: d.fault.live_mappings(),
+        live_host_buffers: d.fault.live_host_buffers(),
         file_bytes: d.host.as_ref().map(|h| h.allocated_file_bytes().unwrap()),
     }
 }
@@ -462,6 +467,8 @@ fn check_no_leak(what: &str, a: &Arena, d: &TestDriver) {
     let c = a.chunk_bytes();
     assert_eq!(d.fault.live_chunks() as u64, (s.mapped_bytes + s.pooled_bytes) / c, "{what}: leaked or lost chunks");
     assert_eq!(d.fault.live_mappings() as u64, snap.mapped_pages(), "{what}: leaked or lost mappings");
+    let backups = snap.live().filter(|r| r.backup_bytes > 0).count();
+    assert_eq!(d.fault.live_host_buffers(), backups, "{what}: leaked or lost backup buffers");
     if let Some(host) = &d.host {
         assert_eq!(
             host.allocated_file_bytes().unwrap(),
@@ -647,7 +654,11 @@ fn run_case(case: &Case) -> Row {
                 assert_eq!(a.stats().unwrap().pooled_bytes, 0, "{what}: a second trim finishes the job");
             }
             drop(a);
-            assert_eq!((fd.live_chunks(), fd.live_mappings()), (0, 0), "{what}: dropping the arena releases all");
+            assert_eq!(
+                (fd.live_chunks(), fd.live_mappings(), fd.live_host_buffers()),
+                (0, 0, 0),
+                "{what}: dropping the arena releases all"
+            );
         }
     }
     Row { name: case.name, calls, by_kind, moves, injected }

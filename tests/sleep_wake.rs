@@ -338,3 +338,53 @@ fn a_failed_release_keeps_the_chunk_pooled() {
         }
     }
 }
+
+/// Backups live in host buffers the driver lends (`Driver::alloc_host`:
+/// pinned on CUDA), one per sleeper, freed when it wakes or is freed.
+#[test]
+fn backups_are_host_buffers_from_the_driver() {
+    let (d, a, c) = arena(8, 32);
+    let (x, _) = a.alloc(2 * c).unwrap();
+    let (y, _) = a.alloc(c + 3).unwrap();
+    let (z, _) = a.alloc(c).unwrap();
+    fill(&a, x, 5);
+    fill(&a, y, 6);
+    a.set_tag(z, 7).unwrap();
+    a.sleep(7, 0).unwrap();
+    assert_eq!((d.fault.calls(CallKind::HostAlloc), d.fault.live_host_buffers()), (0, 0), "no backup, no buffer");
+    a.sleep(ALL_TAGS, SLEEP_BACKUP).unwrap();
+    assert_eq!(d.fault.calls(CallKind::HostAlloc), 2, "one buffer per sleeper backed up");
+    assert_eq!(d.fault.live_host_buffers(), 2);
+    assert_eq!(a.stats().unwrap().backup_bytes, 3 * c + 3);
+    a.free(y).unwrap();
+    assert_eq!(d.fault.live_host_buffers(), 1, "free drops the backup");
+    a.wake(ALL_TAGS).unwrap();
+    assert_eq!(d.fault.live_host_buffers(), 0, "wake drops the backup");
+    assert_eq!(read_all(&a, x), pattern(5, 2 * c));
+    check_consistent(&a, &d);
+}
+
+/// A backup buffer the driver cannot give (the second of two) fails the
+/// sleep before any unmap: nothing has slept, the first buffer is freed,
+/// every byte is in place.
+#[test]
+fn a_backup_buffer_refused_leaves_everything_awake() {
+    for kind in FaultKind::ALL {
+        let (d, a, c) = arena(8, 32);
+        let (x, xp) = a.alloc(2 * c).unwrap();
+        let (y, _) = a.alloc(c + 9).unwrap();
+        fill(&a, x, 1);
+        fill(&a, y, 2);
+        let before = Snap::of(&a).without_driver_counters();
+        d.fault.fail_nth(Some(CallKind::HostAlloc), 2, kind);
+        let e = a.sleep(ALL_TAGS, SLEEP_BACKUP).unwrap_err();
+        assert!(!d.fault.pending(), "the second buffer was asked for");
+        let want = if kind == FaultKind::OutOfMemory { Status::OutOfMemory } else { Status::Driver };
+        assert_eq!(e.status(), want, "{e}");
+        assert_eq!(Snap::of(&a).without_driver_counters(), before, "{kind:?}: nothing slept");
+        assert_eq!(d.fault.live_host_buffers(), 0, "{kind:?}: the first buffer is freed");
+        assert!(!a.query(x).unwrap().asleep && a.query(x).unwrap().ptr == xp);
+        assert_eq!((read_all(&a, x), read_all(&a, y)), (pattern(1, 2 * c), pattern(2, c + 9)));
+        check_consistent(&a, &d);
+    }
+}

@@ -36,6 +36,8 @@ fn index(k: CallKind) -> usize {
         // Stream events and sharing: counted, not modeled (the managers
         // here make none).
         CallKind::Event | CallKind::Share => 9,
+        // Host buffers for sleep backups: counted, not modeled.
+        CallKind::HostAlloc => 10,
     }
 }
 
@@ -96,9 +98,9 @@ impl Calls {
 pub struct Counted<D> {
     inner: D,
     capacity: u64,
-    counts: [AtomicU64; 10],
+    counts: [AtomicU64; 11],
     /// Chunks covered, by call kind (see [`Calls::create_chunks`]).
-    chunks: [AtomicU64; 10],
+    chunks: [AtomicU64; 11],
     create_failed: AtomicU64,
     live: AtomicU64,
     peak: AtomicU64,
@@ -245,6 +247,10 @@ impl<D: Driver> Driver for Counted<D> {
     fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
         self.count(CallKind::Data);
         self.inner.copy(dst, src, len)
+    }
+    fn alloc_host(&self, len: usize) -> Result<vmm_arena::driver::HostBuffer> {
+        self.count(CallKind::HostAlloc);
+        self.inner.alloc_host(len)
     }
 }
 

@@ -543,13 +543,26 @@ enum vmm_arena_status vmm_arena_set_tag(struct vmm_arena *arena, vmm_arena_id id
  * sleep: waits for the device, copies each one's bytes to host memory when
  * flags has VMM_ARENA_SLEEP_BACKUP (else its contents are lost), unmaps it,
  * gives its chunks back to the driver, then gives back every pooled chunk
- * whatever retain_bytes says (retired ranges are unmapped first). Pinned
- * allocations sleep too. Already sleeping ones are left as they are.
- * Unknown flag bits are INVALID_ARGUMENT. All or nothing: on failure
- * nothing has slept. Giving chunks back comes after the point of no
- * return: a chunk the driver refuses to release stays pooled and counts in
- * release_failures (vmm_arena_trim can retry), and the call succeeds.
- * Backups are ordinary host memory (not pinned) on every backend.
+ * whatever retain_bytes says. Pinned allocations sleep too. Already
+ * sleeping ones are left as they are. Unknown flag bits are
+ * INVALID_ARGUMENT. All or nothing: on failure nothing has slept.
+ *
+ * Backups are host memory from the backend: page-locked (cuMemHostAlloc)
+ * on CUDA, ordinary memory where that much cannot be pinned and on the
+ * host backend. One that cannot be had fails the sleep, nothing slept.
+ *
+ * Retired ranges (the old addresses of moved allocations) are all
+ * unmapped, after the device wait, as vmm_arena_release_retired does: one
+ * may still map a sleeper's or a pooled chunk, and the driver frees no
+ * chunk that is still mapped. The arena may release them whenever it has
+ * synchronized; only the old addresses the move callback reported stop
+ * being mapped.
+ *
+ * The chunks are given back after the point of no return (a released
+ * chunk cannot be had back): a chunk the driver refuses to release stays
+ * pooled (held, not leaked), counts in release_failures, and
+ * vmm_arena_trim or the next sleep gives it back. The sleepers have slept,
+ * so the call returns VMM_ARENA_OK: an error would say they had not.
  *
  * # Safety
  * `arena` is NULL or a live handle.

@@ -45,9 +45,10 @@ pub unsafe extern "C" fn vmm_arena_testing_create_faulty(
 
 /// Makes the `n`th driver call from now (1-based) of `call_kind` fail:
 /// `call_kind` 0 = any call, 1.. = reserve, free_reservation, create,
-/// release, map, set_access, unmap, synchronize, data, event, share; `fault` 0 = out of
-/// memory, 1 = a driver error. `n` 0 clears the plan. INVALID_ARGUMENT for an
-/// arena not made by `vmm_arena_testing_create_faulty`.
+/// release, map, set_access, unmap, synchronize, data, event, host_alloc,
+/// share; `fault` 0 = out of memory, 1 = a driver error. `n` 0 clears the
+/// plan. INVALID_ARGUMENT for an arena not made by
+/// `vmm_arena_testing_create_faulty`.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle.

@@ -601,12 +601,12 @@ impl Harness {
             }
             21 => {
                 what = "testing_fail_nth";
-                let call_kind = if b.below(8) == 0 { b.u32() } else { b.below(11) as u32 };
+                let call_kind = if b.below(8) == 0 { b.u32() } else { b.below(12) as u32 };
                 let n = b.below(10);
                 let fault = if b.below(8) == 0 { b.u32() } else { b.below(2) as u32 };
                 // SAFETY: live handle.
                 status = st(unsafe { vmm_arena_testing_fail_nth(a, call_kind, n, fault) });
-                allowed = if !self.faulty || call_kind > 10 || fault > 1 { vec![INVALID] } else { vec![OK] };
+                allowed = if !self.faulty || call_kind > 11 || fault > 1 { vec![INVALID] } else { vec![OK] };
                 if status == OK {
                     self.planned = n > 0;
                 }

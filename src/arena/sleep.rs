@@ -41,25 +41,26 @@ impl Arena {
     /// addresses and reservations stay.
     ///
     /// In order: waits for the device; with [`SLEEP_BACKUP`] in `flags`,
-    /// copies each one's `size` bytes to host memory through the driver
-    /// (`cuMemcpy` on CUDA; the backup is a plain `Vec`, see below); unmaps
-    /// every retired range (a retired range may still map one of their
-    /// chunks, which must not outlive the sleep); unmaps them and every
-    /// cached pooled chunk; then releases their chunks and every pooled
-    /// chunk, whatever `retain_bytes` says. Pinned allocations sleep too,
+    /// copies each one's `size` bytes into a host buffer the driver lends
+    /// (see below); unmaps every retired range (a retired range may still
+    /// map one of their chunks or a pooled one, and a mapped chunk's memory
+    /// is not given back); unmaps them and every cached pooled chunk; then
+    /// releases their chunks and every pooled chunk, whatever
+    /// `retain_bytes` says. Pinned allocations sleep too,
     /// already sleeping ones are left as they are, small allocations never
     /// sleep (see [`Arena::set_tag`]).
     ///
-    /// All or nothing: a failure of any call up to the unmaps undoes them
-    /// (remaps) and nothing has slept. The releases come after that point
-    /// and cannot be undone: a release that fails keeps its chunk pooled and
-    /// counts in `release_failures` (like the retain watermark), and the
-    /// sleep has succeeded; [`Arena::trim`] can give the chunk back later.
+    /// All or nothing: a failure of any call up to the unmaps (a backup
+    /// buffer refused included) undoes them (remaps, frees the buffers) and
+    /// nothing has slept. The releases come after that point and cannot be
+    /// undone: a release that fails keeps its chunk pooled and counts in
+    /// `release_failures` (like the retain watermark), and the sleep has
+    /// succeeded; [`Arena::trim`] or the next sleep gives the chunk back.
     ///
-    /// The backups are ordinary host memory on every backend. Pinned host
-    /// memory (`cuMemHostAlloc`), which CUDA copies faster and could copy
-    /// asynchronously, is left for later: a plain `Vec` is what could be
-    /// tested here.
+    /// The backups are [`Driver::alloc_host`](crate::driver::Driver::alloc_host)
+    /// buffers, filled and emptied with the driver's `read` and `write`:
+    /// page-locked memory from `cuMemHostAlloc` on CUDA (ordinary memory if
+    /// that much cannot be pinned), ordinary memory on the host backend.
     ///
     /// Unknown bits in `flags`: `Error::InvalidArgument`.
     pub fn sleep(&self, tag: u32, flags: u32) -> Result<()> {
@@ -119,11 +120,8 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
             for &slot in &targets {
                 let a = sim.alloc(slot);
                 let len = usize::try_from(a.size).map_err(|_| Error::OutOfMemory("backup too large".into()))?;
-                let mut buf = Vec::new();
-                buf.try_reserve_exact(len)
-                    .map_err(|_| Error::OutOfMemory(format!("no host memory for a backup of {len} bytes")))?;
-                buf.resize(len, 0);
-                ctx.drv.read(sim.addr(a.start), &mut buf)?;
+                let mut buf = ctx.drv.alloc_host(len)?;
+                ctx.drv.read(sim.addr(a.start), buf.as_mut_slice())?;
                 backups.push(Some(std::sync::Arc::new(buf)));
             }
         } else {
@@ -229,7 +227,7 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
         for &slot in &targets {
             let a = st.alloc(slot);
             if let Some(b) = a.sleep.as_ref().and_then(|s| s.backup.as_ref()) {
-                ctx.drv.write(st.addr(a.start), b)?;
+                ctx.drv.write(st.addr(a.start), b.as_slice())?;
             }
         }
         Ok::<_, Error>(())

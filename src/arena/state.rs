@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::small::SmallTable;
 use super::txn::Txn;
-use crate::driver::ChunkHandle;
+use crate::driver::{ChunkHandle, HostBuffer};
 use crate::error::{Error, Result};
 use crate::id::{IdParts, MAX_GENERATION};
 use crate::va::FreeRanges;
@@ -54,12 +54,14 @@ pub(crate) struct Sleep {
     /// The backed pages it had, and gets back on wake.
     pub backed: u64,
     /// Its first `size` bytes, when it slept with a backup. Shared, so that
-    /// the state copies of the slow paths do not copy the bytes.
+    /// the state copies of the slow paths do not copy the bytes; freed when
+    /// the last copy goes (on wake or free).
     ///
-    /// An ordinary host `Vec` on every backend: pinned host memory
-    /// (`cuMemHostAlloc`, for faster and asynchronous copies on CUDA) is
-    /// left for later, as a plain `Vec` is what could be tested here.
-    pub backup: Option<std::sync::Arc<Vec<u8>>>,
+    /// A host buffer the driver lent (`Driver::alloc_host`): page-locked
+    /// memory from `cuMemHostAlloc` on CUDA, so the device copies it by DMA
+    /// without staging; ordinary memory on the host backend. The buffer
+    /// keeps what freeing it needs (CUDA: the context) alive by itself.
+    pub backup: Option<std::sync::Arc<HostBuffer>>,
 }
 
 /// Who an allocation of whole chunks belongs to.

@@ -30,6 +30,15 @@
 //! primary context). If the calling thread had another (non-primary) context
 //! current, it is restored when the method returns.
 //!
+//! Host buffers ([`Driver::alloc_host`], the backups of sleeping
+//! allocations) are page-locked memory from `cuMemHostAlloc`, which the
+//! device reads and writes by DMA without a staging copy. Each buffer holds
+//! a share of the retained primary context, so the context (and the pinned
+//! memory with it) lives until the last buffer is freed with `cuMemFreeHost`,
+//! even after the driver itself is dropped. When the driver cannot pin that
+//! much (`CUDA_ERROR_OUT_OF_MEMORY`: page-locked memory is limited), the
+//! buffer is ordinary memory instead, which the same copies accept.
+//!
 //! Data calls (`read`, `write`, `copy`, [`CudaDriver::fill_u32`]) run on the
 //! legacy default stream and return only when their bytes are in place, like
 //! the host backend, so an unmap that follows them never races them. The VMM
@@ -54,11 +63,12 @@
 use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, OnceLock};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 
-use crate::driver::{ChunkHandle, Driver, Granularity};
+use crate::driver::{ChunkHandle, Driver, Granularity, HostBuffer, HostMemory};
 use crate::error::{Error, Result};
 
 /// A driver result code as the driver returns it (`CUresult`), unconverted.
@@ -152,6 +162,8 @@ driver_api! {
     cuMemcpyHtoD_v2: fn(sys::CUdeviceptr, *const c_void, usize);
     cuMemcpyDtoD_v2: fn(sys::CUdeviceptr, sys::CUdeviceptr, usize);
     cuMemsetD32_v2: fn(sys::CUdeviceptr, c_uint, usize);
+    cuMemHostAlloc: fn(*mut *mut c_void, usize, c_uint);
+    cuMemFreeHost: fn(*mut c_void);
     cuEventCreate: fn(*mut sys::CUevent, c_uint);
     cuEventRecord: fn(sys::CUevent, sys::CUstream);
     cuEventQuery: fn(sys::CUevent);
@@ -458,8 +470,8 @@ impl Lib {
     fn memcpy_dtoh(self, dst: &mut [u8], src: u64) -> Result<()> {
         // SAFETY: resolved function; `dst` is a writable host buffer of
         // exactly `dst.len()` bytes, borrowed for the call; a device-to-host
-        // copy into pageable memory returns only once the copy has completed,
-        // so the driver never writes to it after the borrow ends.
+        // copy into pageable or pinned memory returns only once the copy has
+        // completed, so the driver never writes to it after the borrow ends.
         self.check("cuMemcpyDtoH", unsafe {
             (self.api.cuMemcpyDtoH_v2)(dst.as_mut_ptr().cast::<c_void>(), src, dst.len())
         })
@@ -564,6 +576,23 @@ impl Lib {
         // driver; no host memory is involved.
         self.check("cuMemsetD32", unsafe { (self.api.cuMemsetD32_v2)(dst, value, count) })
     }
+
+    /// `len` (> 0) bytes of page-locked host memory, owned by the current
+    /// context, uninitialised.
+    fn mem_host_alloc(self, len: usize) -> Result<NonNull<u8>> {
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: resolved function; the out-pointer is a valid local; flags
+        // 0 (memory for the current context, no device mapping requested).
+        self.check("cuMemHostAlloc", unsafe { (self.api.cuMemHostAlloc)(&mut ptr, len, 0) })?;
+        NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::OutOfMemory("cuMemHostAlloc returned null".into()))
+    }
+
+    /// Frees memory from [`Lib::mem_host_alloc`]; its context must be current.
+    fn mem_free_host(self, ptr: NonNull<u8>) -> Result<()> {
+        // SAFETY: resolved function; the caller passes a pointer from
+        // `cuMemHostAlloc` exactly once, with its context current and alive.
+        self.check("cuMemFreeHost", unsafe { (self.api.cuMemFreeHost)(ptr.as_ptr().cast::<c_void>()) })
+    }
 }
 
 /// Restores the calling thread's previous context, if it was another one.
@@ -582,14 +611,121 @@ impl Drop for CurrentCtx {
     }
 }
 
+/// The device's primary context, retained once; released when the last
+/// owner (the driver, or a pinned host buffer) drops it.
+#[derive(Debug)]
+struct PrimaryContext {
+    lib: Lib,
+    device: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a context handle may be made current and used on any thread (the
+// driver API is thread-safe); `PrimaryContext` only passes it to the driver.
+unsafe impl Send for PrimaryContext {}
+// SAFETY: as for `Send`: shared access only reads the plain fields.
+unsafe impl Sync for PrimaryContext {}
+
+impl PrimaryContext {
+    /// Makes the context current on this thread until the guard drops.
+    fn enter(&self) -> Result<CurrentCtx> {
+        let prev = self.lib.ctx_get_current()?;
+        if prev == self.ctx {
+            return Ok(CurrentCtx { lib: self.lib, restore: None });
+        }
+        self.lib.ctx_set_current(self.ctx)?;
+        // A thread with no context keeps ours (what the runtime API would
+        // make current anyway); a thread with another context gets it back.
+        let restore = (!prev.is_null()).then_some(prev);
+        Ok(CurrentCtx { lib: self.lib, restore })
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        let lib = self.lib;
+        let device = self.device;
+        // Best effort and never a panic: the release symbol was resolved by
+        // `Lib::load`, and the guard catches anything unforeseen.
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            let _ = lib.primary_ctx_release(device);
+        }));
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`, zeroed when made, freed
+/// with `cuMemFreeHost` on drop. It holds the context it belongs to, so the
+/// memory stays valid as long as the buffer, whether or not the driver does.
+#[derive(Debug)]
+struct PinnedHostMemory {
+    ctx: Arc<PrimaryContext>,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer exclusively owns `len` bytes of host memory at `ptr`
+// (like a `Box<[u8]>`); host memory may be used and freed from any thread,
+// and the context it holds is `Send + Sync`.
+unsafe impl Send for PinnedHostMemory {}
+// SAFETY: shared access only reads the bytes (`bytes`); writing needs
+// `&mut self`.
+unsafe impl Sync for PinnedHostMemory {}
+
+impl PinnedHostMemory {
+    /// `len` (> 0) zeroed bytes of pinned memory owned by `ctx`.
+    fn new(ctx: &Arc<PrimaryContext>, len: usize) -> Result<PinnedHostMemory> {
+        let ptr = {
+            let _cur = ctx.enter()?;
+            ctx.lib.mem_host_alloc(len)?
+        };
+        // SAFETY: `ptr` points to `len` writable bytes just allocated for
+        // this buffer alone; zeroing makes every byte initialised, as
+        // `bytes` requires.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        Ok(PinnedHostMemory { ctx: Arc::clone(ctx), ptr, len })
+    }
+}
+
+impl HostMemory for PinnedHostMemory {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised bytes (zeroed in `new`)
+        // owned by `self` until `Drop`; the borrow of `self` bounds the slice.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn pinned(&self) -> bool {
+        true
+    }
+}
+
+impl Drop for PinnedHostMemory {
+    fn drop(&mut self) {
+        let (ctx, ptr) = (&self.ctx, self.ptr);
+        // Best effort and never a panic. The context is alive (held by
+        // `self.ctx`) and made current for the free, as cuMemFreeHost wants.
+        // Should it fail, the memory goes when the context is destroyed.
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            if let Ok(_cur) = ctx.enter() {
+                let _ = ctx.lib.mem_free_host(ptr);
+            }
+        }));
+    }
+}
+
 /// The CUDA backend for one device. See the [module docs](self).
 #[derive(Debug)]
 pub struct CudaDriver {
     lib: Lib,
     ordinal: i32,
     device: sys::CUdevice,
-    /// The device's primary context, retained once by `new`, released by `Drop`.
-    ctx: sys::CUcontext,
+    /// The device's primary context, retained once by `new`; shared with
+    /// the pinned host buffers, which may outlive the driver.
+    ctx: Arc<PrimaryContext>,
     granularity: Granularity,
     name: String,
     driver_version: i32,
@@ -606,16 +742,6 @@ pub struct CudaDriver {
     /// size), so that `set_access` gives those spans read access only.
     read_only: Mutex<(HashSet<u64>, std::collections::BTreeMap<u64, u64>)>,
 }
-
-// SAFETY: the CUDA driver API is thread-safe: a context handle may be made
-// current and used on any thread, and `CudaDriver` only ever passes it to the
-// driver. Every other field is a plain integer or string, and the mutable
-// state (the live handle set) is behind a `Mutex`.
-unsafe impl Send for CudaDriver {}
-// SAFETY: as for `Send`: `&CudaDriver` only reads plain fields, passes the
-// context handle to thread-safe driver calls, and locks the `Mutex` for the
-// live handle set.
-unsafe impl Sync for CudaDriver {}
 
 impl CudaDriver {
     /// Opens device `device` (an ordinal, as in `CUDA_VISIBLE_DEVICES` order).
@@ -706,8 +832,9 @@ impl CudaDriver {
         let name = lib.device_name(device).unwrap_or_else(|_| "unknown".into());
         let driver_version = lib.driver_version().unwrap_or(0);
 
-        let ctx = lib.primary_ctx_retain(device).map_err(unsupported)?;
-        // From here on, `Drop` balances the retain, including on error below.
+        let ctx = Arc::new(PrimaryContext { lib, device, ctx: lib.primary_ctx_retain(device).map_err(unsupported)? });
+        // From here on, `PrimaryContext::drop` balances the retain, including
+        // on error below.
         let mut driver = CudaDriver {
             lib,
             ordinal,
@@ -771,15 +898,7 @@ impl CudaDriver {
 
     /// Makes the primary context current on this thread for one method.
     fn enter(&self) -> Result<CurrentCtx> {
-        let prev = self.lib.ctx_get_current()?;
-        if prev == self.ctx {
-            return Ok(CurrentCtx { lib: self.lib, restore: None });
-        }
-        self.lib.ctx_set_current(self.ctx)?;
-        // A thread with no context keeps ours (what the runtime API would
-        // make current anyway); a thread with another context gets it back.
-        let restore = (!prev.is_null()).then_some(prev);
-        Ok(CurrentCtx { lib: self.lib, restore })
+        self.ctx.enter()
     }
 
     /// The devices that get access to every mapping: this one, then its peers.
@@ -829,18 +948,6 @@ fn allocation_prop(ordinal: i32, exportable: bool) -> sys::CUmemAllocationProp {
             usage: 0,
             reserved: [0; 4],
         },
-    }
-}
-
-impl Drop for CudaDriver {
-    fn drop(&mut self) {
-        let lib = self.lib;
-        let device = self.device;
-        // Best effort and never a panic: the release symbol was resolved by
-        // `Lib::load`, and the guard catches anything unforeseen.
-        let _ = catch_unwind(AssertUnwindSafe(|| {
-            let _ = lib.primary_ctx_release(device);
-        }));
     }
 }
 
@@ -987,6 +1094,19 @@ impl Driver for CudaDriver {
     fn destroy_event(&self, event: u64) -> Result<()> {
         let _cur = self.enter()?;
         self.lib.event_destroy(event)
+    }
+
+    fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
+        if len == 0 {
+            return HostBuffer::pageable(0);
+        }
+        match PinnedHostMemory::new(&self.ctx, len) {
+            Ok(pinned) => Ok(HostBuffer::new(Box::new(pinned))),
+            // Page-locked memory is limited (it cannot be swapped); ordinary
+            // memory serves the same copies, only slower.
+            Err(Error::OutOfMemory(_)) => HostBuffer::pageable(len),
+            Err(e) => Err(e),
+        }
     }
 
     fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {

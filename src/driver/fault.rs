@@ -3,8 +3,10 @@
 //! path rolls back and leaks nothing.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
-use super::{CallKind, ChunkHandle, Driver, Granularity};
+use super::{CallKind, ChunkHandle, Driver, Granularity, HostBuffer, HostMemory};
 use crate::error::{Error, Result};
 use crate::sync::Mutex;
 
@@ -50,12 +52,40 @@ struct FaultState {
 pub struct FaultDriver<D> {
     inner: D,
     state: Mutex<FaultState>,
+    /// Host buffers lent through this wrapper and not yet dropped (shared
+    /// with the buffers, which may outlive the wrapper).
+    host_buffers: Arc<AtomicUsize>,
+}
+
+/// A host buffer of the wrapped driver that counts itself out when dropped.
+#[derive(Debug)]
+struct TrackedHostBuffer {
+    buffer: HostBuffer,
+    live: Arc<AtomicUsize>,
+}
+
+impl HostMemory for TrackedHostBuffer {
+    fn bytes(&self) -> &[u8] {
+        self.buffer.as_slice()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.buffer.as_mut_slice()
+    }
+    fn pinned(&self) -> bool {
+        self.buffer.is_pinned()
+    }
+}
+
+impl Drop for TrackedHostBuffer {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl<D: Driver> FaultDriver<D> {
     /// Wraps `inner`; no failure is planned.
     pub fn new(inner: D) -> FaultDriver<D> {
-        FaultDriver { inner, state: Mutex::new(FaultState::default()) }
+        FaultDriver { inner, state: Mutex::new(FaultState::default()), host_buffers: Arc::default() }
     }
 
     /// The wrapped driver.
@@ -112,6 +142,12 @@ impl<D: Driver> FaultDriver<D> {
     /// Mappings made through this wrapper and not unmapped.
     pub fn live_mappings(&self) -> usize {
         self.st().mappings.len()
+    }
+
+    /// Host buffers lent through this wrapper ([`Driver::alloc_host`]) and
+    /// not yet dropped.
+    pub fn live_host_buffers(&self) -> usize {
+        self.host_buffers.load(Ordering::Relaxed)
     }
 
     /// Counts the call and returns the injected error if this one must fail.
@@ -217,6 +253,12 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.enter(CallKind::Event)?;
         self.inner.destroy_event(event)
     }
+    fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
+        self.enter(CallKind::HostAlloc)?;
+        let buffer = self.inner.alloc_host(len)?;
+        self.host_buffers.fetch_add(1, Ordering::Relaxed);
+        Ok(HostBuffer::new(Box::new(TrackedHostBuffer { buffer, live: Arc::clone(&self.host_buffers) })))
+    }
     #[cfg(unix)]
     fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {
         self.enter(CallKind::Share)?;
@@ -254,5 +296,21 @@ mod tests {
         d.release(a).unwrap();
         d.release(b).unwrap();
         assert_eq!(d.live_chunks(), 0);
+    }
+
+    #[test]
+    fn host_buffers_can_fail_and_are_counted_until_dropped() {
+        let d = FaultDriver::new(MockDriver::new(4096, 1 << 30));
+        d.fail_nth(Some(CallKind::HostAlloc), 1, FaultKind::OutOfMemory);
+        assert!(matches!(d.alloc_host(8), Err(Error::OutOfMemory(_))));
+        assert_eq!(d.live_host_buffers(), 0);
+        let mut b = d.alloc_host(8).unwrap();
+        b.as_mut_slice()[7] = 1;
+        let other = d.alloc_host(4).unwrap();
+        assert_eq!((b.len(), b.as_slice()[7], d.live_host_buffers()), (8, 1, 2));
+        drop(other);
+        assert_eq!(d.live_host_buffers(), 1);
+        drop(d); // the buffer outlives the driver
+        assert_eq!(b.as_slice()[7], 1);
     }
 }

@@ -18,14 +18,21 @@
 //! (CUDA driver API, loaded at run time), [`mock::MockDriver`] (in memory,
 //! no system calls: for Miri, loom and fast policy tests), and
 //! [`fault::FaultDriver`], which wraps any of them and fails chosen calls.
+//!
+//! Backends also lend host memory for the backups of sleeping allocations
+//! ([`Driver::alloc_host`], a [`HostBuffer`]): pinned on CUDA, ordinary
+//! elsewhere.
 
 use crate::error::Result;
 
 pub mod cuda;
 pub mod fault;
 pub mod host;
+mod host_buffer;
 pub mod mock;
 mod rules;
+
+pub use host_buffer::{HostBuffer, HostMemory};
 
 /// Opaque handle of one physical chunk, as issued by a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -55,6 +62,8 @@ pub enum CallKind {
     Data,
     /// Stream events: `record_event`, `event_complete`, `destroy_event`.
     Event,
+    /// Host buffers for backups: `alloc_host`.
+    HostAlloc,
     /// Sharing with other processes: `export_chunk`, `import_chunk`,
     /// `dmabuf_fd`.
     Share,
@@ -62,7 +71,7 @@ pub enum CallKind {
 
 impl CallKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [CallKind; 11] = [
+    pub const ALL: [CallKind; 12] = [
         CallKind::Reserve,
         CallKind::FreeReservation,
         CallKind::Create,
@@ -73,6 +82,7 @@ impl CallKind {
         CallKind::Synchronize,
         CallKind::Data,
         CallKind::Event,
+        CallKind::HostAlloc,
         CallKind::Share,
     ];
 }
@@ -147,6 +157,16 @@ pub trait Driver: Send + Sync {
     fn destroy_event(&self, event: u64) -> Result<()> {
         let _ = event;
         Ok(())
+    }
+
+    /// Allocates `len` zeroed bytes of host memory for copies to and from
+    /// the device with [`Driver::read`] and [`Driver::write`] (the backups
+    /// of sleeping allocations). The buffer frees itself when dropped, and
+    /// stays valid after the driver is gone. The default is ordinary memory
+    /// ([`HostBuffer::pageable`]); CUDA gives page-locked memory.
+    /// `Error::OutOfMemory` when the host has none.
+    fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
+        HostBuffer::pageable(len)
     }
 
     /// A new file descriptor for `chunk`, which another process (or this
@@ -237,6 +257,9 @@ macro_rules! forward_driver {
             }
             fn destroy_event(&self, event: u64) -> Result<()> {
                 (**self).destroy_event(event)
+            }
+            fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
+                (**self).alloc_host(len)
             }
             #[cfg(unix)]
             fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {

@@ -23,7 +23,7 @@ vmm_arena_status vmm_arena_testing_create_faulty(const vmm_arena_config *config,
 vmm_arena_status vmm_arena_testing_fail_nth(vmm_arena *arena, uint32_t call_kind, uint64_t n, uint32_t fault);
 vmm_arena_status vmm_arena_testing_driver_objects(vmm_arena *arena, uint64_t *chunks, uint64_t *mappings);
 vmm_arena_status vmm_arena_testing_panic(vmm_arena *arena);
-enum { CALL_ANY = 0, CALL_CREATE = 3, CALL_MAP = 5, CALL_UNMAP = 7 };
+enum { CALL_ANY = 0, CALL_CREATE = 3, CALL_MAP = 5, CALL_UNMAP = 7, CALL_HOST_ALLOC = 11 };
 enum { FAULT_OOM = 0, FAULT_DRIVER = 1 };
 
 #define K ((uint64_t)64 << 10) /* the chunk size of the test arenas */
@@ -799,6 +799,13 @@ static void test_sleep_wake(void) {
   EXPECT(vmm_arena_sleep(a, 1, 2), VMM_ARENA_ERR_INVALID_ARGUMENT); /* unknown flag bit */
   CHECK(strcmp(vmm_arena_status_name(VMM_ARENA_ERR_ASLEEP), "VMM_ARENA_ERR_ASLEEP") == 0);
   CHECK(VMM_ARENA_ERR_ASLEEP == 9 && VMM_ARENA_ALL_TAGS == 0xFFFFFFFFu);
+
+  /* A backup buffer the host cannot give fails the sleep: nothing slept. */
+  OK(vmm_arena_testing_fail_nth(a, CALL_HOST_ALLOC, 1, FAULT_OOM));
+  EXPECT(vmm_arena_sleep(a, 1, VMM_ARENA_SLEEP_BACKUP), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  OK(vmm_arena_pin(a, w)); /* awake: pin would be ASLEEP */
+  OK(vmm_arena_unpin(a, w));
+  CHECK(intact(pw, 2 * K + 10, 21));
 
   vmm_arena_stats before = stats_of(a);
   OK(vmm_arena_sleep(a, 1, VMM_ARENA_SLEEP_BACKUP));
