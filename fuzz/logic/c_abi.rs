@@ -952,7 +952,8 @@ fn run_with(data: &[u8], may_panic: bool) {
         unsafe { ffi::vmm_arena_destroy(a) };
         return;
     }
-    assert_eq!(cfg.flags & !ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES, 0, "unknown flag bits accepted");
+    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | ffi::VMM_ARENA_FLAG_EXPORTABLE;
+    assert_eq!(cfg.flags & !known, 0, "unknown flag bits accepted");
     let mut h = Harness {
         a,
         faulty,
