@@ -11,7 +11,10 @@
 //! - `live`: an allocation, coloured by its id; the mapped prefix solid, the
 //!   reserved but unmapped tail pale, pooled chunks cached inside that tail
 //!   hatched (drawn after the mapped prefix: the snapshot gives their number,
-//!   not their place), pinned allocations outlined in dark red;
+//!   not their place), pinned allocations outlined in dark red, and the
+//!   chunks it shares with other allocations (`Arena::alloc_shared`, the
+//!   range's `shared_runs`) cross-hatched in black over the mapped prefix
+//!   (class `shared`; the tooltip names the sharers);
 //! - `slab`: a chunk of small allocations, filled to the share of its objects in use;
 //! - `free`: unreserved address space, with its cached pooled chunks hatched
 //!   (again drawn at its start);
@@ -76,6 +79,7 @@ pub struct SnapshotStats {
     pub cached_mapped_bytes: u64,
     pub bytes_copied: u64,
     pub small_slabs: u64,
+    pub shared_bytes: u64,
 }
 
 /// Parses a snapshot document.
@@ -154,6 +158,14 @@ pub struct Range {
     pub used: u64,
     #[serde(default)]
     pub retired_bytes: u64,
+    /// Live: its pages whose chunks other live allocations map too, as
+    /// (offset, bytes) pairs, and those allocations' ids.
+    #[serde(default)]
+    pub shared_bytes: u64,
+    #[serde(default)]
+    pub shared_runs: Vec<(u64, u64)>,
+    #[serde(default)]
+    pub shares_with: Vec<u64>,
 }
 
 struct Map {
@@ -226,6 +238,8 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
          <rect width=\"6\" height=\"6\" fill=\"#b9ecec\"/><rect width=\"3\" height=\"6\" fill=\"#22a3a3\"/></pattern>\
          <pattern id=\"retired\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" patternTransform=\"rotate(-45)\">\
          <rect width=\"6\" height=\"6\" fill=\"#e0e0e0\"/><rect width=\"2\" height=\"6\" fill=\"#777\"/></pattern>\
+         <pattern id=\"shared\" width=\"5\" height=\"5\" patternUnits=\"userSpaceOnUse\">\
+         <path d=\"M0,0 L5,5 M5,0 L0,5\" stroke=\"#000\" stroke-width=\"0.8\"/></pattern>\
          </defs>\n",
     );
     let _ = writeln!(o, "<rect x=\"0\" y=\"0\" width=\"{width:.0}\" height=\"{height:.0}\" fill=\"#ffffff\"/>");
@@ -242,7 +256,7 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
     );
 
     // Legend.
-    let legend: [(&str, &str, &str); 7] = [
+    let legend: [(&str, &str, &str); 8] = [
         ("hsl(210,65%,48%)", "none", "live: mapped (colour by id)"),
         ("hsl(210,65%,86%)", "none", "live: reserved, unmapped"),
         ("url(#pooled)", "none", "pooled chunk, mapped (cached)"),
@@ -250,6 +264,7 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
         ("#ffffff", "#bbb", "free address space"),
         ("url(#retired)", "none", "retired (old range of a move)"),
         ("#ffffff", "#a00000", "pinned (outline)"),
+        ("url(#shared)", "none", "chunks shared with other allocations"),
     ];
     for (i, (fill, stroke, label)) in legend.iter().enumerate() {
         let (col, row) = (i % 4, i / 4);
@@ -367,7 +382,7 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
         let (a, b) = (r.addr, r.addr + r.bytes);
         let tip = match r.kind.as_str() {
             "live" => format!(
-                "live id {:#x} at {:#x}: size {}, reserved {}, mapped {}, pooled in its tail {}{}{}",
+                "live id {:#x} at {:#x}: size {}, reserved {}, mapped {}, pooled in its tail {}{}{}{}",
                 r.id,
                 r.addr,
                 human(r.size),
@@ -375,7 +390,13 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
                 human(r.mapped_bytes),
                 human(r.pooled_mapped_bytes),
                 if r.pinned { ", pinned" } else { "" },
-                if r.growable { ", growable" } else { "" }
+                if r.growable { ", growable" } else { "" },
+                if r.shared_bytes > 0 {
+                    let ids: Vec<String> = r.shares_with.iter().map(|id| format!("{id:#x}")).collect();
+                    format!(", shares {} with {}", human(r.shared_bytes), ids.join(", "))
+                } else {
+                    String::new()
+                }
             ),
             "slab" => format!(
                 "slab at {:#x}: class {}, {} of {} objects in use{}{}",
@@ -413,6 +434,19 @@ pub fn render(json: &str, opts: &Options) -> Result<String, String> {
                         y + 1.5,
                         h - 3.0
                     );
+                }
+                for &(off, len) in &r.shared_runs {
+                    let (sa, sb) =
+                        (a.saturating_add(off).min(m_end), a.saturating_add(off).saturating_add(len).min(m_end));
+                    for (x, y, w) in map.pieces(sa, sb) {
+                        let _ = writeln!(
+                            o,
+                            "<rect class=\"shared\" data-range=\"{i}\" x=\"{x:.2}\" y=\"{}\" width=\"{w:.2}\" \
+                             height=\"{}\" fill=\"url(#shared)\"><title>{tip}</title></rect>",
+                            y + 1.5,
+                            h - 3.0
+                        );
+                    }
                 }
                 let p_end = (m_end + r.pooled_mapped_bytes).min(b);
                 for (x, y, w) in map.pieces(m_end, p_end) {

@@ -11,10 +11,15 @@
 //!
 //! **Undo.** The undo of an allocation is a free; the undo of a growth is a
 //! shrink back to the old size. Both are pure bookkeeping in an arena (a
-//! shrink caches its tail chunks, a free caches all of them; neither makes
-//! a driver call except the best-effort give-back of the retain watermark,
-//! whose failure the arena absorbs and counts in `release_failures`), so an
-//! undo cannot fail for want of memory or a driver error. It fails only if
+//! shrink caches its tail chunks, a free caches all of them, or retires a
+//! page whose chunk another allocation still maps; neither makes a driver
+//! call except the best-effort give-back of the retain watermark, whose
+//! failure the arena absorbs and counts in `release_failures`). The one
+//! shrink that does make a call, of a growable allocation's pages whose
+//! chunks another allocation maps too (`alloc_shared`), cannot be an undo:
+//! the pages a growth just backed hold pooled or new chunks, which no other
+//! allocation maps. So an undo cannot fail for want of memory or a driver
+//! error. It fails only if
 //! the member itself refuses the call: it is poisoned by a panic, or the
 //! caller changed the member's allocation behind the group's back (freed
 //! it, or put it to sleep through [`Group::member`]). Then the error says
@@ -29,7 +34,11 @@
 //! member. Sizes, contents, live and mapped bytes are as before.
 //!
 //! **Shrinks and frees** make no driver call that can fail, so a group
-//! shrink cannot fail part-way except as above. A group free first checks
+//! shrink cannot fail part-way except as above, or when a member's shard
+//! shares chunks with an allocation made through [`Group::member`]
+//! (`alloc_shared`; its shrink unmaps them and can fail): then the members
+//! before it are grown back, which can itself fail for memory, and is
+//! reported in `undo_failures`. A group free first checks
 //! that every member still knows its allocation (so a stale or poisoned
 //! member fails the free before anything is freed); a free cannot be
 //! undone, so if a member fails after that check anyway, the others are

@@ -2,10 +2,15 @@
 //!
 //! Slabs of small allocations appear as `"kind":"slab"` ranges. A live
 //! range carries its `tag`, whether it is `asleep` (it maps nothing then:
-//! `mapped_bytes` 0) and the `backup_bytes` it holds while asleep.
+//! `mapped_bytes` 0) and the `backup_bytes` it holds while asleep, and
+//! the chunks it shares with other allocations (`Arena::alloc_shared`):
+//! `shared_bytes` (its backing bytes that another live allocation maps
+//! too), `shared_runs` (`[offset, bytes]` pairs of those pages, in
+//! address order) and `shares_with` (the ids of those allocations).
 //! Written by hand (the library has no serialization dependency); the format
 //! is documented in DESIGN.md and read by the `snapshot_svg` example.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
 
 use crate::arena::state::{Owner, Segment, State};
@@ -22,6 +27,19 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         st.pool.len()
     );
     let cached_in = |from: u64, to: u64| st.cached.range(from..to).count() as u64 * c;
+    // Which live allocations map each shared chunk (few: built only when
+    // something is shared).
+    let mut holders: BTreeMap<crate::driver::ChunkHandle, Vec<u32>> = BTreeMap::new();
+    if !st.shared.is_empty() {
+        for &slot in st.by_start.values() {
+            let a = st.alloc(slot);
+            for p in a.start..a.start + a.backed {
+                if let Some(h) = st.mapped[p as usize].filter(|h| st.shared.contains_key(h)) {
+                    holders.entry(h).or_default().push(slot);
+                }
+            }
+        }
+    }
     for (i, (start, len, kind)) in st.segments().into_iter().enumerate() {
         if i > 0 {
             s.push(',');
@@ -56,9 +74,22 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                     );
                     continue;
                 }
+                let mut runs: Vec<(u64, u64)> = Vec::new();
+                let mut with = BTreeSet::new();
+                for p in start..start + a.backed {
+                    let Some(others) = st.mapped[p as usize].and_then(|h| holders.get(&h)) else { continue };
+                    with.extend(others.iter().filter(|&&o| o != slot).map(|&o| st.user_id(o).get()));
+                    match runs.last_mut() {
+                        Some((off, len)) if *off + *len == (p - start) * c => *len += c,
+                        _ => runs.push(((p - start) * c, c)),
+                    }
+                }
+                let shared_bytes: u64 = runs.iter().map(|r| r.1).sum();
+                let runs_json: Vec<String> = runs.iter().map(|(o, l)| format!("[{o},{l}]")).collect();
+                let with_json: Vec<String> = with.iter().map(|id| id.to_string()).collect();
                 let _ = write!(
                     s,
-                    "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{},\"tag\":{},\"asleep\":{},\"backup_bytes\":{}}}",
+                    "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{},\"tag\":{},\"asleep\":{},\"backup_bytes\":{},\"shared_bytes\":{shared_bytes},\"shared_runs\":[{}],\"shares_with\":[{}]}}",
                     st.user_id(slot).get(),
                     a.size,
                     a.backed * c,
@@ -67,13 +98,15 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                     a.growable,
                     a.tag,
                     a.sleep.is_some(),
-                    a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len())
+                    a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len()),
+                    runs_json.join(","),
+                    with_json.join(",")
                 );
             }
         }
     }
     s.push_str("],\"stats\":{");
-    let fields: [(&str, u64); 25] = [
+    let fields: [(&str, u64); 26] = [
         ("live_allocations", stats.live_allocations),
         ("live_bytes", stats.live_bytes),
         ("mapped_bytes", stats.mapped_bytes),
@@ -99,6 +132,7 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         ("small_slabs", stats.small_slabs),
         ("asleep_bytes", stats.asleep_bytes),
         ("backup_bytes", stats.backup_bytes),
+        ("shared_bytes", stats.shared_bytes),
     ];
     for (i, (k, v)) in fields.iter().enumerate() {
         if i > 0 {

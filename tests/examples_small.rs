@@ -225,6 +225,7 @@ fn svg_of_every_kind_of_range() {
     a.resize(w, 5 * C).unwrap(); // outgrows its reservation: moves, leaves a retired range
     let (v, _) = a.alloc(2 * C).unwrap();
     a.free(v).unwrap(); // its chunks stay mapped (cached) in a free range
+    let (sh, _) = a.alloc_shared(z, C, C, 2 * C).unwrap(); // z's second chunk, mapped again
     let json = a.snapshot_json().unwrap();
     assert_ranges_tile(&json);
     let kinds: Vec<String> = snapshot_svg::parse(&json).unwrap().ranges.into_iter().map(|r| r.kind).collect();
@@ -243,6 +244,9 @@ fn svg_of_every_kind_of_range() {
         "the pinned allocation is not outlined"
     );
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    // The shared chunk is marked in both holders, and named in the tooltips.
+    assert!(svg.matches("class=\"shared\"").count() >= 2, "the shared chunk, drawn in each holder");
+    assert!(svg.contains(&format!("shares 2.0 MiB with {:#x}", sh.get())), "z's tooltip names the sharer");
 
     // Cut short by default: the trailing free range still has its (clipped) rect.
     let short = render(&json, &Options::default()).unwrap();

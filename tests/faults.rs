@@ -389,6 +389,77 @@ fn cases() -> Vec<Case> {
             op: |a, _, _| a.wake(3),
             expect: Expect::Atomic,
         },
+        Case {
+            name: "alloc_shared (evicts a cached chunk where it lands)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let src = alloc(a, 2 * c);
+                let x = alloc(a, c);
+                a.free(x).unwrap(); // page 2 cached, where the share lands
+                vec![src]
+            },
+            op: |a, ids, c| a.alloc_shared(ids[0], 0, 2 * c, 3 * c).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "alloc_shared that must compact",
+            cap: 8,
+            reserve: 8,
+            retain: KEEP,
+            setup: |a, c| {
+                let v: Vec<Id> = (0..6).map(|_| alloc(a, c)).collect();
+                for &i in &[0, 2, 4] {
+                    a.free(v[i]).unwrap();
+                }
+                vec![v[1], v[3], v[5]] // holes of one page at 0, 2, 4, and two at 6
+            },
+            op: |a, ids, c| a.alloc_shared(ids[1], 0, c, 3 * c).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "shrink of a growable sharer (unmaps its shared pages)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let src = alloc(a, 3 * c);
+                let (sh, _) = a.alloc_shared(src, 0, 3 * c, 4 * c).unwrap();
+                vec![src, sh]
+            },
+            op: |a, ids, c| a.resize(ids[1], c).map(|_| ()),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "free of a chunk's last holder (retain 0: its retired aliases and the chunk go)",
+            cap: 8,
+            reserve: 16,
+            retain: 0,
+            setup: |a, c| {
+                let src = alloc(a, 3 * c);
+                let (sh, _) = a.alloc_shared(src, c, 2 * c, 2 * c).unwrap();
+                a.free(src).unwrap(); // its shared pages are retired, still mapping the chunks
+                vec![sh]
+            },
+            op: |a, ids, _| a.free(ids.remove(0)),
+            expect: Expect::BestEffort,
+        },
+        Case {
+            name: "sleep of a sharer (the chunk an awake allocation maps stays)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let src = alloc(a, 2 * c);
+                let (sh, _) = a.alloc_shared(src, 0, c, 2 * c).unwrap();
+                a.resize(sh, 2 * c).unwrap(); // a page of its own
+                a.set_tag(sh, 1).unwrap();
+                vec![src, sh]
+            },
+            op: |a, _, _| a.sleep(1, SLEEP_BACKUP),
+            expect: Expect::Sleep,
+        },
     ]
 }
 

@@ -79,14 +79,22 @@ fn ops_corpus_replays_against_the_model() {
     // (scripts/miri.sh, where an operation and its checks take seconds).
     let max_ops = std::env::var("VMM_ARENA_FUZZ_MAX_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(ops::MAX_OPS);
     let mut ops = 0;
+    let mut sharing = 0;
     for f in &files {
         let data = std::fs::read(f).unwrap();
-        ops += ops::decode(&data).1.len().min(max_ops);
+        let decoded = ops::decode(&data).1;
+        ops += decoded.len().min(max_ops);
+        let shares = |op: &ops::Op| match op {
+            ops::Op::AllocShared { .. } => true,
+            ops::Op::Faulty(_, _, inner) => matches!(**inner, ops::Op::AllocShared { .. }),
+            _ => false,
+        };
+        sharing += usize::from(decoded.iter().take(max_ops).any(shares));
         if let Err(p) = std::panic::catch_unwind(|| ops::run_limited(&data, max_ops)) {
             eprintln!("corpus input {} fails", f.display());
             std::panic::resume_unwind(p);
         }
     }
-    println!("replayed {} inputs, {ops} operations", files.len());
+    println!("replayed {} inputs, {ops} operations; {sharing} inputs call alloc_shared", files.len());
     println!("outcomes: {:?}", ops::OUTCOMES.lock().unwrap());
 }

@@ -195,6 +195,15 @@ fn bad_layouts_descriptors_and_arenas_are_refused() {
     assert_eq!(plain.export(p).unwrap_err().status(), Status::Unsupported, "chunks in the shared memfd");
     assert_eq!(plain_d.own_descriptors(), 0);
     assert_eq!(ex.dmabuf_fd(x).unwrap_err().status(), Status::Unsupported, "DMA-BUF is GPU only");
+    // Exported chunks are never shared within the arena, and shared ones never exported.
+    let e = ex.alloc_shared(x, 0, C, 2 * C).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+    let (src, _) = ex.alloc(2 * C).unwrap();
+    let (sharer, _) = ex.alloc_shared(src, 0, C, 2 * C).unwrap();
+    for id in [src, sharer] {
+        let e = ex.export(id).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+    }
 }
 
 // ------------------------------------------------------------ fault matrix

@@ -464,6 +464,31 @@ enum vmm_arena_status vmm_arena_alloc_growable(struct vmm_arena *arena,
                                                uint64_t *out_ptr);
 
 /**
+ * Zero-copy sharing (e.g. a KV-cache prefix common to several requests): a
+ * new growable allocation whose first bytes are the physical chunks of
+ * src's range [src_offset, src_offset + bytes), mapped a second time,
+ * nothing copied; a write through either address is seen through the other.
+ * src_offset and bytes are multiples of chunk_bytes, bytes > 0, the range
+ * lies inside src's size, src is not a small allocation and max_size >=
+ * bytes, else VMM_ARENA_ERR_INVALID_ARGUMENT. The new allocation has size
+ * bytes, reserves max_size, and grows, shrinks, moves, pins and frees like
+ * any growable allocation; src is not changed. A chunk mapped by several
+ * allocations stays until the last of them no longer maps it, and counts
+ * once in mapped_bytes (live_bytes counts each allocation's size). A
+ * sleeping src is VMM_ARENA_ERR_ASLEEP.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_alloc_shared(struct vmm_arena *arena,
+                                             vmm_arena_id src,
+                                             uint64_t src_offset,
+                                             uint64_t bytes,
+                                             uint64_t max_size,
+                                             vmm_arena_id *out_id,
+                                             uint64_t *out_ptr);
+
+/**
  * Frees an allocation; its id is never valid again.
  *
  * # Safety
@@ -475,7 +500,9 @@ enum vmm_arena_status vmm_arena_free(struct vmm_arena *arena, vmm_arena_id id);
  * Grows or shrinks, keeping the first min(old, new) bytes. Grows in place
  * when it can, else moves by remapping (never by copying a chunk); after a
  * move the reservation is at least new_size. Shrinking gives whole tail
- * chunks back to the pool. out_ptr receives the (maybe new) address.
+ * chunks back to the pool, but a chunk another allocation also maps
+ * (vmm_arena_alloc_shared) stays with it. out_ptr receives the (maybe new)
+ * address.
  *
  * # Safety
  * `arena` is NULL or a live handle; `out_ptr` is NULL or writable.
@@ -813,7 +840,9 @@ enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *grou
  * moves; vmm_arena_unpin takes effect once every export is closed). From
  * its first export until it is freed, its chunks never go back to the
  * pool: vmm_arena_free unmaps and releases them, a resize below the chunks
- * it exported is INVALID_ARGUMENT, and it never sleeps.
+ * it exported is INVALID_ARGUMENT, it never sleeps, and vmm_arena_alloc_shared
+ * from it is INVALID_ARGUMENT (as is exporting an allocation that shares
+ * chunks with another).
  *
  * If the exporter frees first: the importers' mappings stay valid, with
  * their bytes, until each importer frees its import (the memory lives

@@ -365,6 +365,30 @@ class Arena {
     if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
     return Allocation(handle_, id);
   }
+  /* Zero-copy sharing: a new growable allocation (size bytes, reserving
+   * max_size) whose first bytes are src's chunks of [src_offset, src_offset +
+   * bytes), mapped a second time; writes through either are seen through the
+   * other (see vmm_arena_alloc_shared for the argument rules). */
+  Allocation alloc_shared(Id src, uint64_t src_offset, uint64_t bytes, uint64_t max_size) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_alloc_shared(handle_, src, src_offset, bytes, max_size, &id, &p));
+    return Allocation(handle_, id);
+  }
+  Allocation alloc_shared(const Allocation &src, uint64_t src_offset, uint64_t bytes, uint64_t max_size) {
+    return alloc_shared(src.id(), src_offset, bytes, max_size);
+  }
+  Result<Allocation> try_alloc_shared(Id src, uint64_t src_offset, uint64_t bytes, uint64_t max_size) noexcept {
+    Id id = 0;
+    uint64_t p = 0;
+    vmm_arena_status s = vmm_arena_alloc_shared(handle_, src, src_offset, bytes, max_size, &id, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
+    return Allocation(handle_, id);
+  }
+  Result<Allocation> try_alloc_shared(const Allocation &src, uint64_t src_offset, uint64_t bytes,
+                                      uint64_t max_size) noexcept {
+    return try_alloc_shared(src.id(), src_offset, bytes, max_size);
+  }
 
   CompactReport compact() {
     CompactReport r{};

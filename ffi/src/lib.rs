@@ -660,6 +660,45 @@ pub unsafe extern "C" fn vmm_arena_alloc_growable(
     })
 }
 
+/// Zero-copy sharing (e.g. a KV-cache prefix common to several requests): a
+/// new growable allocation whose first bytes are the physical chunks of
+/// src's range [src_offset, src_offset + bytes), mapped a second time,
+/// nothing copied; a write through either address is seen through the other.
+/// src_offset and bytes are multiples of chunk_bytes, bytes > 0, the range
+/// lies inside src's size, src is not a small allocation and max_size >=
+/// bytes, else VMM_ARENA_ERR_INVALID_ARGUMENT. The new allocation has size
+/// bytes, reserves max_size, and grows, shrinks, moves, pins and frees like
+/// any growable allocation; src is not changed. A chunk mapped by several
+/// allocations stays until the last of them no longer maps it, and counts
+/// once in mapped_bytes (live_bytes counts each allocation's size). A
+/// sleeping src is VMM_ARENA_ERR_ASLEEP.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_alloc_shared(
+    arena: *mut vmm_arena,
+    src: vmm_arena_id,
+    src_offset: u64,
+    bytes: u64,
+    max_size: u64,
+    out_id: *mut vmm_arena_id,
+    out_ptr: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_alloc_shared", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let (oid, optr) = (required(out_id, "out_id")?, required(out_ptr, "out_ptr")?);
+        let (id, ptr) = h.live()?.alloc_shared(id_arg(src), src_offset, bytes, max_size).map_err(with_raw_id(src))?;
+        // SAFETY: checked out-parameters, writable per this function's contract.
+        unsafe {
+            put(oid, id.get());
+            put(optr, ptr);
+        }
+        Ok(())
+    })
+}
+
 /// Frees an allocation; its id is never valid again.
 ///
 /// # Safety
@@ -676,7 +715,9 @@ pub unsafe extern "C" fn vmm_arena_free(arena: *mut vmm_arena, id: vmm_arena_id)
 /// Grows or shrinks, keeping the first min(old, new) bytes. Grows in place
 /// when it can, else moves by remapping (never by copying a chunk); after a
 /// move the reservation is at least new_size. Shrinking gives whole tail
-/// chunks back to the pool. out_ptr receives the (maybe new) address.
+/// chunks back to the pool, but a chunk another allocation also maps
+/// (vmm_arena_alloc_shared) stays with it. out_ptr receives the (maybe new)
+/// address.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; `out_ptr` is NULL or writable.

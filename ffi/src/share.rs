@@ -80,7 +80,9 @@ unsafe fn read_layout(layout: *const vmm_arena_export_layout) -> Result<ExportLa
 /// moves; vmm_arena_unpin takes effect once every export is closed). From
 /// its first export until it is freed, its chunks never go back to the
 /// pool: vmm_arena_free unmaps and releases them, a resize below the chunks
-/// it exported is INVALID_ARGUMENT, and it never sleeps.
+/// it exported is INVALID_ARGUMENT, it never sleeps, and vmm_arena_alloc_shared
+/// from it is INVALID_ARGUMENT (as is exporting an allocation that shares
+/// chunks with another).
 ///
 /// If the exporter frees first: the importers' mappings stay valid, with
 /// their bytes, until each importer frees its import (the memory lives

@@ -25,6 +25,10 @@
 //!   the same address); stats agree with the model; the snapshot's tags and
 //!   sleepers agree with it too (sleep selects the awake allocations of
 //!   whole chunks with the tag; resize and pin of a sleeper are ASLEEP);
+//!   `vmm_arena_alloc_shared` returns what its argument rules and their
+//!   precedence say (allocations that may share chunks form a family: a
+//!   write through one forgets what the model knew of the others' bytes;
+//!   the core's model checks shared bytes);
 //! - a call whose injected failure fired returns it and leaves the stats and
 //!   the snapshot as they were (but `trim`, documented to keep what it
 //!   released);
@@ -176,6 +180,9 @@ struct Live {
     sleep_tag: u32,
     /// Asleep: unmapped, never touched through its pointer.
     asleep: bool,
+    /// Allocations that may share chunks (vmm_arena_alloc_shared) have the
+    /// same family; a touch of one forgets the bytes of the others.
+    family: u64,
 }
 
 struct Harness {
@@ -335,12 +342,16 @@ impl Harness {
             ((l.ptr + l.size - 1) as *mut u8).write(tag);
         }
         l.tag = Some(tag);
+        let family = l.family;
+        for o in self.live.values_mut().filter(|o| o.family == family && o.id != id) {
+            o.tag = None;
+        }
     }
 
     fn new_id(&mut self, what: &str, id: u64, ptr: u64, size: u64) {
         assert!(id != 0 && !self.issued.contains(&id), "{what}: id {id:#x} issued twice");
         self.issued.push(id);
-        self.live.insert(id, Live { id, ptr, size, pinned: false, tag: None, sleep_tag: 0, asleep: false });
+        self.live.insert(id, Live { id, ptr, size, pinned: false, tag: None, sleep_tag: 0, asleep: false, family: id });
     }
 
     /// One call; returns false when the input asked to stop.
@@ -350,7 +361,11 @@ impl Harness {
         let before = if self.planned { Some((self.stats(), strip_driver(&self.snapshot()))) } else { None };
         let injected0 = if self.faulty { self.calls().1 } else { 0 };
         let null_sometimes = |b: &mut Bytes<'_>| b.below(16) == 0;
-        let kind = b.below(29);
+        // One byte picks the call: modulo 29, but 0xF8..=0xFF pick
+        // alloc_shared (added later: older inputs decode as they did,
+        // except where such a byte picks a call).
+        let sel = b.u8();
+        let kind = if sel >= 0xF8 { 29 } else { sel as u64 % 29 };
         let mut trim = false;
         let what: &str;
         let status: u32;
@@ -639,6 +654,7 @@ impl Harness {
                         st(ffi::vmm_arena_set_tag(null_mut(), b.u64(), b.u32())),
                         st(ffi::vmm_arena_sleep(null_mut(), b.u32(), b.u32())),
                         st(ffi::vmm_arena_wake(null_mut(), b.u32())),
+                        st(ffi::vmm_arena_alloc_shared(null_mut(), b.u64(), 0, 1, 1, &mut x, &mut y)),
                         st(vmm_arena_testing_driver_calls(null_mut(), &mut x, &mut y)),
                     ]
                 };
@@ -716,6 +732,60 @@ impl Harness {
                     for l in self.live.values_mut().filter(|l| selected(l)) {
                         l.asleep = false;
                     }
+                }
+            }
+            29 => {
+                what = "alloc_shared";
+                let src = self.pick_id(b);
+                let c = self.chunk;
+                let pick = |b: &mut Bytes<'_>| match b.below(6) {
+                    0 => 0,
+                    1 => b.u64(),
+                    2 => 1 + b.below(2 * c),
+                    _ => c * b.below(6),
+                };
+                let (off, bytes) = (pick(b), pick(b));
+                let max = match b.below(3) {
+                    0 => bytes.saturating_add(c * b.below(8)),
+                    1 => bytes,
+                    _ => pick(b),
+                };
+                let (mut id, mut p) = (0xA5A5u64, 0xA5A5u64);
+                let (oid, optr) = (null_sometimes(b), null_sometimes(b));
+                // SAFETY: live handle; out-parameters are ours or NULL.
+                status = st(unsafe {
+                    ffi::vmm_arena_alloc_shared(
+                        a,
+                        src,
+                        off,
+                        bytes,
+                        max,
+                        if oid { null_mut() } else { &mut id },
+                        if optr { null_mut() } else { &mut p },
+                    )
+                });
+                let bad_args = oid || optr || bytes == 0 || bytes % c != 0 || off % c != 0 || max < bytes;
+                // Only allocations of whole chunks (ranges of their own) can be shared.
+                let chunked = live_ranges(&self.snapshot()).contains_key(&src);
+                allowed = match self.live.get(&src) {
+                    _ if bad_args => vec![INVALID],
+                    None => vec![UNKNOWN],
+                    Some(l) if !chunked || off.checked_add(bytes).map_or(true, |e| e > l.size) => vec![INVALID],
+                    Some(l) if l.asleep => vec![ASLEEP],
+                    // INVALID: a max_size that overflows when rounded up.
+                    Some(_) => vec![OK, INVALID, OOAS],
+                };
+                if status == OK {
+                    assert_eq!(p % c, 0, "{what}: a share is chunk-aligned");
+                    let family = self.live[&src].family;
+                    self.new_id(what, id, p, bytes);
+                    self.live.get_mut(&id).unwrap().family = family;
+                    // The source's bytes at that offset are unknown here: a
+                    // touch of the share gives it its own, and forgets the
+                    // source's.
+                    self.touch(id, b.u8());
+                } else {
+                    assert_eq!((id, p), (0xA5A5, 0xA5A5), "{what}: out-parameters written on failure");
                 }
             }
             _ => {

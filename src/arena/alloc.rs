@@ -60,7 +60,10 @@ impl Arena {
     }
 
     /// Frees an allocation. Its chunks stay mapped in the pool (up to the
-    /// retain watermark), ready for the next allocation without a driver call.
+    /// retain watermark), ready for the next allocation without a driver
+    /// call; a chunk another allocation still maps (see
+    /// [`Arena::alloc_shared`]) stays with it, and this allocation's page
+    /// of it is retired (unmapped when retired memory is released).
     pub fn free(&self, id: Id) -> Result<()> {
         self.run(|inner, _ctx, _| {
             #[cfg(unix)]
@@ -99,6 +102,12 @@ impl Arena {
     /// Grows or shrinks an allocation, keeping its first `min(old, new)`
     /// bytes. Grows in place when its reservation (or the free space after
     /// it) allows, else moves it by remapping. Returns the (maybe new) address.
+    ///
+    /// Shrinking gives whole tail chunks to the pool, but a chunk another
+    /// allocation also maps (see [`Arena::alloc_shared`]) stays with it: a
+    /// growable allocation unmaps its page of that chunk at once (after a
+    /// device synchronize: the one shrink that makes driver calls, and can
+    /// fail, leaving the allocation as it was), any other retires it.
     pub fn resize(&self, id: Id, new_size: u64) -> Result<u64> {
         let chunk = self.chunk;
         let np = pages_for(new_size, chunk, "new_size")?;
@@ -116,10 +125,31 @@ impl Arena {
             }
             if np <= a.backed {
                 if np < a.backed {
-                    st.shrink_backing(slot, np);
-                    if !a.growable {
+                    // Pages whose chunk another allocation maps too stay
+                    // with it: a growable allocation, which keeps them in
+                    // its reservation, unmaps them now (growth must not find
+                    // them there); otherwise they are retired.
+                    let kept: Vec<u64> = (a.start + np..a.start + a.backed).filter(|&p| st.page_shared(p)).collect();
+                    if a.growable && !kept.is_empty() {
+                        let mut tx = ctx.txn(st);
+                        for run in super::state::runs(&kept) {
+                            let hs = run.clone().map(|p| st.mapped[p as usize].expect("backing page")).collect();
+                            if let Err(e) = tx.unmap(run.start, hs) {
+                                tx.rollback();
+                                return Err(e);
+                            }
+                        }
+                        tx.commit();
+                    }
+                    let kept = st.shrink_backing(slot, np);
+                    if a.growable {
+                        for p in kept {
+                            st.mapped[p as usize] = None;
+                        }
+                    } else {
                         st.free.insert(a.start + np, a.reserved - np);
                         st.alloc_mut(slot).reserved = np;
+                        st.retire_pages(&kept);
                     }
                 }
                 st.live_bytes = st.live_bytes - a.size + new_size;

@@ -20,7 +20,7 @@
 
 use std::cell::RefCell;
 
-use crate::driver::{Driver, Granularity};
+use crate::driver::{ChunkHandle, Driver, Granularity};
 use crate::error::{Error, Result};
 use crate::sync::{Mutex, MutexGuard};
 use crate::Id;
@@ -31,6 +31,7 @@ mod moves;
 mod pool;
 #[cfg(unix)]
 mod share;
+mod shared;
 mod sleep;
 pub(crate) mod small;
 pub(crate) mod state;
@@ -485,7 +486,8 @@ impl Drop for Arena {
         for run in state::runs(&mapped) {
             let _ = self.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);
         }
-        let mut owned: Vec<_> = st.pool.clone();
+        // A set: a shared chunk backs several pages, and is released once.
+        let mut owned: std::collections::BTreeSet<ChunkHandle> = st.pool.iter().copied().collect();
         owned.extend(st.cached.iter().filter_map(|&p| st.mapped[p as usize]));
         for a in st.slots.iter().filter_map(|s| s.alloc.as_ref()) {
             owned.extend((a.start..a.start + a.backed).filter_map(|p| st.mapped[p as usize]));

@@ -14,7 +14,11 @@
 //!   releases them (the importer's mapping keeps the memory alive), and a
 //!   shrink below the chunks it exported is refused;
 //! - it never sleeps (a wake would give it new chunks the importer does
-//!   not see).
+//!   not see);
+//! - its chunks are never shared with another allocation of the arena
+//!   (`alloc_shared` from it is refused, and an allocation that already
+//!   shares chunks cannot be exported): the free would release chunks the
+//!   other allocation still maps.
 //!
 //! **Import.** The chunks are mapped into a reservation of their own,
 //! outside the arena's range: an import never moves, never takes part in
@@ -238,6 +242,24 @@ impl Shares {
         Ok(())
     }
 
+    /// `alloc_shared` from an import (no slot of this arena) or from an
+    /// exported allocation (its free releases its chunks, which a sharer
+    /// would still map).
+    pub(super) fn check_share_source(&self, st: &State, id: Id) -> Result<()> {
+        if let Some(r) = self.import_of(st, id) {
+            r?;
+            return Err(Error::invalid("alloc_shared: an imported allocation's chunks cannot be shared"));
+        }
+        if let Ok(Target::Chunks(slot)) = st.resolve(id) {
+            if self.exported.contains_key(&slot) {
+                return Err(Error::invalid(
+                    "alloc_shared: an exported allocation's chunks cannot be shared (its free releases them)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// `set_tag` of an import.
     pub(super) fn check_tag(&self, st: &State, id: Id) -> Result<()> {
         match self.import_of(st, id) {
@@ -409,6 +431,16 @@ impl Arena {
             let a = st.alloc(slot).clone();
             if a.sleep.is_some() {
                 return Err(Error::Asleep(id.get()));
+            }
+            // A chunk another allocation maps too (alloc_shared) would
+            // outlive this one's free in that allocation, and then return to
+            // the pool while an importer still maps it.
+            let shared = (a.start..a.start + a.backed)
+                .any(|p| st.mapped[p as usize].is_some_and(|h| st.shared.contains_key(&h)));
+            if shared {
+                return Err(Error::invalid(
+                    "an allocation that shares chunks with another (alloc_shared) cannot be exported",
+                ));
             }
             let mut sim = st.clone();
             let mut tx = ctx.txn(st);

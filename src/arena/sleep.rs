@@ -7,7 +7,8 @@ use crate::Id;
 
 use super::alloc::Target;
 use super::moves::release_retired_into;
-use super::state::{self, Alloc, Owner, Plan, Sleep, State};
+use super::shared;
+use super::state::{self, Alloc, Owner, State};
 use super::txn;
 use super::{Arena, Ctx, Inner, ALL_TAGS, SLEEP_BACKUP};
 
@@ -158,16 +159,11 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
     };
     // Apply (infallible): the sleepers keep their reservations and map
     // nothing; every chunk they had and every pooled chunk is to release.
+    // A chunk that an awake allocation also maps is not released (see
+    // `shared::sleep_books`).
     let mut doomed: Vec<ChunkHandle> = Vec::new();
     for (&slot, backup) in targets.iter().zip(backups) {
-        let a = sim.alloc(slot).clone();
-        doomed.extend((a.start..a.start + a.backed).map(|p| sim.mapped[p as usize].take().expect("backing page")));
-        sim.backed_pages -= a.backed;
-        sim.asleep_pages += a.reserved;
-        sim.backup_bytes += backup.as_ref().map_or(0, |b| b.len() as u64);
-        let m = sim.alloc_mut(slot);
-        m.sleep = Some(Sleep { backed: a.backed, backup });
-        m.backed = 0;
+        doomed.extend(shared::sleep_books(&mut sim, slot, backup));
     }
     for p in std::mem::take(&mut sim.cached) {
         doomed.push(sim.mapped[p as usize].take().expect("cached page is mapped"));
@@ -197,7 +193,9 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
     // may fail and leave the arena unlike its books. Every pooled or cached
     // chunk can serve (none is cached inside a sleeper's reservation), and
     // new ones up to the capacity.
-    let needed: u64 = targets.iter().map(|&s| st.alloc(s).sleep.as_ref().map_or(0, |z| z.backed)).sum();
+    // Pages that map again a chunk an awake allocation maps need none, and
+    // a group of sleepers that shared a chunk needs one for all of them.
+    let needed = shared::wake_needs(st, &targets);
     if needed > st.obtainable_pages() {
         return Err(Error::OutOfMemory(format!(
             "waking needs {needed} chunks of {} bytes; {} are obtainable under the capacity",
@@ -208,26 +206,35 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
     let mut sim = st.clone();
     let mut tx = ctx.txn(st);
     let done = (|| {
+        // Nothing is cached inside a sleeper's reservation (sleep unmapped
+        // it all, and nothing else maps there): every page gets its group's
+        // chunk, or a pooled, stolen or new one.
+        let mut woken = Vec::with_capacity(targets.len());
         for &slot in &targets {
-            let a = sim.alloc(slot).clone();
-            let sleep = a.sleep.as_ref().expect("asleep");
-            // Nothing is cached inside a sleeper's reservation (sleep
-            // unmapped it all, and nothing else maps there): every page
-            // gets a pooled, stolen or new chunk.
-            let mut plan = Plan::new(&sim, &[], a.start..a.start + sleep.backed, a.start..a.start + a.reserved)?;
-            plan.execute(&sim, &mut tx)?;
-            plan.apply(&mut sim);
-            sim.backed_pages += sleep.backed;
-            sim.asleep_pages -= a.reserved;
-            sim.backup_bytes -= sleep.backup.as_ref().map_or(0, |b| b.len() as u64);
-            let m = sim.alloc_mut(slot);
-            m.backed = sleep.backed;
-            m.sleep = None;
+            woken.push(shared::wake_one(&mut sim, &mut tx, slot)?);
         }
-        for &slot in &targets {
+        // The backups (in the books before the wake), to the pages that got
+        // a new chunk: a page mapping a chunk again keeps its bytes as they
+        // are now.
+        let c = st.chunk;
+        for (&slot, w) in targets.iter().zip(&woken) {
             let a = st.alloc(slot);
             if let Some(b) = a.sleep.as_ref().and_then(|s| s.backup.as_ref()) {
-                ctx.drv.write(st.addr(a.start), b.as_slice())?;
+                for run in state::runs(&w.own_pages) {
+                    let (from, to) = ((run.start * c) as usize, ((run.end * c) as usize).min(b.len()));
+                    if from < to {
+                        ctx.drv.write(st.addr(a.start + run.start), &b.as_slice()[from..to])?;
+                    }
+                }
+            }
+            for &(i, g) in &w.group_pages {
+                if let Some((src, j)) = shared::group_source(st, g) {
+                    let b = st.alloc(src).sleep.as_ref().and_then(|s| s.backup.as_ref()).expect("a backup");
+                    let (from, to) = ((j * c) as usize, (((j + 1) * c) as usize).min(b.len()));
+                    if from < to {
+                        ctx.drv.write(st.addr(a.start + i), &b.as_slice()[from..to])?;
+                    }
+                }
             }
         }
         Ok::<_, Error>(())

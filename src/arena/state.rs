@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::shared::ShareGroups;
 use super::small::SmallTable;
 use super::txn::Txn;
 use crate::driver::{ChunkHandle, HostBuffer};
@@ -53,6 +54,13 @@ impl Alloc {
 pub(crate) struct Sleep {
     /// The backed pages it had, and gets back on wake.
     pub backed: u64,
+    /// Its pages that shared a chunk when it fell asleep: (page index,
+    /// sharing group), so that it shares again when it wakes (see
+    /// `arena/shared.rs`).
+    pub shares: Vec<(u64, u64)>,
+    /// When it fell asleep (a counter): a group's new chunk gets the bytes
+    /// of the member that slept last.
+    pub seq: u64,
     /// Its first `size` bytes, when it slept with a backup. Shared, so that
     /// the state copies of the slow paths do not copy the bytes; freed when
     /// the last copy goes (on wake or free).
@@ -120,6 +128,15 @@ pub(crate) struct State {
     pub asleep_pages: u64,
     /// Bytes held in sleeping allocations' backups.
     pub backup_bytes: u64,
+    /// Chunks that back pages of more than one live allocation, and how
+    /// many backing pages map each (at least 2). A chunk backing one page
+    /// is not listed.
+    pub shared: BTreeMap<ChunkHandle, u32>,
+    /// The sum of `count - 1` over `shared`: backing pages that are not
+    /// distinct chunks.
+    pub shared_extra: u64,
+    /// Sleepers' sharing groups.
+    pub groups: ShareGroups,
 }
 
 /// A relocation that happened, reported to the move callback.
@@ -184,6 +201,9 @@ impl State {
             tag: 0,
             asleep_pages: 0,
             backup_bytes: 0,
+            shared: Default::default(),
+            shared_extra: 0,
+            groups: Default::default(),
         })
     }
 
@@ -193,8 +213,14 @@ impl State {
         crate::Id::compose(IdParts { small: true, generation, tag: self.tag, slot: ss })
     }
 
+    /// Distinct chunks held: a shared chunk counts once.
     pub fn held_pages(&self) -> u64 {
-        self.backed_pages + self.cached.len() as u64 + self.pool.len() as u64
+        self.backing_chunks() + self.cached.len() as u64 + self.pool.len() as u64
+    }
+
+    /// Distinct chunks backing live allocations (and slabs).
+    pub fn backing_chunks(&self) -> u64 {
+        self.backed_pages - self.shared_extra
     }
 
     pub fn pooled_pages(&self) -> u64 {
@@ -260,7 +286,9 @@ impl State {
     }
 
     /// Forgets an allocation: its backing chunks stay mapped as cached pool
-    /// chunks and its reservation becomes free.
+    /// chunks and its reservation becomes free; a page whose chunk another
+    /// allocation still maps is retired instead (still mapped, unmapped
+    /// when retired memory is released).
     pub fn remove_alloc(&mut self, slot: u32) {
         let s = &mut self.slots[slot as usize];
         let a = s.alloc.take().expect("live slot");
@@ -271,13 +299,21 @@ impl State {
             self.free_slots.push(slot);
         }
         self.by_start.remove(&a.start);
-        // A sleeping one maps nothing (`backed` is 0); its backup goes.
+        // A sleeping one maps nothing (`backed` is 0); its backup goes,
+        // and so does its place in sharing groups.
         if let Some(sleep) = &a.sleep {
             self.asleep_pages -= a.reserved;
             self.backup_bytes -= sleep.backup.as_ref().map_or(0, |b| b.len() as u64);
+            self.groups.leave(slot, &sleep.shares);
         }
+        let mut still_shared = Vec::new();
         for p in a.start..a.start + a.backed {
-            self.cached.insert(p);
+            let h = self.mapped[p as usize].expect("backing page is mapped");
+            if self.drop_ref(h) {
+                still_shared.push(p);
+            } else {
+                self.cached.insert(p);
+            }
         }
         self.backed_pages -= a.backed;
         if !matches!(a.owner, Owner::Slab(_)) {
@@ -285,16 +321,38 @@ impl State {
             self.live_count -= 1;
         }
         self.free.insert(a.start, a.reserved);
+        self.retire_pages(&still_shared);
     }
 
-    /// Pages `from..to` of `slot`'s reservation stop backing it and become cached.
-    pub fn shrink_backing(&mut self, slot: u32, new_backed: u64) {
+    /// Pages (sorted, free) that still map a chunk someone else backs
+    /// become retired ranges.
+    pub fn retire_pages(&mut self, pages: &[u64]) {
+        for run in runs(pages) {
+            let len = run.end - run.start;
+            self.free.remove(run.start, len);
+            self.retired.insert(run.start, len);
+            self.retired_pages += len;
+        }
+    }
+
+    /// The pages of `slot` from `new_backed` on stop backing it and become
+    /// cached, except those whose chunk another allocation still maps:
+    /// they are returned (sorted, still mapped), for the caller to retire
+    /// or unmap.
+    pub fn shrink_backing(&mut self, slot: u32, new_backed: u64) -> Vec<u64> {
         let a = self.alloc(slot).clone();
+        let mut still_shared = Vec::new();
         for p in a.start + new_backed..a.start + a.backed {
-            self.cached.insert(p);
+            let h = self.mapped[p as usize].expect("backing page is mapped");
+            if self.drop_ref(h) {
+                still_shared.push(p);
+            } else {
+                self.cached.insert(p);
+            }
         }
         self.backed_pages -= a.backed - new_backed;
         self.alloc_mut(slot).backed = new_backed;
+        still_shared
     }
 
     /// Segments in address order: (start, pages, what).
@@ -356,12 +414,25 @@ impl Plan {
         pages: std::ops::Range<u64>,
         keep: std::ops::Range<u64>,
     ) -> Result<Plan> {
+        let sources: Vec<Option<ChunkHandle>> =
+            (0..pages.end - pages.start).map(|i| known.get(i as usize).copied()).collect();
+        Plan::with_sources(st, &sources, pages, keep)
+    }
+
+    /// Like [`Plan::new`], with a known chunk (or none: a fresh one) for
+    /// each page of `pages`.
+    pub fn with_sources(
+        st: &State,
+        sources: &[Option<ChunkHandle>],
+        pages: std::ops::Range<u64>,
+        keep: std::ops::Range<u64>,
+    ) -> Result<Plan> {
         let mut plan = Plan::default();
         let mut fresh_needed = 0u64;
         for (i, p) in pages.clone().enumerate() {
             let cached_here = st.cached.contains(&p);
-            match known.get(i) {
-                Some(&h) => {
+            match sources.get(i).copied().flatten() {
+                Some(h) => {
                     if cached_here {
                         plan.unmap.push(p);
                     }

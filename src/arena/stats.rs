@@ -62,6 +62,10 @@ pub struct Stats {
     pub imported_bytes: u64,
     /// Live allocations that were exported ([`Arena::export`]) at least once.
     pub exported_allocations: u64,
+    /// Physical bytes mapped by more than one live allocation (see
+    /// [`Arena::alloc_shared`]), each chunk once; they count once in
+    /// `mapped_bytes` too.
+    pub shared_bytes: u64,
 }
 
 /// What [`Arena::compact`] did.
@@ -116,7 +120,7 @@ impl Arena {
         Stats {
             live_allocations: st.live_count + st.small.live,
             live_bytes: st.live_bytes + st.small.live_bytes,
-            mapped_bytes: (st.backed_pages - idle_slabs) * c,
+            mapped_bytes: (st.backing_chunks() - idle_slabs) * c,
             pooled_bytes: (st.pooled_pages() + idle_slabs) * c,
             peak_physical_bytes: st.peak_held_pages.max(st.held_pages()) * c,
             capacity_bytes: st.cap_pages * c,
@@ -142,6 +146,7 @@ impl Arena {
             imported_allocations: imported.0,
             imported_bytes: imported.1,
             exported_allocations: exported,
+            shared_bytes: st.shared.len() as u64 * c,
         }
     }
 

@@ -264,6 +264,32 @@ fn parse_value(b: &[u8], at: &mut usize) -> Json {
 
 // ---------------------------------------------------------------- snapshot
 
+fn numbers(j: Option<&Json>) -> Vec<u64> {
+    match j {
+        Some(Json::Arr(v)) => v
+            .iter()
+            .map(|x| match x {
+                Json::Num(n) => *n,
+                other => panic!("expected a number, got {other:?}"),
+            })
+            .collect(),
+        other => panic!("expected an array, got {other:?}"),
+    }
+}
+
+fn pairs(j: Option<&Json>) -> Vec<(u64, u64)> {
+    match j {
+        Some(Json::Arr(v)) => v
+            .iter()
+            .map(|x| match numbers(Some(x))[..] {
+                [a, b] => (a, b),
+                ref other => panic!("expected a pair, got {other:?}"),
+            })
+            .collect(),
+        other => panic!("expected an array, got {other:?}"),
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Live,
@@ -295,6 +321,11 @@ pub struct Range {
     pub tag: u64,
     pub asleep: bool,
     pub backup_bytes: u64,
+    /// Live: its backing bytes that another live allocation maps too, as
+    /// (offset, bytes) runs, and the ids of those allocations.
+    pub shared_bytes: u64,
+    pub shared_runs: Vec<(u64, u64)>,
+    pub shares_with: Vec<u64>,
 }
 
 /// The arena's snapshot, parsed.
@@ -344,6 +375,9 @@ impl Snap {
                     tag: if live { r.u64("tag") } else { 0 },
                     asleep: live && r.bool("asleep"),
                     backup_bytes: if live { r.u64("backup_bytes") } else { 0 },
+                    shared_bytes: if live { r.u64("shared_bytes") } else { 0 },
+                    shared_runs: if live { pairs(r.get("shared_runs")) } else { Vec::new() },
+                    shares_with: if live { numbers(r.get("shares_with")) } else { Vec::new() },
                 }
             })
             .collect();
@@ -477,6 +511,9 @@ impl Snap {
                 }
                 Kind::Live => {
                     assert_eq!(r.mapped_bytes, r.size.div_ceil(c) * c, "mapped bytes of {r:?}");
+                    assert_eq!(r.shared_runs.iter().map(|x| x.1).sum::<u64>(), r.shared_bytes, "{r:?}");
+                    assert!(r.shared_runs.iter().all(|&(o, l)| o % c == 0 && l % c == 0 && o + l <= r.mapped_bytes));
+                    assert_eq!(r.shared_bytes > 0, !r.shares_with.is_empty(), "{r:?}");
                     assert_eq!(r.backup_bytes, 0, "only sleepers hold a backup: {r:?}");
                     assert!(r.mapped_bytes + r.pooled_mapped_bytes <= r.bytes, "{r:?}");
                     assert!(r.growable || r.bytes == r.mapped_bytes, "only growable ones reserve more: {r:?}");
@@ -514,9 +551,15 @@ impl Snap {
         assert!(s["live_bytes"] >= self.live().map(|r| r.size).sum::<u64>() + small, "live_bytes");
         // A slab holding only retired objects backs nothing live: pooled.
         let idle_slabs = self.slabs().filter(|r| r.used == 0).count() as u64;
+        // A shared chunk counts once: each holder lists it in its
+        // `shared_bytes`, the stats once in theirs.
+        let holders_shared: u64 = self.live().map(|r| r.shared_bytes).sum();
+        assert!(s["shared_bytes"] * 2 <= holders_shared, "a shared chunk has two holders at least");
         assert_eq!(
             s["mapped_bytes"],
-            self.live().map(|r| r.mapped_bytes).sum::<u64>() + (slabs - idle_slabs) * c,
+            self.live().map(|r| r.mapped_bytes).sum::<u64>() - holders_shared
+                + s["shared_bytes"]
+                + (slabs - idle_slabs) * c,
             "mapped_bytes"
         );
         let asleep: Vec<&Range> = self.live().filter(|r| r.asleep).collect();

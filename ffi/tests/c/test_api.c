@@ -864,6 +864,89 @@ static void test_sleep_wake(void) {
 }
 #endif
 
+/* (Built only against the project's header, which declares the additions
+ * of vmm_arena_next.h; VMM_ARENA_SLEEP_BACKUP is one of them. The contract
+ * header of version 1 has neither.) */
+#ifdef VMM_ARENA_SLEEP_BACKUP
+/* Zero-copy sharing: the argument rules and their precedence, writes seen
+ * through both addresses, a shared chunk counted once, freed only with its
+ * last holder, and a failed alloc_shared changing nothing. */
+static void test_alloc_shared(void) {
+  vmm_arena_config c = host_config(8, 32, 0);
+  vmm_arena *a = NULL;
+  OK(vmm_arena_testing_create_faulty(&c, &a));
+  vmm_arena_id src, sh, small, gone, out = 0x77;
+  uint64_t psrc, psh, psmall, q = 0x99;
+  OK(vmm_arena_alloc(a, 3 * K + 5, &src, &psrc));
+  fill(psrc, 3 * K + 5, 31);
+  OK(vmm_arena_alloc(a, 100, &small, &psmall));
+  OK(vmm_arena_alloc(a, 100, &gone, &q)); /* in small's slab: its free caches no chunk */
+  OK(vmm_arena_free(a, gone));
+  q = 0x99;
+  const vmm_arena_status INV = VMM_ARENA_ERR_INVALID_ARGUMENT;
+  EXPECT(vmm_arena_alloc_shared(NULL, src, 0, K, K, &out, &q), INV);
+  EXPECT(vmm_arena_alloc_shared(a, src, 0, K, K, NULL, &q), INV);
+  EXPECT(vmm_arena_alloc_shared(a, src, 0, K, K, &out, NULL), INV);
+  EXPECT(vmm_arena_alloc_shared(a, src, 0, 0, K, &out, &q), INV);
+  EXPECT(vmm_arena_alloc_shared(a, src, 1, K, K, &out, &q), INV);
+  EXPECT(vmm_arena_alloc_shared(a, src, 0, K + 1, 2 * K, &out, &q), INV);
+  EXPECT(vmm_arena_alloc_shared(a, src, 0, 4 * K, 4 * K, &out, &q), INV);  /* past its size */
+  EXPECT(vmm_arena_alloc_shared(a, src, 3 * K, K, K, &out, &q), INV);      /* its partial chunk */
+  EXPECT(vmm_arena_alloc_shared(a, src, 0, 2 * K, K, &out, &q), INV);      /* max_size < bytes */
+  EXPECT(vmm_arena_alloc_shared(a, small, 0, K, K, &out, &q), INV);        /* a small src */
+  EXPECT(vmm_arena_alloc_shared(a, gone, 0, 0, K, &out, &q), INV);         /* invalid first */
+  EXPECT(vmm_arena_alloc_shared(a, gone, 0, K, K, &out, &q), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  EXPECT(vmm_arena_alloc_shared(a, 0, 0, K, K, &out, &q), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  CHECK(out == 0x77 && q == 0x99);
+
+  /* A map that fails: nothing changes, nothing leaks. */
+  vmm_arena_stats before = stats_of(a);
+  uint64_t chunks0 = 0, mappings0 = 0, chunks = 0, mappings = 0;
+  OK(vmm_arena_testing_driver_objects(a, &chunks0, &mappings0));
+  OK(vmm_arena_testing_fail_nth(a, CALL_MAP, 2, FAULT_DRIVER));
+  EXPECT(vmm_arena_alloc_shared(a, src, K, 2 * K, 4 * K, &out, &q), VMM_ARENA_ERR_DRIVER);
+  OK(vmm_arena_testing_driver_objects(a, &chunks, &mappings));
+  CHECK(chunks == chunks0 && mappings == mappings0);
+  vmm_arena_stats s = stats_of(a);
+  CHECK(s.live_allocations == before.live_allocations && s.mapped_bytes == before.mapped_bytes);
+
+  OK(vmm_arena_alloc_shared(a, src, K, 2 * K, 4 * K, &sh, &psh));
+  CHECK(psh % K == 0 && psh != psrc + K);
+  uint64_t size = 0;
+  OK(vmm_arena_query(a, sh, &q, &size));
+  CHECK(q == psh && size == 2 * K);
+  const uint8_t *from_src = (const uint8_t *)(uintptr_t)(psrc + K);
+  CHECK(memcmp((const void *)(uintptr_t)psh, from_src, 2 * K) == 0);
+  ((uint8_t *)(uintptr_t)psh)[7] = 0xEE;
+  CHECK(from_src[7] == 0xEE);
+  s = stats_of(a);
+  CHECK(s.mapped_bytes == before.mapped_bytes);              /* counted once */
+  CHECK(s.live_bytes == before.live_bytes + 2 * K);           /* each size */
+  OK(vmm_arena_testing_driver_objects(a, &chunks, &mappings));
+  CHECK(chunks == chunks0 && mappings == mappings0 + 2);
+
+  /* It grows like any growable allocation, with chunks of its own. */
+  OK(vmm_arena_resize(a, sh, 4 * K, &q));
+  CHECK(q == psh);
+  fill(psh + 2 * K, 2 * K, 32);
+  CHECK(from_src[7] == 0xEE && intact(psrc, K, 31)); /* src untouched by the growth */
+  CHECK(stats_of(a).mapped_bytes == before.mapped_bytes + 2 * K);
+
+  /* src goes; the sharer keeps the chunks, and the bytes. */
+  OK(vmm_arena_free(a, src));
+  CHECK(((const uint8_t *)(uintptr_t)psh)[7] == 0xEE);
+  CHECK(intact(psh + 2 * K, 2 * K, 32));
+  OK(vmm_arena_free(a, sh));
+  OK(vmm_arena_free(a, small));
+  OK(vmm_arena_release_retired(a));
+  uint64_t given = 0;
+  OK(vmm_arena_trim(a, 0, &given));
+  OK(vmm_arena_testing_driver_objects(a, &chunks, &mappings));
+  CHECK(chunks == 0 && mappings == 0);
+  vmm_arena_destroy(a);
+}
+#endif
+
 static void test_stats_and_trim(void) {
   vmm_arena *a = make(16, 64, 0);
   /* Wrong struct_size: refused, nothing written. */
@@ -1205,6 +1288,7 @@ int main(void) {
       {"driver_failures", test_driver_failures},
 #ifdef VMM_ARENA_SLEEP_BACKUP
       {"sleep_wake", test_sleep_wake},
+      {"alloc_shared", test_alloc_shared},
 #endif
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {

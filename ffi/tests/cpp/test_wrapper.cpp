@@ -297,6 +297,30 @@ void test_sleep_wake() {
   CHECK(arena.stats().live_allocations == 2);
 }
 
+void test_alloc_shared() {
+  vmm::Arena arena(small(8, 32));
+  vmm::Allocation prefix = arena.alloc(3 * K);
+  std::memset(prefix.as<void>(), 0x3c, 3 * K);
+  // The prefix's first two chunks, mapped again, in a growable allocation.
+  vmm::Allocation req = arena.alloc_shared(prefix, 0, 2 * K, 6 * K);
+  CHECK(req.size() == 2 * K && req.ptr() != prefix.ptr());
+  CHECK(std::memcmp(req.as<void>(), prefix.as<void>(), 2 * K) == 0);
+  CHECK(arena.stats().mapped_bytes == 3 * K);  // nothing new
+  req.as<unsigned char>()[K] = 0x11;
+  CHECK(prefix.as<unsigned char>()[K] == 0x11);
+  req.resize(5 * K);  // its own chunks after the shared ones
+  std::memset(req.as<unsigned char>() + 2 * K, 0x22, 3 * K);
+  CHECK(prefix.as<unsigned char>()[2 * K] == 0x3c);
+  CHECK(arena.stats().mapped_bytes == 6 * K);
+  CHECK(thrown_status([&] { arena.alloc_shared(prefix, 0, K + 1, 2 * K); }) == vmm::Status::InvalidArgument);
+  CHECK(arena.try_alloc_shared(prefix, 2 * K, 2 * K, 2 * K).status() == vmm::Status::InvalidArgument);
+  auto second = arena.try_alloc_shared(req.id(), K, K, K);  // a share of a share
+  CHECK(second.ok());
+  prefix.free();  // the sharers keep the chunks
+  CHECK(req.as<unsigned char>()[K] == 0x11);
+  CHECK(arena.stats().mapped_bytes == 5 * K);
+}
+
 void test_threads() {
   vmm::Arena arena(small(96, 160));
   std::atomic<uint64_t> moves{0};
@@ -398,6 +422,8 @@ int main() {
   test_stats_trim_snapshot();
   std::printf("test_wrapper: sleep_wake\n");
   test_sleep_wake();
+  std::printf("test_wrapper: alloc_shared\n");
+  test_alloc_shared();
   std::printf("test_wrapper: threads\n");
   test_threads();
   std::printf("test_wrapper: concurrent_callback_installs\n");
