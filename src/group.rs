@@ -235,7 +235,8 @@ impl Group {
             let arena = match (config.arena.backend, config.peer_access) {
                 (Backend::Cuda, true) => {
                     let peers: Vec<i32> = config.devices.iter().copied().filter(|&d| d != device).collect();
-                    crate::driver::cuda::CudaDriver::with_peer_access(device, &peers)
+                    // `exportable` is the arena config's, as without peers.
+                    crate::driver::cuda::CudaDriver::with_options(device, &peers, cfg.exportable)
                         .and_then(|d| Arena::with_driver(d, cfg))
                 }
                 _ => Arena::new(cfg),

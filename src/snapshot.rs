@@ -1,6 +1,10 @@
 //! The JSON snapshot of an arena: every range in address order and the stats.
 //!
-//! Slabs of small allocations appear as `"kind":"slab"` ranges. A live
+//! `inflight_chunks`: chunks the prefetcher is creating or mapping outside
+//! the lock at this moment (held, counted in `pooled_bytes`).
+//! Slabs of small allocations appear as `"kind":"slab"` ranges, the
+//! reservations of allocations freed on a stream whose event has not
+//! completed as `"kind":"pending"` (with the `mapped_bytes` they hold). A live
 //! range carries its `tag`, whether it is `asleep` (it maps nothing then:
 //! `mapped_bytes` 0) and the `backup_bytes` it holds while asleep, and
 //! the chunks it shares with other allocations (`Arena::alloc_shared`):
@@ -22,9 +26,10 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
     let mut s = String::with_capacity(256 + st.by_start.len() * 160);
     let _ = write!(
         s,
-        "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"ranges\":[",
+        "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"inflight_chunks\":{},\"ranges\":[",
         st.base,
-        st.pool.len()
+        st.pool.len(),
+        st.inflight_pages
     );
     let cached_in = |from: u64, to: u64| st.cached.range(from..to).count() as u64 * c;
     // Which live allocations map each shared chunk (few: built only when
@@ -59,17 +64,30 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
             }
             Segment::Alloc(slot) => {
                 let a = st.alloc(slot);
+                if a.owner == Owner::Pending {
+                    // Freed on a stream; its memory waits for the event.
+                    let _ = write!(
+                        s,
+                        "{{\"kind\":\"pending\",\"addr\":{addr},\"bytes\":{bytes},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{}}}",
+                        a.backed * c,
+                        cached_in(start + a.backed, start + len)
+                    );
+                    continue;
+                }
                 if let Owner::Slab(slab) = a.owner {
                     let sl = st.small.slab(slab);
                     let live = sl.members.iter().filter(|m| m.is_some()).count() as u32;
                     let class = st.small.classes.size(sl.class);
                     // `used`: live objects; `retired_bytes`: old places of
-                    // copy-resized objects, held until retired memory is released.
+                    // copy-resized objects, held until retired memory is
+                    // released; `pending_bytes`: objects freed on a stream
+                    // whose event has not completed.
                     let _ = write!(
                         s,
-                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{class},\"objects\":{},\"used\":{live},\"retired_bytes\":{},\"pinned\":{}}}",
+                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{class},\"objects\":{},\"used\":{live},\"retired_bytes\":{},\"pending_bytes\":{},\"pinned\":{}}}",
                         sl.members.len(),
-                        (sl.used - live) as u64 * class,
+                        sl.retired as u64 * class,
+                        (sl.used - live - sl.retired) as u64 * class,
                         a.pinned
                     );
                     continue;
@@ -106,7 +124,7 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         }
     }
     s.push_str("],\"stats\":{");
-    let fields: [(&str, u64); 26] = [
+    let fields: [(&str, u64); 36] = [
         ("live_allocations", stats.live_allocations),
         ("live_bytes", stats.live_bytes),
         ("mapped_bytes", stats.mapped_bytes),
@@ -132,6 +150,16 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         ("small_slabs", stats.small_slabs),
         ("asleep_bytes", stats.asleep_bytes),
         ("backup_bytes", stats.backup_bytes),
+        ("caller_driver_calls", stats.caller_driver_calls),
+        ("caller_creates", stats.caller_creates),
+        ("caller_syncs", stats.caller_syncs),
+        ("maintain_driver_calls", stats.maintain_driver_calls),
+        ("stream_frees", stats.stream_frees),
+        ("event_polls", stats.event_polls),
+        ("event_waits", stats.event_waits),
+        ("pending_free_bytes", stats.pending_free_bytes),
+        ("prefetched_bytes", stats.prefetched_bytes),
+        ("maintain_failures", stats.maintain_failures),
         ("shared_bytes", stats.shared_bytes),
     ];
     for (i, (k, v)) in fields.iter().enumerate() {

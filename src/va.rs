@@ -108,6 +108,16 @@ impl FreeRanges {
         self.by_len.range((len, 0)..).next().map(|&(_, s)| s)
     }
 
+    /// The starts of the ranges of the best-fitting length for `len` pages
+    /// (all of that one length, lowest address first), at most `limit`.
+    pub fn best_fits(&self, len: u64, limit: usize) -> Vec<u64> {
+        let mut it = self.by_len.range((len, 0)..);
+        let Some(&(best, first)) = it.next() else {
+            return Vec::new();
+        };
+        std::iter::once(first).chain(it.take_while(|&&(l, _)| l == best).map(|&(_, s)| s)).take(limit).collect()
+    }
+
     /// Best fit among ranges satisfying `ok(start, len)`, looking at no more
     /// than `limit` candidates.
     pub fn best_fit_where(&self, len: u64, limit: usize, mut ok: impl FnMut(u64, u64) -> bool) -> Option<u64> {
@@ -133,6 +143,19 @@ mod tests {
         f.insert(50, 5);
         assert_eq!(f.iter().collect::<Vec<_>>(), vec![(0, 100)]);
         assert!(f.contains(3, 97) && !f.contains(3, 98));
+    }
+
+    #[test]
+    fn best_fits_lists_ranges_of_the_best_length() {
+        let mut f = FreeRanges::with_range(0, 100);
+        f.remove(10, 5);
+        f.remove(20, 5);
+        f.remove(30, 60);
+        // Free: 0..10, 15..20, 25..30, 90..100.
+        assert_eq!(f.best_fits(4, 8), vec![15, 25]);
+        assert_eq!(f.best_fits(6, 8), vec![0, 90]);
+        assert_eq!(f.best_fits(6, 1), vec![0]);
+        assert!(f.best_fits(11, 8).is_empty());
     }
 
     #[test]

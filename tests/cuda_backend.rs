@@ -483,3 +483,47 @@ fn arena_sleep_with_backup_and_wake_restore_the_device_bytes() {
     let s = a.stats().unwrap();
     assert_eq!(s.driver_creates, s.driver_releases, "{s:?}");
 }
+
+#[test]
+fn events_record_poll_wait_and_destroy() {
+    let Some(d) = gpu("events_record_poll_wait_and_destroy") else { return };
+    let e = d.record_event(0).unwrap().expect("CUDA records events");
+    d.wait_event(e).unwrap();
+    assert!(d.event_complete(e).unwrap(), "complete once waited for");
+    d.destroy_event(e).unwrap();
+}
+
+#[test]
+fn stream_ordered_frees_prefetch_and_resize_many_on_the_device() {
+    let test = "stream_ordered_frees_prefetch_and_resize_many_on_the_device";
+    let Some((a, c)) = cuda_arena(test, 8, 64) else { return };
+    // A free on the default stream: pending until its event is seen complete.
+    let (x, _) = a.alloc(2 * c).unwrap();
+    a.free_on_stream(x, 0).unwrap();
+    assert_eq!(a.stats().unwrap().stream_frees, 1);
+    // The rest of the capacity, then more: the pending free's memory is
+    // reclaimed (polled, or waited for) and serves, with no device synchronize.
+    let (y, _) = a.alloc(6 * c).unwrap();
+    let (z, _) = a.alloc(2 * c).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.pending_free_bytes, s.driver_syncs), (0, 0), "{s:?}");
+    a.free(y).unwrap();
+    a.free(z).unwrap();
+    a.trim(0).unwrap();
+    // Prefetch: growth into mapped-ahead chunks makes no driver call here.
+    let (g, gp) = a.alloc_growable(c, 6 * c).unwrap();
+    let (h, _) = a.alloc_growable(c, 6 * c).unwrap();
+    let data = pattern(c as usize, 3);
+    a.write(g, 0, &data).unwrap();
+    a.set_prefetch(c, 2 * c).unwrap();
+    a.maintain().unwrap();
+    let calls = a.stats().unwrap().caller_driver_calls;
+    assert_eq!(a.resize_many(&[(g, 3 * c), (h, 2 * c)]).unwrap()[0], gp);
+    assert_eq!(a.stats().unwrap().caller_driver_calls, calls, "adopted the mapped-ahead chunks");
+    let mut back = vec![0u8; data.len()];
+    a.read(g, 0, &mut back).unwrap();
+    assert!(back == data);
+    a.free_on_stream(g, 0).unwrap();
+    a.free(h).unwrap();
+    drop(a); // destroys the pending event, releases everything
+}

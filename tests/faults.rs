@@ -25,6 +25,12 @@
 //!      (nothing has slept); a failed release, after them, keeps that chunk
 //!      pooled, counts in `release_failures`, and the sleep succeeds as in
 //!      the twin;
+//!    - `Maintain` ([`Arena::maintain`], every call the prefetcher makes:
+//!      creates, maps, access calls): a driver error is returned (a driver
+//!      out of memory ends the call with success: the target is out of
+//!      reach, which the contract says is no error), what earlier
+//!      rounds did stays (pooled), no allocation changed, the failure counts
+//!      in `maintain_failures`, and a second maintain completes the work;
 //!
 //!    and in every case: no chunk, mapping or host buffer leaked (the
 //!    driver's live chunks equal the arena's held memory, its live mappings
@@ -67,6 +73,11 @@ enum Expect {
     /// `Atomic`, but a failed release (after the point of no return)
     /// succeeds, keeps the chunk pooled and counts the failure.
     Sleep,
+    /// [`Arena::maintain`]: error; the rounds committed before the failure
+    /// stay (chunks created or mapped ahead, all pooled), no allocation
+    /// changed, nothing lost, the failure counted in `maintain_failures`;
+    /// a maintain without faults then reaches the twin's prefetch.
+    Maintain,
 }
 
 struct Case {
@@ -90,6 +101,62 @@ fn alloc(a: &Arena, size: u64) -> Id {
 fn cases() -> Vec<Case> {
     const KEEP: u64 = u64::MAX;
     vec![
+        Case {
+            name: "maintain: precreate chunks",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                a.set_prefetch(3 * c, 0).unwrap();
+                vec![alloc(a, 2 * c)]
+            },
+            op: |a, _, _| a.maintain(),
+            expect: Expect::Maintain,
+        },
+        Case {
+            name: "maintain: map ahead of two growable allocations",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let g = a.alloc_growable(c, 4 * c).unwrap().0;
+                let h = a.alloc_growable(c, 3 * c).unwrap().0;
+                a.set_prefetch(0, 2 * c).unwrap();
+                vec![g, h]
+            },
+            // Per allocation: two creates, then both chunks mapped in one
+            // round with one access call.
+            op: |a, _, _| a.maintain(),
+            expect: Expect::Maintain,
+        },
+        Case {
+            name: "resize_many: three growths in place, planned together",
+            cap: 12,
+            reserve: 24,
+            retain: KEEP,
+            setup: |a, c| {
+                let v: Vec<Id> = (0..3).map(|_| a.alloc_growable(c, 4 * c).unwrap().0).collect();
+                let x = alloc(a, c);
+                a.free(x).unwrap(); // one cached chunk elsewhere to steal
+                v
+            },
+            op: |a, ids, c| a.resize_many(&[(ids[0], 3 * c), (ids[1], 2 * c), (ids[2], 4 * c)]).map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "resize_many: a shrink, a growth and a move",
+            cap: 12,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let g = a.alloc_growable(c, 2 * c).unwrap().0;
+                let b = alloc(a, 3 * c); // g cannot grow past 2 chunks in place
+                let h = a.alloc_growable(c, 3 * c).unwrap().0;
+                vec![g, b, h]
+            },
+            op: |a, ids, c| a.resize_many(&[(ids[0], 4 * c), (ids[1], c), (ids[2], 3 * c)]).map(drop),
+            expect: Expect::Atomic,
+        },
         Case {
             name: "alloc that must create",
             cap: 8,
@@ -676,6 +743,38 @@ fn run_case(case: &Case) -> Row {
                     );
                     assert_eq!(s.release_failures, 1, "{what}: only a release may fail after the unmaps");
                     assert_eq!(s.pooled_bytes, twin_stats.pooled_bytes + c, "{what}: the chunk stays pooled");
+                }
+                Expect::Maintain => {
+                    match kind {
+                        // The device is out of memory: a target out of reach, no error.
+                        FaultKind::OutOfMemory => r.unwrap_or_else(|e| panic!("{what}: {e}")),
+                        FaultKind::Driver => {
+                            let e = r.expect_err(&what);
+                            assert_eq!(e.status(), status_of(kind), "{what}: {e}");
+                        }
+                    }
+                    let snap = Snap::of(&a);
+                    let s = a.stats().unwrap();
+                    assert_eq!(live_part(&snap), live_part(&pre.snap), "{what}: maintain changed an allocation");
+                    assert_eq!(
+                        (s.live_allocations, s.live_bytes, s.mapped_bytes),
+                        (pre.stats.live_allocations, pre.stats.live_bytes, pre.stats.mapped_bytes),
+                        "{what}"
+                    );
+                    assert_eq!(s.maintain_failures, 1, "{what}: the failure is counted");
+                    assert!(s.pooled_bytes >= pre.stats.pooled_bytes, "{what}: nothing pooled was lost");
+                    for (&id, want) in &pre.bytes {
+                        assert_eq!(&read_all(&a, id), want, "{what}: bytes of {id}");
+                    }
+                    check_no_leak(&what, &a, &d);
+                    d.fault.clear();
+                    a.maintain().unwrap_or_else(|e| panic!("{what}: a maintain after the fault: {e}"));
+                    let s = a.stats().unwrap();
+                    assert_eq!(
+                        (s.pooled_bytes, s.prefetched_bytes),
+                        (twin_stats.pooled_bytes, twin_stats.prefetched_bytes),
+                        "{what}: the second maintain reaches the twin's prefetch"
+                    );
                 }
                 Expect::Atomic | Expect::Sleep => {
                     let e = r.expect_err(&what);

@@ -594,3 +594,62 @@ fn threads_keep_every_member_consistent() {
     }
     assert!(g.stats().unwrap().iter().all(|s| s.live_allocations == 0 && s.mapped_bytes == 0));
 }
+
+/// Members with the background worker (`ArenaConfig::background`): group
+/// operations act on arenas whose workers keep prefetch targets meanwhile,
+/// and dropping the group (with allocations still live, workers busy or
+/// asleep) stops and joins every worker and gives every chunk and mapping
+/// back. `Group::new` passes the flag to each member.
+#[test]
+fn groups_of_arenas_with_the_background_worker_drop_cleanly() {
+    let backend = test_backend();
+    let c = backend.chunk();
+    let cfg = ArenaConfig {
+        capacity_bytes: 24 * c,
+        reserve_bytes: 96 * c,
+        chunk_bytes: c,
+        background: true,
+        ..ArenaConfig::default()
+    };
+    for round in 0..4 {
+        let drivers: Vec<TestDriver> = (0..MEMBERS).map(|_| backend.driver()).collect();
+        let arenas: Vec<Arena> = drivers.iter().map(|d| Arena::with_driver(d.fault.clone(), cfg).unwrap()).collect();
+        for a in &arenas {
+            a.set_prefetch(2 * c, 2 * c).unwrap();
+        }
+        let g = Group::from_arenas(arenas).unwrap();
+        let (grow, ptrs) = g.alloc_growable(c, 8 * c).unwrap();
+        let (fixed, _) = g.alloc(3 * c).unwrap();
+        assert_eq!(g.resize(grow, 4 * c).unwrap(), ptrs, "grown in place on every member");
+        // All or nothing still: more than any member has is refused everywhere.
+        let e = g.alloc(25 * c).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfMemory, "{e}");
+        assert_eq!(g.live_allocations(), 2);
+        for (k, s) in g.stats().unwrap().iter().enumerate() {
+            assert_eq!((s.live_allocations, s.live_bytes), (2, 7 * c), "member {k}");
+        }
+        if round % 2 == 0 {
+            g.free(fixed).unwrap();
+        }
+        // Round 0 and 1 drop at once (workers likely busy), 2 and 3 after
+        // the members reached their targets (workers asleep).
+        if round >= 2 {
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while g.stats().unwrap().iter().any(|s| s.prefetched_bytes < 4 * c) {
+                assert!(std::time::Instant::now() < until, "the workers did not reach their targets");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        drop(g);
+        for (k, d) in drivers.iter().enumerate() {
+            assert_eq!((d.fault.live_chunks(), d.fault.live_mappings()), (0, 0), "round {round}, member {k}");
+        }
+    }
+    if backend == common::TestBackend::Host {
+        let g = Group::new(GroupConfig { arena: cfg, devices: vec![0, 1], peer_access: false }).unwrap();
+        let (id, _) = g.alloc(c).unwrap();
+        g.member(1).set_prefetch(c, 0).unwrap();
+        g.free(id).unwrap();
+        drop(g);
+    }
+}

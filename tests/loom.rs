@@ -19,6 +19,18 @@
 //! operation returns, the callback's events per id form a chain (each starts
 //! where the previous one ended, the first where the allocation was placed,
 //! the last where it is now), and the data written before the moves is intact.
+//!
+//! Two more models check the prefetcher's protocol (plan and set aside under
+//! the lock, driver calls outside it, commit under it; see
+//! `src/arena/prefetch.rs`):
+//! - a `maintain` mapping ahead of a growable allocation while another
+//!   thread grows that allocation into the pages being mapped, allocates and
+//!   frees: the growth either adopts the mapped-ahead page or maps its own,
+//!   never both; no deadlock (a growth that meets a page set aside waits on
+//!   the condition variable the commit signals); the books match the driver;
+//! - a `maintain` creating a chunk while another thread needs the last of
+//!   the capacity: the allocation never fails for the prefetcher's sake (it
+//!   waits for the chunk in flight and uses it).
 #![cfg(loom)]
 
 use loom::sync::{Arc, Mutex};
@@ -156,5 +168,97 @@ fn a_callback_calling_into_its_arena_is_refused_under_loom() {
         t.join().unwrap();
         assert_eq!(*refused.lock().unwrap(), 1);
         *me.lock().unwrap() = None;
+    });
+}
+
+/// A mock driver the test can inspect after the arena is gone (a std `Arc`:
+/// it is a `Driver`, and no part of the protocol under test).
+fn mock_arena(cap: u64, reserve: u64) -> (std::sync::Arc<MockDriver>, Arena) {
+    let d = std::sync::Arc::new(MockDriver::new(C, 1 << 30));
+    let cfg =
+        ArenaConfig { capacity_bytes: cap * C, reserve_bytes: reserve * C, chunk_bytes: C, ..ArenaConfig::default() };
+    (d.clone(), Arena::with_driver(d, cfg).unwrap())
+}
+
+/// The books agree with the driver: every chunk held is alive there, every
+/// mapping there is a page the arena maps.
+fn books_match(d: &MockDriver, a: &Arena) {
+    let s = a.stats().unwrap();
+    assert_eq!(d.live_chunks() as u64, (s.mapped_bytes + s.pooled_bytes) / C, "{s:?}");
+    assert!(s.mapped_bytes + s.pooled_bytes <= s.capacity_bytes, "{s:?}");
+    assert_eq!(s.maintain_failures, 0);
+}
+
+#[test]
+fn growth_while_maintain_maps_ahead_under_every_interleaving() {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(3);
+    static EXECUTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    static ADOPTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    builder.check(|| {
+        EXECUTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (d, arena) = mock_arena(6, 12);
+        let arena = Arc::new(arena);
+        let (g, g_ptr) = arena.alloc_growable(C, 4 * C).unwrap();
+        arena.write(g, 0, b"G").unwrap();
+        // One pooled chunk, so that maintain's round is a map (not a create).
+        arena.set_prefetch(C, 0).unwrap();
+        arena.maintain().unwrap();
+        arena.set_prefetch(0, C).unwrap();
+        let m = {
+            let arena = arena.clone();
+            thread::spawn(move || arena.maintain().unwrap())
+        };
+        let b = {
+            let arena = arena.clone();
+            thread::spawn(move || {
+                let before = arena.stats().unwrap().caller_driver_calls;
+                assert_eq!(arena.resize(g, 2 * C).unwrap(), g_ptr, "in place");
+                let made = arena.stats().unwrap().caller_driver_calls - before;
+                let (x, _) = arena.alloc(C).unwrap();
+                arena.free(x).unwrap();
+                made
+            })
+        };
+        m.join().unwrap();
+        let made = b.join().unwrap();
+        if made == 0 {
+            ADOPTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let mut out = [0u8; 1];
+        arena.read(g, 0, &mut out).unwrap();
+        assert_eq!(&out, b"G");
+        let info = arena.query(g).unwrap();
+        assert_eq!((info.size, info.mapped_bytes), (2 * C, 2 * C));
+        books_match(&d, &arena);
+        drop(arena);
+        assert_eq!((d.live_chunks(), d.live_mappings()), (0, 0));
+    });
+    let n = EXECUTIONS.load(std::sync::atomic::Ordering::Relaxed);
+    let adopted = ADOPTED.load(std::sync::atomic::Ordering::Relaxed);
+    println!("{n} interleavings explored, the growth adopted the mapped-ahead page in {adopted}");
+    assert!(n > 1 && adopted > 0 && adopted < n, "both outcomes are reached");
+}
+
+#[test]
+fn an_allocation_never_fails_for_a_chunk_in_flight_under_every_interleaving() {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(3);
+    builder.check(|| {
+        let (d, arena) = mock_arena(2, 8);
+        let arena = Arc::new(arena);
+        let (_x, _) = arena.alloc(C).unwrap();
+        arena.set_prefetch(C, 0).unwrap();
+        let m = {
+            let arena = arena.clone();
+            thread::spawn(move || arena.maintain().unwrap())
+        };
+        // The last chunk of the capacity: maintain may be creating it.
+        let (y, _) = arena.alloc(C).expect("never an out-of-memory for the prefetcher's sake");
+        arena.write(y, 0, b"Y").unwrap();
+        m.join().unwrap();
+        books_match(&d, &arena);
+        drop(arena);
+        assert_eq!((d.live_chunks(), d.live_mappings()), (0, 0));
     });
 }

@@ -1,8 +1,8 @@
 //! Export and import in one process (host backend): bytes both ways,
 //! pinning while an export is open, the exporter freeing first, read-only
 //! imports, what is refused, stats; and a fault matrix over export, import
-//! and the frees of both (every driver call of the operation fails in turn,
-//! with each fault kind). The two-process test is `tests/share_two_process.rs`.
+//! and the frees of both, plain and on a stream (every driver call of the
+//! operation fails in turn, with each fault kind). The two-process test is `tests/share_two_process.rs`.
 
 mod common;
 
@@ -270,6 +270,28 @@ fn cases() -> Vec<Case> {
             },
             // sync, unmap; then 2 releases and the reservation's free (best effort)
             op: |a, _, y, _| a.free(y),
+            best_effort_after: Some(2),
+        },
+        Case {
+            name: "free_on_stream of an exported allocation (a free: no event)",
+            faulty_exports: true,
+            setup: |a, _| {
+                let (x, _) = a.alloc(2 * C).unwrap();
+                (x, Some(a.export(x).unwrap()))
+            },
+            op: |a, _, x, _| a.free_on_stream(x, 5),
+            best_effort_after: Some(2),
+        },
+        Case {
+            name: "free_on_stream of an import (a free: no event)",
+            faulty_exports: false,
+            setup: |a, peer| {
+                let (x, _) = peer.alloc(2 * C).unwrap();
+                let e = peer.export(x).unwrap();
+                let (y, _) = a.import_export(&e, false).unwrap();
+                (y, Some(e))
+            },
+            op: |a, _, y, _| a.free_on_stream(y, 5),
             best_effort_after: Some(2),
         },
     ]

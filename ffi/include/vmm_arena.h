@@ -43,12 +43,19 @@
 #define VMM_ARENA_FLAG_NO_IMPLICIT_MOVES 1u
 
 /**
+ * Config flag: the arena runs a background thread of its own that keeps the
+ * targets of vmm_arena_set_prefetch (driver work off the caller's critical
+ * path); vmm_arena_destroy stops and joins it.
+ */
+#define VMM_ARENA_FLAG_BACKGROUND 2u
+
+/**
  * Chunks are exportable to other processes (vmm_arena_export): on the
  * host backend each chunk gets a sealed memfd of its own (one descriptor
  * per chunk held by the arena); on CUDA chunks are created with the POSIX
  * file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
  * the device lacks it). (8, not 4: the contract's own program checks that
- * 2 and 4 are refused, 2 being VMM_ARENA_FLAG_BACKGROUND of the open work.)
+ * 4 is refused.)
  */
 #define VMM_ARENA_FLAG_EXPORTABLE 8u
 
@@ -495,6 +502,86 @@ enum vmm_arena_status vmm_arena_alloc_shared(struct vmm_arena *arena,
  * `arena` is NULL or a live handle.
  */
 enum vmm_arena_status vmm_arena_free(struct vmm_arena *arena, vmm_arena_id id);
+
+/**
+ * Frees like vmm_arena_free, but ordered after the work queued so far on
+ * stream (a CUstream; 0 = the legacy default stream): the memory is neither
+ * unmapped nor handed to another address before that work completes. The
+ * arena records an event and polls it; it waits (on such events, oldest
+ * first, never with a device-wide synchronization) only when nothing else
+ * can serve a request. Host backend: the same as vmm_arena_free.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `stream` is 0 or a CUstream of the
+ * arena's device context (the driver checks it).
+ */
+enum vmm_arena_status vmm_arena_free_on_stream(struct vmm_arena *arena,
+                                               vmm_arena_id id,
+                                               uint64_t stream);
+
+/**
+ * Driver work ahead of need, so that allocations and growth find chunks
+ * ready. Targets, each rounded up to whole chunks:
+ *  - precreate_bytes: created chunks kept pooled and unmapped (hides chunk
+ *    creation);
+ *  - map_ahead_bytes: for every awake growable allocation, chunks kept
+ *    mapped and accessible right after its backed size, as many as its
+ *    reservation has room for up to this amount (growth into them makes no
+ *    driver call). They do not count toward precreate_bytes.
+ *
+ * Both count in pooled_bytes, are held within the capacity left by live
+ * allocations, and are the first to be used or given back under pressure:
+ * they never cause an OUT_OF_MEMORY. 0, 0 (the default) turns it off. The
+ * work is done by vmm_arena_maintain, or by the background thread
+ * (VMM_ARENA_FLAG_BACKGROUND); while any allocation is asleep, neither does
+ * anything.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle.
+ */
+enum vmm_arena_status vmm_arena_set_prefetch(struct vmm_arena *arena,
+                                             uint64_t precreate_bytes,
+                                             uint64_t map_ahead_bytes);
+
+/**
+ * Brings the arena as close to its prefetch targets as the capacity left by
+ * live allocations allows, now, on the calling thread (e.g. between decode
+ * steps while the GPU computes). Best effort: falling short of a target is
+ * not an error (VMM_ARENA_OK); a driver failure is VMM_ARENA_ERR_DRIVER and
+ * keeps what was completed before it, with the arena consistent. Other
+ * threads' calls are not held up for the duration of its driver calls.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle.
+ */
+enum vmm_arena_status vmm_arena_maintain(struct vmm_arena *arena);
+
+/**
+ * Resizes count allocations in one call (e.g. every running sequence's KV
+ * cache before a decode step): the allocation ids names at each index to
+ * the size new_sizes holds at that index, each as vmm_arena_resize would,
+ * planned together: one choice of chunk sources, at most one device
+ * synchronization and one access call per contiguous run of newly mapped
+ * pages across all of them. out_ptrs receives, at the same index, each
+ * allocation's address after the whole call (an allocation may move when
+ * it outgrows its reservation, or when room is made for another). All or nothing: on
+ * any error no allocation has changed and out_ptrs is not written.
+ * count == 0 does nothing (the pointers may then be NULL). Statuses, in
+ * this precedence: INVALID_ARGUMENT (arena, ids, new_sizes or out_ptrs
+ * NULL with count > 0; a new size of 0 or one that overflows; the same id
+ * twice), UNKNOWN_ALLOCATION, ASLEEP, then PINNED, OUT_OF_MEMORY,
+ * OUT_OF_ADDRESS_SPACE as the requests meet them.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `ids` and `new_sizes` are NULL or
+ * point to `count` readable elements; `out_ptrs` is NULL or points to
+ * `count` writable elements.
+ */
+enum vmm_arena_status vmm_arena_resize_many(struct vmm_arena *arena,
+                                            const vmm_arena_id *ids,
+                                            const uint64_t *new_sizes,
+                                            size_t count,
+                                            uint64_t *out_ptrs);
 
 /**
  * Grows or shrinks, keeping the first min(old, new) bytes. Grows in place

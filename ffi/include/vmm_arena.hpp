@@ -32,6 +32,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "vmm_arena.h"
 
@@ -180,6 +181,15 @@ class Config {
   Config &chunk(uint64_t bytes) noexcept { return raw_.chunk_bytes = bytes, *this; }
   Config &retain(uint64_t bytes) noexcept { return raw_.retain_bytes = bytes, *this; }
   Config &device(int32_t ordinal) noexcept { return raw_.device = ordinal, *this; }
+  /* A background thread of the arena's own keeps the prefetch targets
+     (VMM_ARENA_FLAG_BACKGROUND); destroying the arena stops and joins it. */
+  Config &background(bool on = true) noexcept {
+    if (on)
+      raw_.flags |= VMM_ARENA_FLAG_BACKGROUND;
+    else
+      raw_.flags &= ~VMM_ARENA_FLAG_BACKGROUND;
+    return *this;
+  }
   Config &no_implicit_moves(bool on = true) noexcept {
     if (on)
       raw_.flags |= VMM_ARENA_FLAG_NO_IMPLICIT_MOVES;
@@ -278,6 +288,12 @@ class Allocation {
   /* Frees now and reports failure. */
   void free() {
     if (id_ != 0) detail::check(vmm_arena_free(arena_, std::exchange(id_, 0)));
+  }
+  /* Frees ordered after the work queued so far on `stream` (a CUstream, 0:
+     the legacy default stream): see vmm_arena_free_on_stream. Empty after,
+     even on failure (the id is given up either way, as by reset()). */
+  void free_on_stream(uint64_t stream) {
+    if (id_ != 0) detail::check(vmm_arena_free_on_stream(arena_, std::exchange(id_, 0), stream));
   }
   /* Gives up ownership: the caller frees the id. */
   Id release() noexcept { return std::exchange(id_, 0); }
@@ -416,6 +432,27 @@ class Arena {
     vmm_arena_status s = vmm_arena_wake(handle_, tag);
     if (s != VMM_ARENA_OK) return detail::failure<void>(s);
     return Result<void>();
+  }
+  /* Prefetch targets (see vmm_arena_set_prefetch); maintain() does the work
+     now on this thread (or the background thread, Config::background). */
+  void set_prefetch(uint64_t precreate_bytes, uint64_t map_ahead_bytes) {
+    detail::check(vmm_arena_set_prefetch(handle_, precreate_bytes, map_ahead_bytes));
+  }
+  void maintain() { detail::check(vmm_arena_maintain(handle_)); }
+  Result<void> try_maintain() noexcept {
+    vmm_arena_status s = vmm_arena_maintain(handle_);
+    if (s != VMM_ARENA_OK) return detail::failure<void>(s);
+    return Result<void>();
+  }
+  /* Resizes several allocations at once, all or nothing (see
+     vmm_arena_resize_many); returns their addresses, in order. */
+  std::vector<uint64_t> resize_many(const std::vector<Id> &ids, const std::vector<uint64_t> &new_sizes) {
+    if (ids.size() != new_sizes.size())
+      throw Error(Status::InvalidArgument,
+                  std::string(status_name(Status::InvalidArgument)) + ": resize_many: ids and new_sizes differ in length");
+    std::vector<uint64_t> ptrs(ids.size());
+    detail::check(vmm_arena_resize_many(handle_, ids.data(), new_sizes.data(), ids.size(), ptrs.data()));
+    return ptrs;
   }
   /* Gives pooled memory back beyond keep_bytes; returns the bytes released. */
   uint64_t trim(uint64_t keep_bytes = 0) {

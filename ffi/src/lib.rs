@@ -43,16 +43,21 @@ pub const VMM_ARENA_ABI_VERSION: u32 = 1;
 /// vmm_arena_compact and the resized allocation itself move.
 pub const VMM_ARENA_FLAG_NO_IMPLICIT_MOVES: u32 = 1u32;
 
+/// Config flag: the arena runs a background thread of its own that keeps the
+/// targets of vmm_arena_set_prefetch (driver work off the caller's critical
+/// path); vmm_arena_destroy stops and joins it.
+pub const VMM_ARENA_FLAG_BACKGROUND: u32 = 2u32;
+
 /// Chunks are exportable to other processes (vmm_arena_export): on the
 /// host backend each chunk gets a sealed memfd of its own (one descriptor
 /// per chunk held by the arena); on CUDA chunks are created with the POSIX
 /// file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
 /// the device lacks it). (8, not 4: the contract's own program checks that
-/// 2 and 4 are refused, 2 being VMM_ARENA_FLAG_BACKGROUND of the open work.)
+/// 4 is refused.)
 pub const VMM_ARENA_FLAG_EXPORTABLE: u32 = 8u32;
 
 /// Every flag bit this version knows.
-const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | VMM_ARENA_FLAG_EXPORTABLE;
+const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | VMM_ARENA_FLAG_BACKGROUND | VMM_ARENA_FLAG_EXPORTABLE;
 
 /// What every call that can fail returns. Values are never changed or reused.
 #[repr(C)]
@@ -469,6 +474,7 @@ fn arena_config(c: &vmm_arena_config) -> Result<ArenaConfig, Error> {
         retain_bytes: c.retain_bytes,
         no_implicit_moves: c.flags & VMM_ARENA_FLAG_NO_IMPLICIT_MOVES != 0,
         exportable: c.flags & VMM_ARENA_FLAG_EXPORTABLE != 0,
+        background: c.flags & VMM_ARENA_FLAG_BACKGROUND != 0,
     })
 }
 
@@ -709,6 +715,134 @@ pub unsafe extern "C" fn vmm_arena_free(arena: *mut vmm_arena, id: vmm_arena_id)
         // SAFETY: per this function's contract.
         let h = unsafe { handle(arena) }?;
         h.live()?.free(id_arg(id)).map_err(with_raw_id(id))
+    })
+}
+
+/// Frees like vmm_arena_free, but ordered after the work queued so far on
+/// stream (a CUstream; 0 = the legacy default stream): the memory is neither
+/// unmapped nor handed to another address before that work completes. The
+/// arena records an event and polls it; it waits (on such events, oldest
+/// first, never with a device-wide synchronization) only when nothing else
+/// can serve a request. Host backend: the same as vmm_arena_free.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `stream` is 0 or a CUstream of the
+/// arena's device context (the driver checks it).
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_free_on_stream(
+    arena: *mut vmm_arena,
+    id: vmm_arena_id,
+    stream: u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_free_on_stream", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.free_on_stream(id_arg(id), stream).map_err(with_raw_id(id))
+    })
+}
+
+/// Driver work ahead of need, so that allocations and growth find chunks
+/// ready. Targets, each rounded up to whole chunks:
+///  - precreate_bytes: created chunks kept pooled and unmapped (hides chunk
+///    creation);
+///  - map_ahead_bytes: for every awake growable allocation, chunks kept
+///    mapped and accessible right after its backed size, as many as its
+///    reservation has room for up to this amount (growth into them makes no
+///    driver call). They do not count toward precreate_bytes.
+///
+/// Both count in pooled_bytes, are held within the capacity left by live
+/// allocations, and are the first to be used or given back under pressure:
+/// they never cause an OUT_OF_MEMORY. 0, 0 (the default) turns it off. The
+/// work is done by vmm_arena_maintain, or by the background thread
+/// (VMM_ARENA_FLAG_BACKGROUND); while any allocation is asleep, neither does
+/// anything.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_set_prefetch(
+    arena: *mut vmm_arena,
+    precreate_bytes: u64,
+    map_ahead_bytes: u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_set_prefetch", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.set_prefetch(precreate_bytes, map_ahead_bytes)
+    })
+}
+
+/// Brings the arena as close to its prefetch targets as the capacity left by
+/// live allocations allows, now, on the calling thread (e.g. between decode
+/// steps while the GPU computes). Best effort: falling short of a target is
+/// not an error (VMM_ARENA_OK); a driver failure is VMM_ARENA_ERR_DRIVER and
+/// keeps what was completed before it, with the arena consistent. Other
+/// threads' calls are not held up for the duration of its driver calls.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_maintain(arena: *mut vmm_arena) -> vmm_arena_status {
+    boundary("vmm_arena_maintain", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.maintain()
+    })
+}
+
+/// Resizes count allocations in one call (e.g. every running sequence's KV
+/// cache before a decode step): the allocation ids names at each index to
+/// the size new_sizes holds at that index, each as vmm_arena_resize would,
+/// planned together: one choice of chunk sources, at most one device
+/// synchronization and one access call per contiguous run of newly mapped
+/// pages across all of them. out_ptrs receives, at the same index, each
+/// allocation's address after the whole call (an allocation may move when
+/// it outgrows its reservation, or when room is made for another). All or nothing: on
+/// any error no allocation has changed and out_ptrs is not written.
+/// count == 0 does nothing (the pointers may then be NULL). Statuses, in
+/// this precedence: INVALID_ARGUMENT (arena, ids, new_sizes or out_ptrs
+/// NULL with count > 0; a new size of 0 or one that overflows; the same id
+/// twice), UNKNOWN_ALLOCATION, ASLEEP, then PINNED, OUT_OF_MEMORY,
+/// OUT_OF_ADDRESS_SPACE as the requests meet them.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `ids` and `new_sizes` are NULL or
+/// point to `count` readable elements; `out_ptrs` is NULL or points to
+/// `count` writable elements.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_resize_many(
+    arena: *mut vmm_arena,
+    ids: *const vmm_arena_id,
+    new_sizes: *const u64,
+    count: usize,
+    out_ptrs: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_resize_many", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        if count == 0 {
+            return h.live().map(|_| ());
+        }
+        let ids_p = required(ids.cast_mut(), "ids")?;
+        let sizes_p = required(new_sizes.cast_mut(), "new_sizes")?;
+        let out = required(out_ptrs, "out_ptrs")?;
+        // SAFETY: non-NULL, aligned, and `count` readable elements each, per
+        // this function's contract.
+        let (raw_ids, sizes) = unsafe {
+            (std::slice::from_raw_parts(ids_p.as_ptr(), count), std::slice::from_raw_parts(sizes_p.as_ptr(), count))
+        };
+        let requests: Vec<(Id, u64)> = raw_ids.iter().zip(sizes).map(|(&raw, &size)| (id_arg(raw), size)).collect();
+        let ptrs = h.live()?.resize_many(&requests).map_err(|e| match e {
+            // Report an unknown id as the caller spelled it.
+            Error::UnknownAllocation(v) => {
+                Error::UnknownAllocation(raw_ids.iter().copied().find(|&r| id_arg(r).get() == v).unwrap_or(v))
+            }
+            e => e,
+        })?;
+        // SAFETY: `count` writable elements at a checked, aligned pointer,
+        // per this function's contract; `ptrs` has `count` elements.
+        unsafe { std::ptr::copy_nonoverlapping(ptrs.as_ptr(), out.as_ptr(), count) };
+        Ok(())
     })
 }
 

@@ -874,9 +874,11 @@ fn live_ranges(json: &str) -> BTreeMap<u64, (u32, bool)> {
 /// The snapshot without the driver counters' values (a rolled-back call
 /// changes them: its calls and their undoing).
 fn strip_driver(json: &str) -> String {
+    // The counters of driver calls: driver_*, by thread, and of stream events.
+    const COUNTERS: [&str; 5] = ["\"driver_", "\"caller_", "\"maintain_driver_calls\"", "\"stream_frees\"", "\"event_"];
     let mut out = String::with_capacity(json.len());
     let mut rest = json;
-    while let Some(i) = rest.find("\"driver_") {
+    while let Some(i) = COUNTERS.iter().filter_map(|k| rest.find(k)).min() {
         let colon = i + rest[i..].find(':').expect("a key's colon");
         out.push_str(&rest[..=colon]);
         rest = rest[colon + 1..].trim_start_matches(|c: char| c.is_ascii_digit());
@@ -1022,7 +1024,7 @@ fn run_with(data: &[u8], may_panic: bool) {
         unsafe { ffi::vmm_arena_destroy(a) };
         return;
     }
-    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | ffi::VMM_ARENA_FLAG_EXPORTABLE;
+    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | ffi::VMM_ARENA_FLAG_BACKGROUND | ffi::VMM_ARENA_FLAG_EXPORTABLE;
     assert_eq!(cfg.flags & !known, 0, "unknown flag bits accepted");
     let mut h = Harness {
         a,

@@ -10,7 +10,7 @@ use super::moves::{forget_retired, make_room, move_alloc, release_retired_into};
 use super::small::SmallEntry;
 use super::state::{Alloc, MoveEvent, Owner, Plan, State};
 use super::txn::Txn;
-use super::{pages_for, AllocInfo, Arena, Ctx};
+use super::{pages_for, AllocInfo, Arena, Ctx, Touch};
 
 impl Arena {
     /// Allocates `size` bytes (rounded up to whole chunks). Returns the id and
@@ -32,7 +32,7 @@ impl Arena {
         let chunk = self.chunk;
         let pages = pages_for(size, chunk, "size")?;
         let reserved = pages_for(max_size, chunk, "max_size")?;
-        self.run(|inner, ctx, events| {
+        self.run(Touch::Nothing, |inner, ctx, events| {
             let st = &mut inner.st;
             let mut tx = ctx.txn(st);
             let small = if growable { None } else { st.small.classes.class_of(size) };
@@ -65,36 +65,13 @@ impl Arena {
     /// [`Arena::alloc_shared`]) stays with it, and this allocation's page
     /// of it is retired (unmapped when retired memory is released).
     pub fn free(&self, id: Id) -> Result<()> {
-        self.run(|inner, _ctx, _| {
+        self.run(Touch::Nothing, |inner, _ctx, _| {
             #[cfg(unix)]
             if let Some(r) = super::share::free_shared(inner, _ctx, id) {
                 return r;
             }
-            let st = &mut inner.st;
-            match st.resolve(id)? {
-                Target::Chunks(slot) => {
-                    if let Owner::Promoted(ss) = st.alloc(slot).owner {
-                        st.small.drop_slot(ss);
-                    }
-                    st.remove_alloc(slot);
-                }
-                Target::Small(ss) => {
-                    let SmallEntry::InSlab { slab, .. } = *st.small.entry_of(ss) else {
-                        unreachable!("resolve gives Small only for objects in slabs")
-                    };
-                    match st.small.release(ss) {
-                        Some(empty_slab) => st.remove_alloc(empty_slab),
-                        // Freeing a pinned object unpins it: the slab stays
-                        // pinned only while another object in it is.
-                        None => {
-                            let s = st.small.slab(slab);
-                            let (slab_slot, pinned) = (s.alloc_slot, s.pinned > 0);
-                            st.alloc_mut(slab_slot).pinned = pinned;
-                        }
-                    }
-                    st.small.drop_slot(ss);
-                }
-            }
+            let target = inner.st.resolve(id)?;
+            free_now(&mut inner.st, target);
             Ok(())
         })
     }
@@ -111,129 +88,16 @@ impl Arena {
     pub fn resize(&self, id: Id, new_size: u64) -> Result<u64> {
         let chunk = self.chunk;
         let np = pages_for(new_size, chunk, "new_size")?;
-        self.run(|inner, ctx, events| {
+        self.run(Touch::Nothing, |inner, ctx, events| {
             #[cfg(unix)]
             inner.shares.check_resize(&inner.st, id, np)?;
             let st = &mut inner.st;
-            let slot = match st.resolve(id)? {
-                Target::Chunks(slot) => slot,
-                Target::Small(ss) => return resize_small(st, ctx, ss, id, new_size, events),
-            };
-            let a = st.alloc(slot).clone();
-            if a.sleep.is_some() {
-                return Err(Error::Asleep(id.get()));
-            }
-            if np <= a.backed {
-                if np < a.backed {
-                    // Pages whose chunk another allocation maps too stay
-                    // with it: a growable allocation, which keeps them in
-                    // its reservation, unmaps them now (growth must not find
-                    // them there); otherwise they are retired.
-                    let kept: Vec<u64> = (a.start + np..a.start + a.backed).filter(|&p| st.page_shared(p)).collect();
-                    if a.growable && !kept.is_empty() {
-                        let mut tx = ctx.txn(st);
-                        for run in super::state::runs(&kept) {
-                            let hs = run.clone().map(|p| st.mapped[p as usize].expect("backing page")).collect();
-                            if let Err(e) = tx.unmap(run.start, hs) {
-                                tx.rollback();
-                                return Err(e);
-                            }
-                        }
-                        tx.commit();
-                    }
-                    let kept = st.shrink_backing(slot, np);
-                    if a.growable {
-                        for p in kept {
-                            st.mapped[p as usize] = None;
-                        }
-                    } else {
-                        st.free.insert(a.start + np, a.reserved - np);
-                        st.alloc_mut(slot).reserved = np;
-                        st.retire_pages(&kept);
-                    }
-                }
-                st.live_bytes = st.live_bytes - a.size + new_size;
-                st.alloc_mut(slot).size = new_size;
-                return Ok(st.addr(a.start));
-            }
-            // A growable allocation that outgrew its reservation gets twice
-            // the room when it moves, so repeated growth stays cheap.
-            let wanted = if a.growable { np.max(a.reserved.saturating_mul(2)).min(st.pages) } else { np };
-            let tail = (a.start + a.reserved, np.saturating_sub(a.reserved));
-            let extend_in_place = np > a.reserved && st.free.contains(tail.0, tail.1);
-            let via = if np > a.reserved && !extend_in_place { in_place_route(st, slot, tail, wanted) } else { None };
-            if np > a.reserved && !extend_in_place && via.is_none() && a.pinned {
-                return Err(Error::Pinned(id.get()));
-            }
-            // Chunks held only by retired small objects come back when the
-            // retired memory is released: growth may count on them.
-            let short = np - a.backed > st.obtainable_pages();
-            if short && np - a.backed > st.obtainable_pages() + st.small.reclaimable_slabs() {
-                return Err(Error::OutOfMemory(format!(
-                    "growing to {new_size} bytes needs {} more chunks; {} are obtainable",
-                    np - a.backed,
-                    st.obtainable_pages()
-                )));
-            }
-            if (np <= a.reserved || extend_in_place) && !short {
-                let mut tx = ctx.txn(st);
-                return match grow_in_place(st, &mut tx, slot, np, new_size) {
-                    Ok(()) => {
-                        tx.commit();
-                        Ok(st.addr(a.start))
-                    }
-                    Err(e) => {
-                        tx.rollback();
-                        Err(e)
-                    }
-                };
-            }
-            let in_place = np <= a.reserved || extend_in_place || via.is_some();
-            // Several steps (releases, moves of neighbours or of the
-            // allocation itself): on a copy that replaces the state only
-            // if every driver call succeeded.
-            let mut sim = st.clone();
+            let target = st.resolve(id)?;
             let mut tx = ctx.txn(st);
-            let mut evs = Vec::new();
-            let moved = (|| {
-                if in_place {
-                    match via {
-                        Some(InPlace::Release) => release_retired_into(&mut sim, &mut tx)?,
-                        Some(InPlace::Evacuate(moves)) => {
-                            // Planned on the books after the release, which
-                            // are `sim`'s once it is done.
-                            release_retired_into(&mut sim, &mut tx)?;
-                            for (other, dest) in moves {
-                                let o = sim.alloc(other).clone();
-                                move_alloc(&mut sim, &mut tx, other, dest, o.backed, o.reserved, o.size, &mut evs)?;
-                            }
-                            // The neighbours' old ranges are the pages to grow into.
-                            release_retired_into(&mut sim, &mut tx)?;
-                        }
-                        None if short => release_retired_into(&mut sim, &mut tx)?,
-                        None => {}
-                    }
-                    return grow_in_place(&mut sim, &mut tx, slot, np, new_size);
-                }
-                let (t, reserved) = match sim.free.best_fit(wanted) {
-                    Some(t) => (t, wanted),
-                    None => (make_room(&mut sim, &mut tx, np, Some(slot), &mut evs)?, np),
-                };
-                // The chunks of retired small objects' slabs only after the
-                // place is found: `make_room` refuses before any driver call,
-                // and a refusal after these unmaps would need a rollback whose
-                // own calls may fail.
-                if short {
-                    release_retired_into(&mut sim, &mut tx)?;
-                }
-                move_alloc(&mut sim, &mut tx, slot, t, np, reserved, new_size, &mut evs)
-            })();
-            match moved {
-                Ok(()) => {
+            match resize_target(st, ctx, &mut tx, target, id, np, new_size, events) {
+                Ok(ptr) => {
                     tx.commit();
-                    *st = sim;
-                    events.extend(evs);
-                    Ok(st.addr(st.alloc(slot).start))
+                    Ok(ptr)
                 }
                 Err(e) => {
                     tx.rollback();
@@ -320,6 +184,124 @@ impl Arena {
         }
         Ok(())
     }
+}
+
+/// Resizes what `target` names (the body of `Arena::resize`; `resize_many`
+/// runs it for each request on one transaction). Changes `st` only on
+/// success; on error the caller rolls `tx` back.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn resize_target(
+    st: &mut State,
+    ctx: &Ctx<'_>,
+    tx: &mut Txn<'_>,
+    target: Target,
+    id: Id,
+    np: u64,
+    new_size: u64,
+    events: &mut Vec<MoveEvent>,
+) -> Result<u64> {
+    let slot = match target {
+        Target::Chunks(slot) => slot,
+        Target::Small(ss) => return resize_small(st, ctx, tx, ss, id, new_size, events),
+    };
+    let a = st.alloc(slot).clone();
+    if a.sleep.is_some() {
+        return Err(Error::Asleep(id.get()));
+    }
+    if np <= a.backed {
+        if np < a.backed {
+            // Pages whose chunk another allocation maps too stay with it: a
+            // growable allocation, which keeps them in its reservation,
+            // unmaps them now (growth must not find them there); otherwise
+            // they are retired.
+            let kept: Vec<u64> = (a.start + np..a.start + a.backed).filter(|&p| st.page_shared(p)).collect();
+            if a.growable {
+                for run in super::state::runs(&kept) {
+                    let hs = run.clone().map(|p| st.mapped[p as usize].expect("backing page")).collect();
+                    tx.unmap(run.start, hs)?;
+                }
+            }
+            let kept = st.shrink_backing(slot, np);
+            if a.growable {
+                for p in kept {
+                    st.mapped[p as usize] = None;
+                }
+            } else {
+                st.free.insert(a.start + np, a.reserved - np);
+                st.alloc_mut(slot).reserved = np;
+                st.retire_pages(&kept);
+            }
+        }
+        st.live_bytes = st.live_bytes - a.size + new_size;
+        st.alloc_mut(slot).size = new_size;
+        return Ok(st.addr(a.start));
+    }
+    // A growable allocation that outgrew its reservation gets twice
+    // the room when it moves, so repeated growth stays cheap.
+    let wanted = if a.growable { np.max(a.reserved.saturating_mul(2)).min(st.pages) } else { np };
+    let tail = (a.start + a.reserved, np.saturating_sub(a.reserved));
+    let extend_in_place = np > a.reserved && st.free.contains(tail.0, tail.1);
+    let via = if np > a.reserved && !extend_in_place { in_place_route(st, slot, tail, wanted) } else { None };
+    if np > a.reserved && !extend_in_place && via.is_none() && a.pinned {
+        return Err(Error::Pinned(id.get()));
+    }
+    // Chunks held only by retired small objects come back when the
+    // retired memory is released: growth may count on them.
+    let short = np - a.backed > st.obtainable_pages();
+    if short && np - a.backed > st.obtainable_pages() + st.small.reclaimable_slabs() {
+        return Err(Error::OutOfMemory(format!(
+            "growing to {new_size} bytes needs {} more chunks; {} are obtainable",
+            np - a.backed,
+            st.obtainable_pages()
+        )));
+    }
+    if (np <= a.reserved || extend_in_place) && !short {
+        grow_in_place(st, tx, slot, np, new_size)?;
+        return Ok(st.addr(a.start));
+    }
+    let in_place = np <= a.reserved || extend_in_place || via.is_some();
+    // Several steps (releases, moves of neighbours or of the
+    // allocation itself): on a copy that replaces the state only
+    // if every driver call succeeded.
+    let mut sim = st.clone();
+    let mut evs = Vec::new();
+    let moved = (|| {
+        if in_place {
+            match via {
+                Some(InPlace::Release) => release_retired_into(&mut sim, tx)?,
+                Some(InPlace::Evacuate(moves)) => {
+                    // Planned on the books after the release, which
+                    // are `sim`'s once it is done.
+                    release_retired_into(&mut sim, tx)?;
+                    for (other, dest) in moves {
+                        let o = sim.alloc(other).clone();
+                        move_alloc(&mut sim, tx, other, dest, o.backed, o.reserved, o.size, &mut evs)?;
+                    }
+                    // The neighbours' old ranges are the pages to grow into.
+                    release_retired_into(&mut sim, tx)?;
+                }
+                None if short => release_retired_into(&mut sim, tx)?,
+                None => {}
+            }
+            return grow_in_place(&mut sim, tx, slot, np, new_size);
+        }
+        let (t, reserved) = match sim.free.best_fit(wanted) {
+            Some(t) => (t, wanted),
+            None => (make_room(&mut sim, tx, np, Some(slot), &mut evs)?, np),
+        };
+        // The chunks of retired small objects' slabs only after the
+        // place is found: `make_room` refuses before any driver call,
+        // and a refusal after these unmaps would need a rollback whose
+        // own calls may fail.
+        if short {
+            release_retired_into(&mut sim, tx)?;
+        }
+        move_alloc(&mut sim, tx, slot, t, np, reserved, new_size, &mut evs)
+    })();
+    moved?;
+    *st = sim;
+    events.extend(evs);
+    Ok(st.addr(st.alloc(slot).start))
 }
 
 /// How an allocation can grow in place beyond its reservation when the
@@ -418,7 +400,7 @@ fn alloc_pages(
         )));
     }
     let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false, owner, tag: 0, sleep: None };
-    if let (false, Some(t)) = (short, st.free.best_fit(reserved)) {
+    if let (false, Some(t)) = (short, best_fit_adopting(st, reserved, pages)) {
         let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
         plan.execute(st, tx)?;
         plan.apply(st);
@@ -441,6 +423,26 @@ fn alloc_pages(
     *st = sim;
     events.extend(evs);
     Ok(slot)
+}
+
+/// Best fit for a reservation of `reserved` pages whose first `pages` are
+/// backed: among the free ranges of the best length (at most 16 looked at),
+/// the one whose first `pages` pages hold the most cached chunks, lowest
+/// address on ties. Each cached chunk is adopted with no driver call, where
+/// an unmapped page costs a map, a share of an access call and maybe a
+/// create (the time model's costliest calls): with fits otherwise equal,
+/// adoption is never slower.
+fn best_fit_adopting(st: &State, reserved: u64, pages: u64) -> Option<u64> {
+    let candidates = st.free.best_fits(reserved, 16);
+    let cached_at = |t: u64| st.cached.range(t..t + pages).count();
+    let mut best: Option<(usize, u64)> = None;
+    for t in candidates {
+        let n = cached_at(t);
+        if best.map_or(true, |(b, _)| n > b) {
+            best = Some((n, t));
+        }
+    }
+    best.map(|(_, t)| t)
 }
 
 /// Places a small allocation in a slab of its class, making a slab (one
@@ -477,6 +479,7 @@ pub(super) fn small_ptr(st: &State, small_slot: u32) -> u64 {
 fn resize_small(
     st: &mut State,
     ctx: &Ctx<'_>,
+    tx: &mut Txn<'_>,
     ss: u32,
     id: Id,
     new_size: u64,
@@ -494,19 +497,18 @@ fn resize_small(
         return Err(Error::Pinned(id.get()));
     }
     let mut sim = st.clone();
-    let mut tx = ctx.txn(st);
     let mut evs = Vec::new();
     let done = (|| {
         let chunk = sim.chunk;
         let new_place = match sim.small.classes.class_of(new_size) {
             Some(c) => {
-                let tmp = alloc_small(&mut sim, &mut tx, c, new_size, &mut evs)?;
+                let tmp = alloc_small(&mut sim, tx, c, new_size, &mut evs)?;
                 NewPlace::Small(tmp)
             }
             None => {
                 let pages = pages_for(new_size, chunk, "new_size")?;
                 let owner = Owner::Promoted(ss);
-                NewPlace::Chunks(alloc_pages(&mut sim, &mut tx, pages, pages, new_size, false, owner, &mut evs)?)
+                NewPlace::Chunks(alloc_pages(&mut sim, tx, pages, pages, new_size, false, owner, &mut evs)?)
             }
         };
         // Placing the new object may have compacted: read the old address now.
@@ -527,18 +529,41 @@ fn resize_small(
         evs.push(MoveEvent { id, old_ptr, new_ptr, size: new_size });
         Ok::<_, Error>(new_ptr)
     })();
-    match done {
-        Ok(ptr) => {
-            tx.commit();
-            *st = sim;
-            events.extend(evs);
-            Ok(ptr)
+    let ptr = done?;
+    *st = sim;
+    events.extend(evs);
+    Ok(ptr)
+}
+
+/// Frees what `target` names at once (the bookkeeping of `Arena::free`).
+pub(super) fn free_now(st: &mut State, target: Target) {
+    match target {
+        Target::Chunks(slot) => {
+            if let Owner::Promoted(ss) = st.alloc(slot).owner {
+                st.small.drop_slot(ss);
+            }
+            st.remove_alloc(slot);
         }
-        Err(e) => {
-            tx.rollback();
-            Err(e)
+        Target::Small(ss) => {
+            let SmallEntry::InSlab { slab, .. } = *st.small.entry_of(ss) else {
+                unreachable!("resolve gives Small only for objects in slabs")
+            };
+            match st.small.release(ss) {
+                Some(empty_slab) => st.remove_alloc(empty_slab),
+                // Freeing a pinned object unpins it: the slab stays
+                // pinned only while another object in it is.
+                None => sync_slab_pin(st, slab),
+            }
+            st.small.drop_slot(ss);
         }
     }
+}
+
+/// A slab is pinned while any object in it is.
+pub(super) fn sync_slab_pin(st: &mut State, slab: u32) {
+    let s = st.small.slab(slab);
+    let (slab_slot, pinned) = (s.alloc_slot, s.pinned > 0);
+    st.alloc_mut(slab_slot).pinned = pinned;
 }
 
 enum NewPlace {

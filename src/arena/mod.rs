@@ -20,15 +20,19 @@
 
 use std::cell::RefCell;
 
+use std::sync::Arc;
+
 use crate::driver::{ChunkHandle, Driver, Granularity};
 use crate::error::{Error, Result};
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{Condvar, Mutex, MutexGuard};
 use crate::Id;
 
 mod alloc;
+mod batch;
 mod config;
 mod moves;
 mod pool;
+mod prefetch;
 #[cfg(unix)]
 mod share;
 mod shared;
@@ -36,7 +40,9 @@ mod sleep;
 pub(crate) mod small;
 pub(crate) mod state;
 mod stats;
+mod stream;
 pub(crate) mod txn;
+mod worker;
 
 use self::alloc::{small_ptr, Target};
 use pool::enforce_watermark;
@@ -99,6 +105,11 @@ pub struct ArenaConfig {
     /// Used by [`Arena::new`]; with [`Arena::with_driver`] the driver
     /// decides.
     pub exportable: bool,
+    /// Run a background thread of the arena's own that keeps the targets of
+    /// [`Arena::set_prefetch`] and reaps completed stream-ordered frees, so
+    /// that this driver work stays off the callers' threads (the C flag
+    /// `VMM_ARENA_FLAG_BACKGROUND`). Dropping the arena stops and joins it.
+    pub background: bool,
 }
 
 impl Default for ArenaConfig {
@@ -112,6 +123,7 @@ impl Default for ArenaConfig {
             retain_bytes: u64::MAX,
             no_implicit_moves: false,
             exportable: false,
+            background: false,
         }
     }
 }
@@ -126,6 +138,34 @@ struct Inner {
     /// Exports and imports (`share.rs`).
     #[cfg(unix)]
     shares: share::Shares,
+    /// Whether the background worker waits for work (a caller's operation
+    /// that made some wakes it, once).
+    worker_waiting: bool,
+    /// Whether a `maintain` (a caller's or the worker's) is running: one at a time.
+    maintaining: bool,
+    /// Operations waiting for chunks in flight: the prefetcher starts no
+    /// new work while one waits.
+    pressure_waiters: u32,
+    /// Driver failures in `maintain` or the worker.
+    maintain_failures: u64,
+    /// Set by `Drop` to stop the background worker.
+    stop_worker: bool,
+}
+
+/// What an arena shares with its background worker.
+struct Shared {
+    driver: Box<dyn Driver>,
+    /// Driver calls of the callers' operations.
+    counts: Counters,
+    /// Driver calls of `maintain` and the background worker.
+    bg_counts: Counters,
+    inner: Mutex<Inner>,
+    /// Signalled whenever the prefetcher commits (or abandons) work set
+    /// aside, and whenever a waited-for stream event is reaped.
+    round_done: Condvar,
+    /// Wakes the background worker.
+    work: Condvar,
+    key: u64,
 }
 
 /// A GPU (or host) memory arena over one reserved virtual range.
@@ -133,10 +173,9 @@ struct Inner {
 /// `Arena` is `Send + Sync`; every method takes `&self` and may be called
 /// from any thread.
 pub struct Arena {
-    driver: Box<dyn Driver>,
-    counts: Counters,
-    inner: Mutex<Inner>,
-    key: u64,
+    sh: Arc<Shared>,
+    /// The background worker (`ArenaConfig::background`), joined on drop.
+    worker: Option<crate::sync::thread::JoinHandle<()>>,
     base: u64,
     reserved_bytes: u64,
     /// The driver's reservation (base, size): `base..base + reserved_bytes`
@@ -149,7 +188,7 @@ pub struct Arena {
 impl std::fmt::Debug for Arena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Arena")
-            .field("backend", &self.driver.name())
+            .field("backend", &self.sh.driver.name())
             .field("base", &format_args!("{:#x}", self.base))
             .field("reserved_bytes", &self.reserved_bytes)
             .field("chunk_bytes", &self.chunk)
@@ -237,6 +276,20 @@ struct Ctx<'a> {
     counts: &'a Counters,
 }
 
+/// Whether an operation waits for all of the prefetcher's work in flight
+/// before it starts (see `prefetch.rs`). Every other operation runs at
+/// once: if it needs a page set aside, planning says so
+/// ([`state::SET_ASIDE`]) before any driver call, and it is retried once
+/// the prefetcher has committed that page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Touch {
+    /// Starts at once.
+    Nothing,
+    /// Waits until nothing is in flight (sleep and wake: every pooled chunk
+    /// and every page of a sleeper must be in the books).
+    Everything,
+}
+
 impl Ctx<'_> {
     fn txn(&self, st: &State) -> Txn<'_> {
         Txn::new(self.drv, self.counts, st.base, st.chunk)
@@ -318,23 +371,33 @@ impl Arena {
                 }
             };
         st.tag = id_tag(key, base);
-        Ok(Arena {
+        let sh = Arc::new(Shared {
             driver: Box::new(driver),
             counts: Counters::default(),
+            bg_counts: Counters::default(),
             inner: Mutex::new(Inner {
                 st,
                 callback: None,
                 release_failures: 0,
                 #[cfg(unix)]
                 shares: share::Shares::default(),
+                worker_waiting: false,
+                maintaining: false,
+                pressure_waiters: 0,
+                maintain_failures: 0,
+                stop_worker: false,
             }),
+            round_done: Condvar::new(),
+            work: Condvar::new(),
             key,
-            base,
-            reserved_bytes: reserve,
-            driver_va,
-            chunk,
-            reserve_fallbacks: fallbacks,
-        })
+        });
+        let mut arena =
+            Arena { sh, worker: None, base, reserved_bytes: reserve, driver_va, chunk, reserve_fallbacks: fallbacks };
+        if config.background {
+            // On failure `arena` drops and gives everything back.
+            arena.worker = Some(worker::start(arena.sh.clone())?);
+        }
+        Ok(arena)
     }
 
     /// The chunk size.
@@ -349,26 +412,15 @@ impl Arena {
 
     /// The backend's name.
     pub fn backend_name(&self) -> &'static str {
-        self.driver.name()
+        self.sh.driver.name()
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Inner>> {
-        let reentrant = IN_CALLBACK.with(|v| v.borrow().contains(&self.key));
-        if reentrant {
-            return Err(Error::invalid("the arena was called from inside its own move callback"));
-        }
-        let mut inner =
-            self.inner.lock().map_err(|_| Error::Internal("the arena is poisoned by an earlier panic".into()))?;
-        #[cfg(unix)]
-        {
-            let Inner { st, shares, .. } = &mut *inner;
-            shares.sweep(st);
-        }
-        Ok(inner)
+        self.sh.lock()
     }
 
     fn ctx(&self) -> Ctx<'_> {
-        Ctx { drv: &*self.driver, counts: &self.counts }
+        self.sh.ctx()
     }
 
     /// Runs `op` under the lock, applies the retain watermark, then reports
@@ -377,16 +429,60 @@ impl Arena {
     /// The watermark applies after every successful operation: frees and
     /// shrinks add to the pool, and so does any release of retired ranges
     /// (an alloc, resize or compaction may release them) that empties a slab.
-    fn run<T>(&self, op: impl FnOnce(&mut Inner, &Ctx<'_>, &mut Vec<MoveEvent>) -> Result<T>) -> Result<T> {
+    ///
+    /// Before `op`, waits while the prefetcher has set aside pages that
+    /// `touch` says `op` may need (a map of a few chunks, never a create).
+    /// When `op` runs out of memory or address space it is retried (every
+    /// operation is all or nothing, so a failed attempt changed nothing)
+    /// once chunks in flight have landed, or once stream-ordered frees have
+    /// completed: polled first, then the oldest waited for.
+    fn run<T>(
+        &self,
+        touch: Touch,
+        mut op: impl FnMut(&mut Inner, &Ctx<'_>, &mut Vec<MoveEvent>) -> Result<T>,
+    ) -> Result<T> {
         let mut inner = self.lock()?;
         let mut events = Vec::new();
         let ctx = self.ctx();
-        let out = op(&mut inner, &ctx, &mut events)?;
+        let out = loop {
+            inner = self.sh.wait_out_conflicts(inner, touch)?;
+            match op(&mut inner, &ctx, &mut events) {
+                Ok(v) => break v,
+                Err(Error::Internal(m)) if m == state::SET_ASIDE => {
+                    // A page the prefetcher is mapping: retry once it landed.
+                    events.clear();
+                    inner = self.sh.wait_round(inner)?;
+                }
+                Err(e @ (Error::OutOfMemory(_) | Error::OutOfAddressSpace(_))) => {
+                    events.clear();
+                    if inner.st.inflight_pages > 0 {
+                        inner = self.sh.wait_for_inflight(inner)?;
+                        continue;
+                    }
+                    let (again, progressed) = stream::reclaim(&self.sh, inner, &ctx)?;
+                    inner = again;
+                    if !progressed {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        };
         enforce_watermark(&mut inner, &ctx);
         inner.st.note_peak();
+        // The flag stays set for a busy worker to see before it sleeps.
+        if inner.st.prefetch_dirty && inner.worker_waiting {
+            let wanted = inner.st.prefetch != (0, 0) || !inner.st.pending.is_empty();
+            if wanted {
+                // Once per wait of the worker: a futex wake, no driver call.
+                inner.st.prefetch_dirty = false;
+                inner.worker_waiting = false;
+                self.sh.work.notify_one();
+            }
+        }
         if !events.is_empty() {
             if let Some(cb) = inner.callback.as_mut() {
-                let _scope = CallbackScope::enter(self.key);
+                let _scope = CallbackScope::enter(self.sh.key);
                 for e in &events {
                     cb(e);
                 }
@@ -435,7 +531,7 @@ impl Arena {
     pub fn write(&self, id: Id, offset: u64, data: &[u8]) -> Result<()> {
         let inner = self.lock()?;
         let addr = self.span(&inner, id, offset, data.len())?;
-        self.driver.write(addr, data)
+        self.sh.driver.write(addr, data)
     }
 
     /// Records an event on a device stream (a `CUstream`, 0 = the legacy
@@ -443,30 +539,30 @@ impl Arena {
     /// that stream may be handed out again once the event has completed.
     /// `None` on backends without asynchronous streams (the host).
     pub fn record_event(&self, stream: u64) -> Result<Option<u64>> {
-        self.driver.record_event(stream)
+        self.sh.driver.record_event(stream)
     }
 
     /// Waits until all work on the device has finished (the fallback when a
     /// stream event cannot be recorded).
     pub fn synchronize(&self) -> Result<()> {
-        self.driver.synchronize()
+        self.sh.driver.synchronize()
     }
 
     /// Whether an event from [`Arena::record_event`] has completed.
     pub fn event_complete(&self, event: u64) -> Result<bool> {
-        self.driver.event_complete(event)
+        self.sh.driver.event_complete(event)
     }
 
     /// Destroys an event from [`Arena::record_event`].
     pub fn destroy_event(&self, event: u64) -> Result<()> {
-        self.driver.destroy_event(event)
+        self.sh.driver.destroy_event(event)
     }
 
     /// Copies bytes of the allocation at `offset` into `out`.
     pub fn read(&self, id: Id, offset: u64, out: &mut [u8]) -> Result<()> {
         let inner = self.lock()?;
         let addr = self.span(&inner, id, offset, out.len())?;
-        self.driver.read(addr, out)
+        self.sh.driver.read(addr, out)
     }
 }
 
@@ -474,17 +570,27 @@ impl Drop for Arena {
     fn drop(&mut self) {
         // Never panics: a poisoned lock still yields the state, and every
         // driver failure here is ignored (the process keeps the memory at worst).
-        let mut inner = match self.inner.lock() {
+        if let Some(handle) = self.worker.take() {
+            worker::stop(&self.sh, handle);
+        }
+        let mut inner = match self.sh.inner.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        let _ = self.driver.synchronize();
+        let _ = self.sh.driver.synchronize();
+        // Imports live in reservations of their own; exported chunks that
+        // could not be released earlier are released here, never pooled.
         #[cfg(unix)]
-        inner.shares.drop_all(&*self.driver, self.chunk);
+        inner.shares.drop_all(&*self.sh.driver, self.chunk);
         let st = &inner.st;
+        // Pending frees' events are the arena's to destroy; their memory is
+        // released below with every allocation's (the device is idle now).
+        for p in &st.pending {
+            let _ = self.sh.driver.destroy_event(p.event);
+        }
         let mapped: Vec<u64> = (0..st.pages).filter(|&p| st.mapped[p as usize].is_some()).collect();
         for run in state::runs(&mapped) {
-            let _ = self.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);
+            let _ = self.sh.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);
         }
         // A set: a shared chunk backs several pages, and is released once.
         let mut owned: std::collections::BTreeSet<ChunkHandle> = st.pool.iter().copied().collect();
@@ -493,10 +599,66 @@ impl Drop for Arena {
             owned.extend((a.start..a.start + a.backed).filter_map(|p| st.mapped[p as usize]));
         }
         for h in owned {
-            let _ = self.driver.release(h);
+            let _ = self.sh.driver.release(h);
         }
-        let _ = self.driver.free_reservation(self.driver_va.0, self.driver_va.1);
+        let _ = self.sh.driver.free_reservation(self.driver_va.0, self.driver_va.1);
     }
+}
+
+impl Shared {
+    fn lock(&self) -> Result<MutexGuard<'_, Inner>> {
+        let reentrant = IN_CALLBACK.with(|v| v.borrow().contains(&self.key));
+        if reentrant {
+            return Err(Error::invalid("the arena was called from inside its own move callback"));
+        }
+        let mut inner = self.inner.lock().map_err(|_| poisoned())?;
+        #[cfg(unix)]
+        {
+            let Inner { st, shares, .. } = &mut *inner;
+            shares.sweep(st);
+        }
+        Ok(inner)
+    }
+
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx { drv: &*self.driver, counts: &self.counts }
+    }
+
+    /// The context of `maintain` and the worker (their own counters).
+    fn bg_ctx(&self) -> Ctx<'_> {
+        Ctx { drv: &*self.driver, counts: &self.bg_counts }
+    }
+
+    /// Waits on `round_done`, giving the lock up meanwhile.
+    fn wait_round<'a>(&self, inner: MutexGuard<'a, Inner>) -> Result<MutexGuard<'a, Inner>> {
+        self.round_done.wait(inner).map_err(|_| poisoned())
+    }
+
+    /// Waits until no work of the prefetcher's is in flight, if `touch` asks.
+    fn wait_out_conflicts<'a>(&self, mut inner: MutexGuard<'a, Inner>, touch: Touch) -> Result<MutexGuard<'a, Inner>> {
+        while touch == Touch::Everything && (inner.st.inflight_pages > 0 || !inner.st.set_aside.is_empty()) {
+            inner = self.wait_round(inner)?;
+        }
+        Ok(inner)
+    }
+
+    /// Waits until the chunks in flight have landed in the books; the
+    /// prefetcher starts nothing new meanwhile (`pressure_waiters`).
+    fn wait_for_inflight<'a>(&self, mut inner: MutexGuard<'a, Inner>) -> Result<MutexGuard<'a, Inner>> {
+        inner.pressure_waiters += 1;
+        while inner.st.inflight_pages > 0 {
+            match self.round_done.wait(inner) {
+                Ok(g) => inner = g,
+                Err(_) => return Err(poisoned()),
+            }
+        }
+        inner.pressure_waiters -= 1;
+        Ok(inner)
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Internal("the arena is poisoned by an earlier panic".into())
 }
 
 // The arena is shared across threads by design; these fail to compile if a

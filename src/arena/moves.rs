@@ -7,14 +7,14 @@ use crate::error::{Error, Result};
 
 use super::state::{MoveEvent, Owner, Plan, State};
 use super::txn::Txn;
-use super::{Arena, CompactReport};
+use super::{Arena, CompactReport, Touch};
 
 impl Arena {
     /// Moves unpinned allocations by remapping to close address-space
     /// holes, then releases the old ranges (after a synchronize). Moves
     /// happen whatever `no_implicit_moves` says: this is the explicit call.
     pub fn compact(&self) -> Result<CompactReport> {
-        self.run(|inner, ctx, events| {
+        self.run(Touch::Nothing, |inner, ctx, events| {
             let st = &mut inner.st;
             let mut report =
                 CompactReport { largest_free_va_before: st.free.largest() * st.chunk, ..Default::default() };
@@ -48,7 +48,7 @@ impl Arena {
     /// Unmaps the old ranges of moved allocations, synchronizing the device
     /// first. Their address space becomes free.
     pub fn release_retired(&self) -> Result<()> {
-        self.run(|inner, ctx, _| {
+        self.run(Touch::Nothing, |inner, ctx, _| {
             let st = &mut inner.st;
             if st.retired.is_empty() && st.small.nothing_retired() {
                 return Ok(());
@@ -87,6 +87,17 @@ pub(super) fn make_room(
     // own driver calls (mapping them back) may fail and leave the arena
     // unlike its books. The bookkeeping of the release is pure, so a copy
     // shows what the state will be after it.
+    // Retired pages known idle go first: unmapping them needs no synchronize.
+    let idle_retired: Vec<u64> =
+        sim.retired.iter().flat_map(|(&s, &l)| s..s + l).filter(|p| sim.idle.contains(p)).collect();
+    if !idle_retired.is_empty() && idle_retired.len() as u64 != sim.retired_pages {
+        let mut released = sim.clone();
+        forget_retired_pages(&mut released, &idle_retired);
+        if let Some(t) = released.free.best_fit(n) {
+            release_idle_retired(sim, tx)?;
+            return Ok(t);
+        }
+    }
     let mut released = sim.clone();
     forget_retired(&mut released);
     if let Some(t) = released.free.best_fit(n) {
@@ -187,13 +198,16 @@ pub(super) fn move_alloc(
 fn relocate_books(st: &mut State, slot: u32, dest: u64, backed: u64, reserved: u64, size: u64) {
     let a = st.alloc(slot).clone();
     st.by_start.remove(&a.start);
-    st.retired.insert(a.start, a.backed);
+    if a.backed > 0 {
+        st.retired.insert(a.start, a.backed);
+        st.retired_owner.insert(a.start, slot);
+    }
     st.retired_pages += a.backed;
     st.free.insert(a.start + a.backed, a.reserved - a.backed);
     st.free.remove(dest, reserved);
     st.by_start.insert(dest, slot);
     st.backed_pages += backed - a.backed;
-    if !matches!(a.owner, Owner::Slab(_)) {
+    if a.owner.counts_live() {
         st.live_bytes = st.live_bytes - a.size + size;
     }
     let m = st.alloc_mut(slot);
@@ -272,15 +286,34 @@ fn run_passes(
     Ok((moved, bytes))
 }
 
-/// Unmaps every retired range (synchronizing first) and frees its pages.
+/// Unmaps every retired range and frees its pages. The device is
+/// synchronized first unless every retired page is known idle (see
+/// `State::idle`: its allocation was freed on a stream whose event has
+/// completed).
 pub(super) fn release_retired_into(st: &mut State, tx: &mut Txn<'_>) -> Result<()> {
     let ranges: Vec<(u64, u64)> = st.retired.iter().map(|(&s, &l)| (s, l)).collect();
     for &(s, l) in &ranges {
         let chunks = (s..s + l).map(|p| st.mapped[p as usize].expect("retired page is mapped")).collect();
-        tx.unmap(s, chunks)?;
+        if (s..s + l).all(|p| st.idle.contains(&p)) {
+            tx.unmap_idle(s, chunks)?;
+        } else {
+            tx.unmap(s, chunks)?;
+        }
     }
     forget_retired(st);
     Ok(())
+}
+
+/// Unmaps the retired pages known idle, without a device synchronize, and
+/// frees them; every other retired page stays. Returns the pages freed.
+pub(super) fn release_idle_retired(st: &mut State, tx: &mut Txn<'_>) -> Result<u64> {
+    let pages: Vec<u64> = st.retired.iter().flat_map(|(&s, &l)| s..s + l).filter(|p| st.idle.contains(p)).collect();
+    for run in super::state::runs(&pages) {
+        let chunks = run.clone().map(|p| st.mapped[p as usize].expect("retired page is mapped")).collect();
+        tx.unmap_idle(run.start, chunks)?;
+    }
+    forget_retired_pages(st, &pages);
+    Ok(pages.len() as u64)
 }
 
 /// The bookkeeping of releasing every retired range, once it is unmapped
@@ -290,10 +323,12 @@ pub(super) fn forget_retired(st: &mut State) {
     for (s, l) in ranges {
         for p in s..s + l {
             st.mapped[p as usize] = None;
+            st.idle.remove(&p);
         }
         st.free.insert(s, l);
     }
     st.retired.clear();
+    st.retired_owner.clear();
     st.retired_pages = 0;
     // Copy-resized small objects: their old places become free, and a slab
     // left empty goes back like any freed allocation.
@@ -309,13 +344,21 @@ pub(super) fn forget_retired_pages(st: &mut State, pages: &[u64]) {
         let (&s, &l) = st.retired.range(..=p).next_back().expect("page lies in a retired range");
         debug_assert!(p < s + l, "page {p} outside the retired range {s}+{l}");
         st.retired.remove(&s);
+        let owner = st.retired_owner.remove(&s);
         if p > s {
             st.retired.insert(s, p - s);
+            if let Some(o) = owner {
+                st.retired_owner.insert(s, o);
+            }
         }
         if p + 1 < s + l {
             st.retired.insert(p + 1, s + l - p - 1);
+            if let Some(o) = owner {
+                st.retired_owner.insert(p + 1, o);
+            }
         }
         st.retired_pages -= 1;
+        st.idle.remove(&p);
         st.mapped[p as usize] = None;
         st.free.insert(p, 1);
     }

@@ -6,7 +6,7 @@ use crate::error::Result;
 use super::moves::forget_retired_pages;
 use super::state::{self, State};
 use super::txn;
-use super::{Arena, Ctx, Inner};
+use super::{Arena, Ctx, Inner, Touch};
 
 impl Arena {
     /// Gives pooled chunks back to the driver until at most `keep_bytes`
@@ -28,7 +28,7 @@ impl Arena {
         // Down to the retain watermark too, if it is lower: `run` would give
         // that back right after (pooled memory may exceed the watermark after
         // a failed give-back), and the bytes returned must count it.
-        self.run(|inner, ctx, _| {
+        self.run(Touch::Nothing, |inner, ctx, _| {
             let keep = keep_bytes.min(inner.st.retain_bytes);
             trim_pool(&mut inner.st, ctx, keep)
         })
@@ -53,9 +53,14 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     }
     let k = (pooled - keep) as usize;
     // Unmapped pooled chunks first (giving them back needs no unmap of
-    // theirs), then cached chunks, highest addresses first.
+    // theirs; the prefetcher's are the newest, at the end), then cached
+    // chunks known idle (mapped ahead, or freed on a completed stream: no
+    // synchronize), then the other cached ones, highest addresses first.
     let from_pool: Vec<ChunkHandle> = st.pool.iter().rev().take(k).copied().collect();
-    let mut cached_pages: Vec<u64> = st.cached.iter().rev().take(k - from_pool.len()).copied().collect();
+    let want = k - from_pool.len();
+    let idle = st.cached.iter().rev().filter(|p| st.idle.contains(p));
+    let busy = st.cached.iter().rev().filter(|p| !st.idle.contains(p));
+    let mut cached_pages: Vec<u64> = idle.chain(busy).take(want).copied().collect();
     cached_pages.sort_unstable();
     let cached_chunks: Vec<ChunkHandle> =
         cached_pages.iter().map(|&p| st.mapped[p as usize].expect("cached page is mapped")).collect();
@@ -70,7 +75,12 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     let mut tx = ctx.txn(st);
     for run in state::runs(&retired_pages).into_iter().chain(state::runs(&cached_pages)) {
         let hs: Vec<_> = run.clone().map(|p| st.mapped[p as usize].expect("page is mapped")).collect();
-        if let Err(e) = tx.unmap(run.start, hs) {
+        let unmapped = if run.clone().all(|p| st.idle.contains(&p)) {
+            tx.unmap_idle(run.start, hs)
+        } else {
+            tx.unmap(run.start, hs)
+        };
+        if let Err(e) = unmapped {
             tx.rollback();
             return Err(e);
         }
@@ -79,6 +89,7 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     forget_retired_pages(st, &retired_pages);
     for &p in &cached_pages {
         st.cached.remove(&p);
+        st.idle.remove(&p);
         st.mapped[p as usize] = None;
     }
     st.pool.truncate(st.pool.len() - from_pool.len());

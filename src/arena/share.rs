@@ -46,7 +46,7 @@ use crate::Id;
 use super::alloc::Target;
 use super::moves::release_retired_into;
 use super::state::{self, Owner, State};
-use super::{reserve_chunk_aligned, AllocInfo, Arena, Ctx, Inner};
+use super::{reserve_chunk_aligned, AllocInfo, Arena, Ctx, Inner, Touch};
 
 /// The version of [`ExportLayout`]; an import of another version is refused.
 pub const EXPORT_FORMAT_VERSION: u32 = 1;
@@ -414,7 +414,7 @@ impl Arena {
     /// error nothing changed and no descriptor is left open.
     pub fn export(&self, id: Id) -> Result<Export> {
         let chunk = self.chunk;
-        self.run(|inner, ctx, _| {
+        self.run(Touch::Nothing, |inner, ctx, _| {
             if let Some(r) = inner.shares.import_of(&inner.st, id) {
                 r?;
                 return Err(Error::invalid("an imported allocation cannot be exported again"));
@@ -498,7 +498,7 @@ impl Arena {
         let chunk = self.chunk;
         layout.check(fds.len(), chunk)?;
         let total = layout.chunk_count * chunk;
-        self.run(|inner, ctx, _| {
+        self.run(Touch::Nothing, |inner, ctx, _| {
             let k = inner.shares.next_import;
             if k == u32::MAX {
                 return Err(Error::invalid("this arena has issued every import id"));
@@ -576,6 +576,6 @@ impl Arena {
                 _ => return Err(Error::invalid("a small allocation has no DMA-BUF of its own")),
             },
         };
-        self.driver.dmabuf_fd(addr, bytes)
+        self.sh.driver.dmabuf_fd(addr, bytes)
     }
 }

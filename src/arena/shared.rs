@@ -24,7 +24,7 @@ use super::moves::make_room;
 use super::state::MoveEvent;
 use super::state::{Plan, Sleep, State};
 use super::txn::Txn;
-use super::{pages_for, Arena};
+use super::{pages_for, Arena, Touch};
 use crate::driver::ChunkHandle;
 use crate::error::{Error, Result};
 use crate::Id;
@@ -62,7 +62,7 @@ impl Arena {
             return Err(Error::invalid(format!("max_size {max_size} < bytes {bytes}")));
         }
         let reserved = pages_for(max_size, chunk, "max_size")?;
-        self.run(|inner, ctx, events| {
+        self.run(Touch::Nothing, |inner, ctx, events| {
             #[cfg(unix)]
             inner.shares.check_share_source(&inner.st, src)?;
             let st = &mut inner.st;

@@ -8,9 +8,9 @@ use crate::Id;
 use super::alloc::Target;
 use super::moves::release_retired_into;
 use super::shared;
-use super::state::{self, Alloc, Owner, State};
+use super::state::{self, Alloc, State};
 use super::txn;
-use super::{Arena, Ctx, Inner, ALL_TAGS, SLEEP_BACKUP};
+use super::{Arena, Ctx, Inner, Touch, ALL_TAGS, SLEEP_BACKUP};
 
 impl Arena {
     /// Sets an allocation's tag (0 by default), which [`Arena::sleep`] and
@@ -68,7 +68,11 @@ impl Arena {
         if flags & !SLEEP_BACKUP != 0 {
             return Err(Error::invalid(format!("unknown sleep flags {:#x}", flags & !SLEEP_BACKUP)));
         }
-        self.run(|inner, ctx, _| sleep_tag(inner, ctx, tag, flags & SLEEP_BACKUP != 0))
+        self.run(Touch::Everything, |inner, ctx, _| {
+            // Frees ordered on streams give their memory back too.
+            super::stream::drain(&mut inner.st, ctx)?;
+            sleep_tag(inner, ctx, tag, flags & SLEEP_BACKUP != 0)
+        })
     }
 
     /// Wakes every sleeping allocation with tag `tag` ([`ALL_TAGS`]: every
@@ -82,13 +86,13 @@ impl Arena {
     /// or a driver error) every one of them is still asleep with its backup
     /// intact.
     pub fn wake(&self, tag: u32) -> Result<()> {
-        self.run(|inner, ctx, _| wake_tag(&mut inner.st, ctx, tag))
+        self.run(Touch::Everything, |inner, ctx, _| wake_tag(&mut inner.st, ctx, tag))
     }
 }
 
 /// Whether `a` is a caller's allocation of whole chunks that `tag` selects.
 fn tagged(a: &Alloc, tag: u32) -> bool {
-    !matches!(a.owner, Owner::Slab(_)) && (tag == ALL_TAGS || a.tag == tag)
+    a.owner.counts_live() && (tag == ALL_TAGS || a.tag == tag)
 }
 
 /// [`Arena::sleep`]: the reversible part (synchronize, backups, unmaps) on a
@@ -168,6 +172,8 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
     for p in std::mem::take(&mut sim.cached) {
         doomed.push(sim.mapped[p as usize].take().expect("cached page is mapped"));
     }
+    // Nothing cached or retired is left to be idle.
+    sim.idle.clear();
     doomed.append(&mut sim.pool);
     *st = sim;
     for h in doomed {

@@ -275,6 +275,29 @@ impl SmallTable {
         self.give_back(slab, index, size)
     }
 
+    /// Keeps the object of small slot `slot` taken while no id names it
+    /// (a free ordered on a stream whose event is not complete): it stops
+    /// counting as live and is unpinned; the slot itself stays for the
+    /// caller to drop. Returns where the object is, for [`SmallTable::free_held`].
+    pub fn hold(&mut self, slot: u32) -> Option<(u32, u32)> {
+        let SmallEntry::InSlab { slab, index, size, pinned } = *self.entry_of(slot) else {
+            return None;
+        };
+        if pinned {
+            self.set_pinned(slot, false);
+        }
+        self.slab_mut(slab).members[index as usize] = None;
+        self.live -= 1;
+        self.live_bytes -= size;
+        Some((slab, index))
+    }
+
+    /// Gives back an object kept by [`SmallTable::hold`]. Returns the
+    /// slab's arena slot if the slab is now empty and was dropped.
+    pub fn free_held(&mut self, slab: u32, index: u32) -> Option<u32> {
+        self.free_object(slab, index)
+    }
+
     /// Retires the object of small slot `slot` (the slot itself stays): its
     /// old address keeps its bytes until [`SmallTable::release_retired`].
     pub fn retire(&mut self, slot: u32) {

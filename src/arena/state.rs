@@ -14,7 +14,7 @@
 //! driver call) or *pooled unmapped*. `held = backing + cached + pool` never
 //! exceeds the capacity.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::shared::ShareGroups;
 use super::small::SmallTable;
@@ -45,7 +45,7 @@ impl Alloc {
     /// Whether no planner may move it: pinned, or asleep (its reservation
     /// must stay where the caller's pointers are).
     pub fn immovable(&self) -> bool {
-        self.pinned || self.sleep.is_some()
+        self.pinned || self.sleep.is_some() || self.owner == Owner::Pending
     }
 }
 
@@ -82,6 +82,38 @@ pub(crate) enum Owner {
     /// A small allocation resized beyond the small classes: the caller
     /// knows it by the small id of this small-table slot.
     Promoted(u32),
+    /// Freed on a stream (`Arena::free_on_stream`), its event not yet
+    /// complete: no id names it, and it keeps its pages and chunks where
+    /// they are until the event completes (see [`Pending`]).
+    Pending,
+}
+
+impl Owner {
+    /// Whether the allocation counts in `live_count` and `live_bytes`.
+    pub fn counts_live(self) -> bool {
+        matches!(self, Owner::User | Owner::Promoted(_))
+    }
+}
+
+/// A stream-ordered free whose event has not been seen complete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Pending {
+    /// The event recorded on the freeing stream (owned: destroyed when
+    /// the entry goes).
+    pub event: u64,
+    pub what: Held,
+    /// A thread waits for the event outside the lock (`stream::reclaim`):
+    /// only that thread may destroy it and reap the entry.
+    pub waited: bool,
+}
+
+/// What a [`Pending`] free keeps from reuse.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// An allocation of whole chunks, in this slot, owner `Owner::Pending`.
+    Chunks(u32),
+    /// An object of this slab, kept taken (no small slot names it).
+    Small { slab: u32, index: u32 },
 }
 
 #[derive(Clone, Debug)]
@@ -128,6 +160,30 @@ pub(crate) struct State {
     pub asleep_pages: u64,
     /// Bytes held in sleeping allocations' backups.
     pub backup_bytes: u64,
+    /// Stream-ordered frees waiting for their events, oldest first.
+    pub pending: VecDeque<Pending>,
+    /// Cached and retired pages that no device work can still use: their
+    /// last users were freed on a stream whose event has completed, or
+    /// the prefetcher mapped them ahead and nothing used them yet.
+    /// Unmapping them needs no device synchronize. Always a subset of
+    /// `cached` and of the retired ranges' pages.
+    pub idle: BTreeSet<u64>,
+    /// The allocation (slot) each retired range was left by, by start
+    /// page: its stream-ordered free covers that range too.
+    pub retired_owner: BTreeMap<u64, u32>,
+    /// Chunks out of the books while `maintain` works on them outside the
+    /// lock (being created, or taken from the pool to be mapped ahead).
+    /// They count in `held_pages`, so the capacity holds them.
+    pub inflight_pages: u64,
+    /// Pages the prefetcher is mapping outside the lock: no plan may map
+    /// them until it has committed (see `SET_ASIDE`).
+    pub set_aside: BTreeSet<u64>,
+    /// Prefetch targets in pages: (unmapped pooled chunks, mapped ahead of
+    /// each awake growable allocation). See `Arena::set_prefetch`.
+    pub prefetch: (u64, u64),
+    /// Set when an operation may have created work for the prefetcher
+    /// (the background worker is woken, then it is cleared).
+    pub prefetch_dirty: bool,
     /// Chunks that back pages of more than one live allocation, and how
     /// many backing pages map each (at least 2). A chunk backing one page
     /// is not listed.
@@ -201,6 +257,13 @@ impl State {
             tag: 0,
             asleep_pages: 0,
             backup_bytes: 0,
+            pending: VecDeque::new(),
+            idle: BTreeSet::new(),
+            retired_owner: BTreeMap::new(),
+            inflight_pages: 0,
+            set_aside: BTreeSet::new(),
+            prefetch: (0, 0),
+            prefetch_dirty: false,
             shared: Default::default(),
             shared_extra: 0,
             groups: Default::default(),
@@ -215,7 +278,7 @@ impl State {
 
     /// Distinct chunks held: a shared chunk counts once.
     pub fn held_pages(&self) -> u64 {
-        self.backing_chunks() + self.cached.len() as u64 + self.pool.len() as u64
+        self.backing_chunks() + self.cached.len() as u64 + self.pool.len() as u64 + self.inflight_pages
     }
 
     /// Distinct chunks backing live allocations (and slabs).
@@ -269,7 +332,7 @@ impl State {
     pub fn insert_alloc(&mut self, a: Alloc) -> u32 {
         self.free.remove(a.start, a.reserved);
         self.backed_pages += a.backed;
-        if !matches!(a.owner, Owner::Slab(_)) {
+        if a.owner.counts_live() {
             self.live_bytes += a.size;
             self.live_count += 1;
         }
@@ -316,10 +379,11 @@ impl State {
             }
         }
         self.backed_pages -= a.backed;
-        if !matches!(a.owner, Owner::Slab(_)) {
+        if a.owner.counts_live() {
             self.live_bytes -= a.size;
             self.live_count -= 1;
         }
+        self.prefetch_dirty = true;
         self.free.insert(a.start, a.reserved);
         self.retire_pages(&still_shared);
     }
@@ -373,6 +437,12 @@ pub(crate) enum Segment {
     Retired,
 }
 
+/// The message of the `Error::Internal` a plan returns when it needs a page
+/// the prefetcher has set aside. It never reaches a caller: `Arena::run`
+/// waits for the prefetcher to commit and retries the operation (which,
+/// being all or nothing, changed nothing).
+pub(crate) const SET_ASIDE: &str = "a page is set aside by the prefetcher";
+
 /// Cached chunks taken at once when a plan must unmap some (see `Plan::new`).
 const STEAL_BATCH: usize = 16;
 
@@ -416,7 +486,7 @@ impl Plan {
     ) -> Result<Plan> {
         let sources: Vec<Option<ChunkHandle>> =
             (0..pages.end - pages.start).map(|i| known.get(i as usize).copied()).collect();
-        Plan::with_sources(st, &sources, pages, keep)
+        Plan::build(st, &sources, &[(pages, keep)])
     }
 
     /// Like [`Plan::new`], with a known chunk (or none: a fresh one) for
@@ -427,50 +497,92 @@ impl Plan {
         pages: std::ops::Range<u64>,
         keep: std::ops::Range<u64>,
     ) -> Result<Plan> {
+        Plan::build(st, sources, &[(pages, keep)])
+    }
+
+    /// Plans fresh chunks for several page ranges at once (growth of
+    /// several allocations): one choice of sources, at most one device
+    /// synchronize, one access call per contiguous run across all of them.
+    /// Each range comes with the range whose cached chunks it keeps.
+    pub fn for_ranges(st: &State, ranges: &[(std::ops::Range<u64>, std::ops::Range<u64>)]) -> Result<Plan> {
+        Plan::build(st, &[], ranges)
+    }
+
+    /// `sources` (a known chunk or a fresh one, per page) applies to the
+    /// first range only; the others get fresh chunks.
+    fn build(
+        st: &State,
+        sources: &[Option<ChunkHandle>],
+        ranges: &[(std::ops::Range<u64>, std::ops::Range<u64>)],
+    ) -> Result<Plan> {
         let mut plan = Plan::default();
         let mut fresh_needed = 0u64;
-        for (i, p) in pages.clone().enumerate() {
-            let cached_here = st.cached.contains(&p);
-            match sources.get(i).copied().flatten() {
-                Some(h) => {
-                    if cached_here {
-                        plan.unmap.push(p);
+        if !st.set_aside.is_empty()
+            && ranges.iter().any(|(pages, _)| st.set_aside.range(pages.clone()).next().is_some())
+        {
+            return Err(Error::Internal(SET_ASIDE.into()));
+        }
+        for (r, (pages, _)) in ranges.iter().enumerate() {
+            for (i, p) in pages.clone().enumerate() {
+                let cached_here = st.cached.contains(&p);
+                let known = if r == 0 { sources.get(i).copied().flatten() } else { None };
+                match known {
+                    Some(h) => {
+                        if cached_here {
+                            plan.unmap.push(p);
+                        }
+                        plan.maps.push((p, Source::Known(h)));
                     }
-                    plan.maps.push((p, Source::Known(h)));
-                }
-                None if cached_here => plan.adopt.push(p),
-                None => {
-                    plan.maps.push((p, Source::Fresh));
-                    fresh_needed += 1;
+                    None if cached_here => plan.adopt.push(p),
+                    None => {
+                        plan.maps.push((p, Source::Fresh));
+                        fresh_needed += 1;
+                    }
                 }
             }
         }
+        // Regions whose cached chunks are spoken for (each range and its keep).
+        let regions: Vec<std::ops::Range<u64>> =
+            ranges.iter().map(|(p, k)| k.start.min(p.start)..k.end.max(p.end)).collect();
+        let outside = |p: &u64| !regions.iter().any(|r| r.contains(p));
         // Sources in order of cost: evicted chunks (already being unmapped),
-        // unmapped pool, stolen cached chunks (an unmap), new chunks (a create).
+        // unmapped pool, idle cached chunks (an unmap, no synchronize),
+        // other cached chunks (an unmap after a synchronize), new chunks (a
+        // create).
         let mut have = plan.unmap.len() as u64;
         plan.take_pool = (fresh_needed.saturating_sub(have)).min(st.pool.len() as u64) as usize;
         have += plan.take_pool as u64;
+        if have < fresh_needed {
+            let want = (fresh_needed - have) as usize;
+            let idle: Vec<u64> =
+                st.idle.iter().rev().filter(|p| st.cached.contains(p) && outside(p)).copied().take(want).collect();
+            have += idle.len() as u64;
+            plan.unmap.extend(idle);
+        }
         if have < fresh_needed {
             // Unmapping needs a device synchronize: take a batch at once,
             // the extra chunks going to the unmapped pool, so that growth
             // token by token synchronizes once per batch, not per chunk.
             let want = ((fresh_needed - have) as usize).max(STEAL_BATCH);
-            let above = st.cached.range(keep.end.max(pages.end)..).rev();
-            let below = st.cached.range(..keep.start.min(pages.start)).rev();
-            let stolen: Vec<u64> = above.chain(below).copied().take(want).collect();
+            let stolen: Vec<u64> =
+                st.cached.iter().rev().filter(|p| !st.idle.contains(p) && outside(p)).copied().take(want).collect();
             have += stolen.len() as u64;
             plan.unmap.extend(stolen);
         }
         let room = st.cap_pages.saturating_sub(st.held_pages());
         if have + room < fresh_needed {
             // Last resort before running out of memory: the cached chunks
-            // `keep` protects (the reservation's own unbacked pages).
-            let want = (fresh_needed - have - room) as usize;
-            let tail = st.cached.range(pages.end.max(keep.start)..keep.end.max(pages.end)).rev();
-            let head = st.cached.range(keep.start.min(pages.start)..pages.start).rev();
-            let stolen: Vec<u64> = tail.chain(head).copied().take(want).collect();
-            have += stolen.len() as u64;
-            plan.unmap.extend(stolen);
+            // the keeps protect (the reservations' own unbacked pages).
+            let mut want = (fresh_needed - have - room) as usize;
+            for (pages, keep) in ranges {
+                let tail = st.cached.range(pages.end.max(keep.start)..keep.end.max(pages.end)).rev();
+                let head = st.cached.range(keep.start.min(pages.start)..pages.start).rev();
+                let stolen: Vec<u64> =
+                    tail.chain(head).filter(|p| !plan.unmap.contains(p)).copied().take(want).collect();
+                want -= stolen.len();
+                have += stolen.len() as u64;
+                plan.unmap.extend(stolen);
+            }
         }
         if have < fresh_needed {
             plan.create = (fresh_needed - have) as usize;
@@ -482,6 +594,8 @@ impl Plan {
             }
         }
         plan.unmap.sort_unstable();
+        plan.unmap.dedup();
+        plan.maps.sort_unstable_by_key(|&(p, _)| p);
         Ok(plan)
     }
 
@@ -489,10 +603,25 @@ impl Plan {
     /// the state is untouched either way.
     pub fn execute(&mut self, st: &State, tx: &mut Txn<'_>) -> Result<()> {
         for run in runs(&self.unmap) {
-            let chunks: Vec<ChunkHandle> =
-                run.clone().map(|p| st.mapped[p as usize].expect("cached page is mapped")).collect();
-            tx.unmap(run.start, chunks.clone())?;
-            self.unmapped_chunks.extend(chunks);
+            // Idle pages need no synchronize; a run is unmapped in pieces
+            // of equal idleness (each page is one whole mapping).
+            let mut at = run.start;
+            while at < run.end {
+                let idle = st.idle.contains(&at);
+                let mut end = at + 1;
+                while end < run.end && st.idle.contains(&end) == idle {
+                    end += 1;
+                }
+                let chunks: Vec<ChunkHandle> =
+                    (at..end).map(|p| st.mapped[p as usize].expect("cached page is mapped")).collect();
+                if idle {
+                    tx.unmap_idle(at, chunks.clone())?;
+                } else {
+                    tx.unmap(at, chunks.clone())?;
+                }
+                self.unmapped_chunks.extend(chunks);
+                at = end;
+            }
         }
         self.fresh = self.unmapped_chunks.clone();
         self.fresh.extend(st.pool[st.pool.len() - self.take_pool..].iter().rev());
@@ -524,6 +653,7 @@ impl Plan {
     pub fn apply(self, st: &mut State) {
         for &p in &self.unmap {
             st.cached.remove(&p);
+            st.idle.remove(&p);
             st.mapped[p as usize] = None;
         }
         let keep = st.pool.len() - self.take_pool;
@@ -532,9 +662,13 @@ impl Plan {
         st.pool.extend(self.fresh.iter().copied());
         for &p in &self.adopt {
             st.cached.remove(&p);
+            st.idle.remove(&p);
         }
         for &(p, h) in &self.mapped {
             st.mapped[p as usize] = Some(h);
+        }
+        if !self.adopt.is_empty() || !self.mapped.is_empty() {
+            st.prefetch_dirty = true;
         }
     }
 }

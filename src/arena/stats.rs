@@ -16,8 +16,11 @@ pub struct Stats {
     /// chunk counts while one of its objects is live).
     pub mapped_bytes: u64,
     /// Physical bytes held but backing no live allocation: cached and
-    /// unmapped pooled chunks, and slabs that hold only retired objects
-    /// (until retired memory is released, when they join the pool).
+    /// unmapped pooled chunks (prefetched ones included, and those the
+    /// prefetcher is working on), slabs that hold only retired objects
+    /// (until retired memory is released, when they join the pool), and
+    /// the chunks of stream-ordered frees still waiting for their event
+    /// (`pending_free_bytes`).
     pub pooled_bytes: u64,
     /// High-water mark of `mapped_bytes + pooled_bytes`.
     pub peak_physical_bytes: u64,
@@ -29,12 +32,15 @@ pub struct Stats {
     pub retired_va_bytes: u64,
     /// Moves by remapping, ever.
     pub moves: u64,
+    /// Chunk creations (`cuMemCreate`), by every thread (callers' and the
+    /// prefetcher's); likewise the next five counts.
     pub driver_creates: u64,
     pub driver_releases: u64,
     pub driver_maps: u64,
     pub driver_unmaps: u64,
     pub driver_access_calls: u64,
-    /// Device synchronizations (one before each batch of unmaps).
+    /// Device synchronizations (one before each batch of unmaps of pages
+    /// not known idle).
     pub driver_syncs: u64,
     /// The chunk size.
     pub chunk_bytes: u64,
@@ -62,6 +68,37 @@ pub struct Stats {
     pub imported_bytes: u64,
     /// Live allocations that were exported ([`Arena::export`]) at least once.
     pub exported_allocations: u64,
+    /// Virtual-memory driver calls (creates, releases, maps, unmaps,
+    /// access calls, synchronizes) made by the callers' operations, on
+    /// their threads: the driver work on the critical path.
+    pub caller_driver_calls: u64,
+    /// Of `caller_driver_calls`, chunk creations.
+    pub caller_creates: u64,
+    /// Of `caller_driver_calls`, device synchronizations.
+    pub caller_syncs: u64,
+    /// The same calls made by [`Arena::maintain`](super::Arena::maintain)
+    /// or the background worker: off the critical path when maintain runs
+    /// while the device computes. `driver_*` count both kinds.
+    pub maintain_driver_calls: u64,
+    /// Frees ordered on a stream (an event recorded by
+    /// [`Arena::free_on_stream`](super::Arena::free_on_stream)).
+    pub stream_frees: u64,
+    /// Polls of such events (`cuEventQuery`; they never block).
+    pub event_polls: u64,
+    /// Blocking waits on such events (`cuEventSynchronize`), made only when
+    /// nothing else could serve a request, oldest event first.
+    pub event_waits: u64,
+    /// Physical bytes of stream-ordered frees whose event has not been
+    /// seen complete: held, counted in `pooled_bytes`, not reusable yet.
+    pub pending_free_bytes: u64,
+    /// Of `pooled_bytes`, what serves the prefetch targets now: unmapped
+    /// pooled chunks up to `precreate_bytes`, plus the chunks mapped ahead
+    /// of awake growable allocations' backed sizes (up to
+    /// `map_ahead_bytes` each) and the chunks the prefetcher is working on.
+    pub prefetched_bytes: u64,
+    /// Driver failures in `maintain` or the background worker; each left
+    /// the arena consistent and lost nothing.
+    pub maintain_failures: u64,
     /// Physical bytes mapped by more than one live allocation (see
     /// [`Arena::alloc_shared`]), each chunk once; they count once in
     /// `mapped_bytes` too.
@@ -117,11 +154,14 @@ impl Arena {
         let (imported, exported) = (inner.shares.imported(c), inner.shares.exported_count());
         #[cfg(not(unix))]
         let (imported, exported) = ((0, 0), 0);
+        let (fg, bg) = (&self.sh.counts, &self.sh.bg_counts);
+        let both = |f: fn(&super::txn::Counters) -> &AtomicU64| load(f(fg)) + load(f(bg));
+        let pending = super::stream::pending_chunks(st);
         Stats {
             live_allocations: st.live_count + st.small.live,
             live_bytes: st.live_bytes + st.small.live_bytes,
-            mapped_bytes: (st.backing_chunks() - idle_slabs) * c,
-            pooled_bytes: (st.pooled_pages() + idle_slabs) * c,
+            mapped_bytes: (st.backing_chunks() - idle_slabs - pending) * c,
+            pooled_bytes: (st.pooled_pages() + idle_slabs + pending + st.inflight_pages) * c,
             peak_physical_bytes: st.peak_held_pages.max(st.held_pages()) * c,
             capacity_bytes: st.cap_pages * c,
             reserved_va_bytes: st.pages * c,
@@ -129,12 +169,12 @@ impl Arena {
             largest_free_va_bytes: st.free.largest() * c,
             retired_va_bytes: st.retired_pages * c + st.small.retired_bytes,
             moves: st.moves,
-            driver_creates: load(&self.counts.creates),
-            driver_releases: load(&self.counts.releases),
-            driver_maps: load(&self.counts.maps),
-            driver_unmaps: load(&self.counts.unmaps),
-            driver_access_calls: load(&self.counts.access_calls),
-            driver_syncs: load(&self.counts.syncs),
+            driver_creates: both(|c| &c.creates),
+            driver_releases: both(|c| &c.releases),
+            driver_maps: both(|c| &c.maps),
+            driver_unmaps: both(|c| &c.unmaps),
+            driver_access_calls: both(|c| &c.access_calls),
+            driver_syncs: both(|c| &c.syncs),
             chunk_bytes: c,
             cached_mapped_bytes: st.cached.len() as u64 * c,
             release_failures: inner.release_failures,
@@ -146,6 +186,16 @@ impl Arena {
             imported_allocations: imported.0,
             imported_bytes: imported.1,
             exported_allocations: exported,
+            caller_driver_calls: fg.vmm_calls(),
+            caller_creates: load(&fg.creates),
+            caller_syncs: load(&fg.syncs),
+            maintain_driver_calls: bg.vmm_calls(),
+            stream_frees: both(|c| &c.event_records),
+            event_polls: both(|c| &c.event_queries),
+            event_waits: both(|c| &c.event_waits),
+            pending_free_bytes: pending * c,
+            prefetched_bytes: (super::prefetch::prefetched_pages(st) + st.inflight_pages) * c,
+            maintain_failures: inner.maintain_failures,
             shared_bytes: st.shared.len() as u64 * c,
         }
     }
@@ -154,6 +204,6 @@ impl Arena {
     /// pooled chunks and the stats.
     pub fn snapshot_json(&self) -> Result<String> {
         let inner = self.lock()?;
-        Ok(crate::snapshot::to_json(&inner.st, &self.stats_of(&inner), self.driver.name()))
+        Ok(crate::snapshot::to_json(&inner.st, &self.stats_of(&inner), self.sh.driver.name()))
     }
 }

@@ -12,6 +12,8 @@ use crate::error::Result;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Successful driver calls, ever (the `driver_*` fields of the stats).
+/// The arena keeps two: one for the callers' operations, one for
+/// `maintain` and the background worker.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub creates: AtomicU64,
@@ -20,9 +22,24 @@ pub(crate) struct Counters {
     pub unmaps: AtomicU64,
     pub access_calls: AtomicU64,
     pub syncs: AtomicU64,
+    /// Stream events recorded (`cuEventRecord`).
+    pub event_records: AtomicU64,
+    /// Event polls (`cuEventQuery`).
+    pub event_queries: AtomicU64,
+    /// Blocking event waits (`cuEventSynchronize`).
+    pub event_waits: AtomicU64,
 }
 
-fn bump(c: &AtomicU64) {
+impl Counters {
+    /// The virtual-memory calls counted here (creates, releases, maps,
+    /// unmaps, access calls, synchronizes; not event calls).
+    pub fn vmm_calls(&self) -> u64 {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        l(&self.creates) + l(&self.releases) + l(&self.maps) + l(&self.unmaps) + l(&self.access_calls) + l(&self.syncs)
+    }
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -86,6 +103,12 @@ impl<'a> Txn<'a> {
     /// synchronizing first.
     pub fn unmap(&mut self, page: u64, chunks: Vec<ChunkHandle>) -> Result<()> {
         self.sync()?;
+        self.unmap_idle(page, chunks)
+    }
+
+    /// Unmaps a run of pages known idle (see `State::idle`: no work can
+    /// still use them), without synchronizing the device.
+    pub fn unmap_idle(&mut self, page: u64, chunks: Vec<ChunkHandle>) -> Result<()> {
         self.drv.unmap(self.addr(page), chunks.len() as u64 * self.chunk)?;
         bump(&self.counts.unmaps);
         self.undo.push(Undo::Remap { page, chunks });

@@ -167,6 +167,7 @@ driver_api! {
     cuEventCreate: fn(*mut sys::CUevent, c_uint);
     cuEventRecord: fn(sys::CUevent, sys::CUstream);
     cuEventQuery: fn(sys::CUevent);
+    cuEventSynchronize: fn(sys::CUevent);
     cuEventDestroy_v2: fn(sys::CUevent);
     cuMemExportToShareableHandle: fn(
         *mut c_void,
@@ -515,6 +516,11 @@ impl Lib {
             NOT_READY => Ok(false),
             code => self.check("cuEventQuery", code).map(|_| false),
         }
+    }
+
+    fn event_synchronize(self, ev: u64) -> Result<()> {
+        // SAFETY: as in `event_query`: a live event from `event_record`.
+        self.check("cuEventSynchronize", unsafe { (self.api.cuEventSynchronize)(ev as sys::CUevent) })
     }
 
     fn event_destroy(self, ev: u64) -> Result<()> {
@@ -1089,6 +1095,11 @@ impl Driver for CudaDriver {
     fn event_complete(&self, event: u64) -> Result<bool> {
         let _cur = self.enter()?;
         self.lib.event_query(event)
+    }
+
+    fn wait_event(&self, event: u64) -> Result<()> {
+        let _cur = self.enter()?;
+        self.lib.event_synchronize(event)
     }
 
     fn destroy_event(&self, event: u64) -> Result<()> {

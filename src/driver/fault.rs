@@ -249,6 +249,10 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.enter(CallKind::Event)?;
         self.inner.event_complete(event)
     }
+    fn wait_event(&self, event: u64) -> Result<()> {
+        self.enter(CallKind::Event)?;
+        self.inner.wait_event(event)
+    }
     fn destroy_event(&self, event: u64) -> Result<()> {
         self.enter(CallKind::Event)?;
         self.inner.destroy_event(event)

@@ -4,6 +4,14 @@
 //! makes no system call, so the whole policy runs under Miri and loom, and
 //! large-scale bookkeeping benches do not need real memory. Chunk memory is
 //! allocated lazily on first write, so a million untouched chunks cost nothing.
+//!
+//! Streams: by default the mock, like the host, has none (`record_event`
+//! returns `None`: freed memory is reusable at once). [`MockDriver::with_streams`]
+//! gives it events that complete only when a test says so
+//! ([`MockDriver::complete_event`], [`MockDriver::complete_all_events`]) or
+//! when the arena waits for one (`wait_event`, which models the device
+//! finishing that stream's work), so tests can check the ordering rules of
+//! stream-ordered frees.
 
 use std::collections::HashMap;
 
@@ -27,6 +35,12 @@ struct MockState {
     next_handle: u64,
     /// Chunk contents, created on first write; absent means all zeroes.
     data: HashMap<ChunkHandle, Vec<u8>>,
+    /// Whether `record_event` makes events (see [`MockDriver::with_streams`]).
+    streams: bool,
+    next_event: u64,
+    /// Live events: id -> (stream, completed).
+    events: std::collections::BTreeMap<u64, (u64, bool)>,
+    events_waited: u64,
 }
 
 impl MockDriver {
@@ -40,8 +54,67 @@ impl MockDriver {
                 next_va: 0x1000_0000_0000,
                 next_handle: 1,
                 data: HashMap::new(),
+                streams: false,
+                next_event: 1,
+                events: Default::default(),
+                events_waited: 0,
             }),
         }
+    }
+
+    /// A mock device whose streams are asynchronous: every recorded event
+    /// stays incomplete until [`MockDriver::complete_event`] (or
+    /// `wait_event`) completes it.
+    pub fn with_streams(granularity: u64, total_memory: u64) -> MockDriver {
+        let d = MockDriver::new(granularity, total_memory);
+        if let Ok(mut s) = d.state() {
+            s.streams = true;
+        }
+        d
+    }
+
+    /// Completes one recorded event (the device got past it); false if it
+    /// is unknown (never recorded, or destroyed).
+    pub fn complete_event(&self, event: u64) -> bool {
+        match self.state() {
+            Ok(mut s) => match s.events.get_mut(&event) {
+                Some(e) => {
+                    e.1 = true;
+                    true
+                }
+                None => false,
+            },
+            Err(_) => false,
+        }
+    }
+
+    /// Completes every event recorded on `stream` so far.
+    pub fn complete_stream(&self, stream: u64) {
+        if let Ok(mut s) = self.state() {
+            for e in s.events.values_mut().filter(|e| e.0 == stream) {
+                e.1 = true;
+            }
+        }
+    }
+
+    /// Completes every recorded event.
+    pub fn complete_all_events(&self) {
+        if let Ok(mut s) = self.state() {
+            for e in s.events.values_mut() {
+                e.1 = true;
+            }
+        }
+    }
+
+    /// Live (recorded, not destroyed) events, oldest first, with whether
+    /// each has completed.
+    pub fn events(&self) -> Vec<(u64, bool)> {
+        self.state().map(|s| s.events.iter().map(|(&id, &(_, done))| (id, done)).collect()).unwrap_or_default()
+    }
+
+    /// How many times `wait_event` was called.
+    pub fn events_waited(&self) -> u64 {
+        self.state().map(|s| s.events_waited).unwrap_or(0)
     }
 
     fn state(&self) -> Result<crate::sync::MutexGuard<'_, MockState>> {
@@ -172,6 +245,49 @@ impl Driver for MockDriver {
         let mut buf = vec![0u8; len as usize];
         self.read(src, &mut buf)?;
         self.write(dst, &buf)
+    }
+
+    fn record_event(&self, stream: u64) -> Result<Option<u64>> {
+        let mut s = self.state()?;
+        if !s.streams {
+            return Ok(None);
+        }
+        let id = s.next_event;
+        s.next_event += 1;
+        s.events.insert(id, (stream, false));
+        Ok(Some(id))
+    }
+
+    fn event_complete(&self, event: u64) -> Result<bool> {
+        let s = self.state()?;
+        match s.events.get(&event) {
+            Some(&(_, done)) => Ok(done),
+            None if !s.streams => Ok(true),
+            None => Err(Error::invalid(format!("event {event} is unknown or destroyed"))),
+        }
+    }
+
+    fn wait_event(&self, event: u64) -> Result<()> {
+        let mut s = self.state()?;
+        s.events_waited += 1;
+        let streams = s.streams;
+        match s.events.get_mut(&event) {
+            Some(e) => {
+                e.1 = true;
+                Ok(())
+            }
+            None if !streams => Ok(()),
+            None => Err(Error::invalid(format!("event {event} is unknown or destroyed"))),
+        }
+    }
+
+    fn destroy_event(&self, event: u64) -> Result<()> {
+        let mut s = self.state()?;
+        match s.events.remove(&event) {
+            Some(_) => Ok(()),
+            None if !s.streams => Ok(()),
+            None => Err(Error::invalid(format!("event {event} is unknown or destroyed"))),
+        }
     }
 }
 

@@ -60,7 +60,8 @@ pub enum CallKind {
     Synchronize,
     /// Data movement: `read`, `write`, `copy` (not VMM calls, but they can fail).
     Data,
-    /// Stream events: `record_event`, `event_complete`, `destroy_event`.
+    /// Stream events: `record_event`, `event_complete`, `wait_event`,
+    /// `destroy_event`.
     Event,
     /// Host buffers for backups: `alloc_host`.
     HostAlloc,
@@ -151,6 +152,14 @@ pub trait Driver: Send + Sync {
     fn event_complete(&self, event: u64) -> Result<bool> {
         let _ = event;
         Ok(true)
+    }
+
+    /// Blocks until a recorded event has completed (`cuEventSynchronize`):
+    /// the work queued on its stream before it, and nothing else, is done.
+    /// The arena calls it only when nothing else can serve a request.
+    fn wait_event(&self, event: u64) -> Result<()> {
+        let _ = event;
+        Ok(())
     }
 
     /// Destroys a recorded event.
@@ -254,6 +263,9 @@ macro_rules! forward_driver {
             }
             fn event_complete(&self, event: u64) -> Result<bool> {
                 (**self).event_complete(event)
+            }
+            fn wait_event(&self, event: u64) -> Result<()> {
+                (**self).wait_event(event)
             }
             fn destroy_event(&self, event: u64) -> Result<()> {
                 (**self).destroy_event(event)

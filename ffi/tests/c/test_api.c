@@ -184,7 +184,8 @@ static void test_config_and_create(void) {
     EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
     CHECK(a == sentinel);
   }
-  const uint32_t bad_flags[] = {2, 4, 3, 0x80000000u, 0xFFFFFFFFu};
+  /* 1 and 2 are known (2: VMM_ARENA_FLAG_BACKGROUND, the next contract's). */
+  const uint32_t bad_flags[] = {4, 8, 5, 0x80000000u, 0xFFFFFFFFu};
   for (size_t i = 0; i < sizeof bad_flags / sizeof bad_flags[0]; i++) {
     vmm_arena_config b = h;
     b.flags = bad_flags[i];
@@ -272,7 +273,7 @@ static void test_config_and_create(void) {
   /* A success leaves the last error as it was: same text, same pointer. */
   {
     vmm_arena_config b = h;
-    b.flags = 2;
+    b.flags = 4;
     EXPECT(vmm_arena_create(&b, &a), VMM_ARENA_ERR_INVALID_ARGUMENT);
     const char *before = vmm_arena_last_error();
     char copy[512];
@@ -1267,6 +1268,121 @@ static void test_driver_failures(void) {
   vmm_arena_destroy(f);
 }
 
+#ifdef VMM_ARENA_FLAG_BACKGROUND
+/* A number from the snapshot's stats ("key":value), or UINT64_MAX if absent. */
+static uint64_t snapshot_stat(vmm_arena *a, const char *key) {
+  static char buf[1 << 16];
+  size_t len = 0;
+  OK(vmm_arena_snapshot_json(a, buf, sizeof buf, &len));
+  CHECK(len <= sizeof buf);
+  char pat[96];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *at = strstr(strstr(buf, "\"stats\""), pat);
+  if (at == NULL) return UINT64_MAX;
+  return strtoull(at + strlen(pat), NULL, 10);
+}
+
+/* Stream-ordered frees, prefetch, the background flag (the next contract's
+ * additions) and vmm_arena_resize_many (the project header's). */
+static void test_stream_free_and_prefetch(void) {
+  const vmm_arena_status INV = VMM_ARENA_ERR_INVALID_ARGUMENT;
+  EXPECT(vmm_arena_free_on_stream(NULL, 1, 0), INV);
+  EXPECT(vmm_arena_set_prefetch(NULL, K, K), INV);
+  EXPECT(vmm_arena_maintain(NULL), INV);
+  vmm_arena *a = make(16, 64, 0);
+  /* Host backend: a stream-ordered free frees at once. */
+  vmm_arena_id x, y;
+  uint64_t px, py;
+  OK(vmm_arena_alloc(a, 2 * K, &x, &px));
+  OK(vmm_arena_free_on_stream(a, x, 0));
+  EXPECT(vmm_arena_free_on_stream(a, x, 0), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  EXPECT(vmm_arena_free_on_stream(a, 0, 0), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  CHECK(strstr(vmm_arena_last_error(), "0x0") != NULL);
+  OK(vmm_arena_alloc(a, 2 * K, &y, &py));
+  CHECK(py == px); /* its chunks served at once */
+  CHECK(snapshot_stat(a, "pending_free_bytes") == 0);
+  OK(vmm_arena_free(a, y));
+
+  /* Prefetch: precreated chunks, then growth into mapped-ahead ones with no
+   * driver call on this thread. */
+  vmm_arena_id g;
+  uint64_t pg, q;
+  OK(vmm_arena_trim(a, 0, NULL));
+  OK(vmm_arena_alloc_growable(a, K, 8 * K, &g, &pg));
+  OK(vmm_arena_set_prefetch(a, 2 * K, 3 * K));
+  OK(vmm_arena_maintain(a));
+  CHECK(snapshot_stat(a, "prefetched_bytes") == 5 * K);
+  CHECK(snapshot_stat(a, "maintain_driver_calls") > 0);
+  uint64_t calls = snapshot_stat(a, "caller_driver_calls");
+  fill(pg, K, 41);
+  OK(vmm_arena_resize(a, g, 4 * K, &q));
+  CHECK(q == pg && intact(pg, K, 41));
+  CHECK(snapshot_stat(a, "caller_driver_calls") == calls);
+  OK(vmm_arena_set_prefetch(a, 0, 0));
+  OK(vmm_arena_maintain(a)); /* nothing to do */
+
+  /* resize_many: arguments, all or nothing, addresses. */
+  vmm_arena_id h, ids[3];
+  uint64_t ph, sizes[3], out[3] = {7, 7, 7};
+  OK(vmm_arena_alloc_growable(a, K, 4 * K, &h, &ph));
+  fill(ph, K, 42);
+  OK(vmm_arena_resize_many(a, NULL, NULL, 0, NULL)); /* nothing to do */
+  EXPECT(vmm_arena_resize_many(NULL, ids, sizes, 0, out), INV);
+  ids[0] = g, ids[1] = h, sizes[0] = 5 * K, sizes[1] = 2 * K;
+  EXPECT(vmm_arena_resize_many(a, NULL, sizes, 2, out), INV);
+  EXPECT(vmm_arena_resize_many(a, ids, NULL, 2, out), INV);
+  EXPECT(vmm_arena_resize_many(a, ids, sizes, 2, NULL), INV);
+  ids[1] = g;
+  EXPECT(vmm_arena_resize_many(a, ids, sizes, 2, out), INV); /* the same id twice */
+  CHECK(strstr(vmm_arena_last_error(), "twice") != NULL);
+  ids[1] = h, sizes[1] = 0;
+  EXPECT(vmm_arena_resize_many(a, ids, sizes, 2, out), INV);
+  ids[1] = 0xDEAD, sizes[1] = K;
+  EXPECT(vmm_arena_resize_many(a, ids, sizes, 2, out), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  CHECK(strstr(vmm_arena_last_error(), "0xdead") != NULL);
+  ids[1] = h, sizes[1] = 100 * K; /* beyond the capacity: nothing changes */
+  EXPECT(vmm_arena_resize_many(a, ids, sizes, 2, out), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  CHECK(out[0] == 7 && out[1] == 7);
+  uint64_t size = 0;
+  OK(vmm_arena_query(a, g, NULL, &size));
+  CHECK(size == 4 * K);
+  ids[2] = x; /* freed above */
+  sizes[1] = 3 * K, sizes[2] = K;
+  EXPECT(vmm_arena_resize_many(a, ids, sizes, 3, out), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  OK(vmm_arena_resize_many(a, ids, sizes, 2, out));
+  OK(vmm_arena_query(a, g, &q, &size));
+  CHECK(q == out[0] && size == 5 * K);
+  OK(vmm_arena_query(a, h, &q, &size));
+  CHECK(q == out[1] && size == 3 * K && intact(out[1], K, 42) && intact(out[0], K, 41));
+  OK(vmm_arena_free(a, g));
+  OK(vmm_arena_free(a, h));
+  vmm_arena_destroy(a);
+
+  /* A failed prefetch call is the driver's status, and counted. */
+  vmm_arena_config c = host_config(8, 32, 0);
+  OK(vmm_arena_testing_create_faulty(&c, &a));
+  OK(vmm_arena_set_prefetch(a, 2 * K, 0));
+  OK(vmm_arena_testing_fail_nth(a, CALL_CREATE, 2, FAULT_DRIVER));
+  EXPECT(vmm_arena_maintain(a), VMM_ARENA_ERR_DRIVER);
+  CHECK(snapshot_stat(a, "maintain_failures") == 1 && snapshot_stat(a, "prefetched_bytes") == K);
+  OK(vmm_arena_maintain(a));
+  CHECK(snapshot_stat(a, "prefetched_bytes") == 2 * K);
+  uint64_t chunks = 0, mappings = 0;
+  OK(vmm_arena_testing_driver_objects(a, &chunks, &mappings));
+  CHECK(chunks == 2 && mappings == 0);
+  vmm_arena_destroy(a);
+
+  /* The background thread keeps the targets; destroy stops and joins it. */
+  a = make(16, 64, VMM_ARENA_FLAG_BACKGROUND);
+  OK(vmm_arena_set_prefetch(a, 3 * K, 0));
+  for (int i = 0; i < 20000 && snapshot_stat(a, "prefetched_bytes") < 3 * K; i++) usleep(100);
+  CHECK(snapshot_stat(a, "prefetched_bytes") == 3 * K);
+  CHECK(snapshot_stat(a, "caller_driver_calls") == 0);
+  vmm_arena_destroy(a);
+  vmm_arena_destroy(NULL);
+}
+#endif
+
 int main(void) {
   setvbuf(stdout, NULL, _IONBF, 0);
   struct {
@@ -1289,6 +1405,9 @@ int main(void) {
 #ifdef VMM_ARENA_SLEEP_BACKUP
       {"sleep_wake", test_sleep_wake},
       {"alloc_shared", test_alloc_shared},
+#endif
+#ifdef VMM_ARENA_FLAG_BACKGROUND
+      {"stream_free_and_prefetch", test_stream_free_and_prefetch},
 #endif
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {

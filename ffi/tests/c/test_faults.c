@@ -150,8 +150,9 @@ static void fill(vmm_arena *a, vmm_arena_id id) {
   for (uint64_t i = 0; i < n; i++) b[i] = pattern(id, i);
 }
 
-/* The snapshot JSON, with the driver counters' values removed (a rolled
- * back operation legitimately changes them: its calls and their undoing). */
+/* The snapshot JSON, with the values of the counters of driver calls
+ * removed (a rolled back operation legitimately changes them: its calls and
+ * their undoing): driver_*, and the counts by thread and of stream events. */
 static char *snapshot_sans_driver(vmm_arena *a) {
   size_t len = 0, len2 = 0;
   OK(vmm_arena_snapshot_json(a, NULL, 0, &len));
@@ -159,12 +160,16 @@ static char *snapshot_sans_driver(vmm_arena *a) {
   CHECK(s != NULL);
   OK(vmm_arena_snapshot_json(a, s, len, &len2));
   CHECK(len2 == len && strlen(s) + 1 == len);
-  for (char *k = strstr(s, "\"driver_"); k != NULL; k = strstr(k + 1, "\"driver_")) {
-    char *colon = strchr(k, ':');
-    CHECK(colon != NULL);
-    char *end = colon + 1;
-    while (*end >= '0' && *end <= '9') end++;
-    memmove(colon + 1, end, strlen(end) + 1);
+  static const char *const counters[] = {"\"driver_", "\"caller_", "\"maintain_driver_calls\"", "\"stream_frees\"",
+                                         "\"event_"};
+  for (size_t c = 0; c < sizeof counters / sizeof counters[0]; c++) {
+    for (char *k = strstr(s, counters[c]); k != NULL; k = strstr(k + 1, counters[c])) {
+      char *colon = strchr(k, ':');
+      CHECK(colon != NULL);
+      char *end = colon + 1;
+      while (*end >= '0' && *end <= '9') end++;
+      memmove(colon + 1, end, strlen(end) + 1);
+    }
   }
   return s;
 }

@@ -92,7 +92,12 @@ static void *worker(void *arg) {
     uint32_t slot = it % 2;
     if (live_id[slot] != 0) {
       touch(live_id[slot], live_len[slot], live_seed[slot], 0);
-      OK(vmm_arena_free(arena, live_id[slot]));
+#ifdef VMM_ARENA_FLAG_BACKGROUND
+      if (it % 3 == 0)
+        OK(vmm_arena_free_on_stream(arena, live_id[slot], 0));
+      else
+#endif
+        OK(vmm_arena_free(arena, live_id[slot]));
       EXPECT(vmm_arena_query(arena, live_id[slot], NULL, NULL), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
       live_id[slot] = 0;
     }
@@ -145,8 +150,20 @@ static void *worker(void *arg) {
   return NULL;
 }
 
-int main(void) {
-  setvbuf(stdout, NULL, _IONBF, 0);
+#ifdef VMM_ARENA_FLAG_BACKGROUND
+static atomic_int workers_done;
+
+/* Prefetches between the workers' calls, as an engine's loop would. */
+static void *maintainer(void *arg) {
+  (void)arg;
+  while (!atomic_load(&workers_done)) OK(vmm_arena_maintain(arena));
+  return NULL;
+}
+#endif
+
+/* Runs the workers on a fresh arena; `flags` and `prefetch` (bytes, both
+ * targets) say how it prefetches, `maintain` whether a thread maintains. */
+static void run(uint32_t flags, uint64_t prefetch, int maintain) {
   vmm_arena_config c;
   vmm_arena_config_default(&c);
   c.backend = VMM_ARENA_BACKEND_HOST;
@@ -154,12 +171,27 @@ int main(void) {
   c.capacity_bytes = 64 * K;
   c.reserve_bytes = 72 * K; /* tight: implicit moves happen */
   c.retain_bytes = 16 * K;
+  c.flags = flags;
   OK(vmm_arena_create(&c, &arena));
   OK(vmm_arena_set_move_callback(arena, count_move, &callback_moves));
+  atomic_store(&callback_moves, 0);
+#ifdef VMM_ARENA_FLAG_BACKGROUND
+  OK(vmm_arena_set_prefetch(arena, prefetch, prefetch));
+  atomic_store(&workers_done, 0);
+  pthread_t m;
+  if (maintain) CHECK(pthread_create(&m, NULL, maintainer, NULL) == 0);
+#else
+  (void)prefetch;
+  (void)maintain;
+#endif
 
   pthread_t th[THREADS];
   for (uintptr_t t = 0; t < THREADS; t++) CHECK(pthread_create(&th[t], NULL, worker, (void *)t) == 0);
   for (int t = 0; t < THREADS; t++) CHECK(pthread_join(th[t], NULL) == 0);
+#ifdef VMM_ARENA_FLAG_BACKGROUND
+  atomic_store(&workers_done, 1);
+  if (maintain) CHECK(pthread_join(m, NULL) == 0);
+#endif
 
   vmm_arena_stats st;
   memset(&st, 0, sizeof st);
@@ -169,9 +201,21 @@ int main(void) {
   CHECK(st.moves == atomic_load(&callback_moves));
   CHECK(st.moves > 0);
   CHECK(st.pooled_bytes <= 16 * K);
-  printf("test_threads: %d threads x %d iterations, %" PRIu64 " moves, %lu out-of-memory, %lu out-of-address-space\n",
-         THREADS, ITERATIONS, st.moves, (unsigned long)atomic_load(&failures_oom),
+  printf("test_threads: flags %u, prefetch %" PRIu64 ", maintainer %d: %d threads x %d iterations, %" PRIu64
+         " moves, %lu out-of-memory, %lu out-of-address-space\n",
+         flags, prefetch, maintain, THREADS, ITERATIONS, st.moves, (unsigned long)atomic_load(&failures_oom),
          (unsigned long)atomic_load(&failures_ooas));
   vmm_arena_destroy(arena);
+}
+
+int main(void) {
+  setvbuf(stdout, NULL, _IONBF, 0);
+  run(0, 0, 0);
+#ifdef VMM_ARENA_FLAG_BACKGROUND
+  run(0, 4 * K, 1);                         /* maintain on a thread of the caller's */
+#ifndef VMM_ARENA_CALLS_SERIALIZED /* scripts/tsan.sh: see there */
+  run(VMM_ARENA_FLAG_BACKGROUND, 4 * K, 0); /* the arena's own background thread */
+#endif
+#endif
   FINISH("test_threads");
 }

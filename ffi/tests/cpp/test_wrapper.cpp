@@ -297,6 +297,32 @@ void test_sleep_wake() {
   CHECK(arena.stats().live_allocations == 2);
 }
 
+void test_prefetch_stream_free_resize_many() {
+  vmm::Arena arena(small(16, 64));
+  vmm::Allocation g = arena.alloc_growable(K, 8 * K);
+  vmm::Allocation h = arena.alloc_growable(K, 8 * K);
+  arena.set_prefetch(K, 2 * K);
+  arena.maintain();
+  CHECK(arena.try_maintain().ok());
+  std::vector<uint64_t> ptrs = arena.resize_many({g.id(), h.id()}, {3 * K, 2 * K});
+  CHECK(ptrs.size() == 2 && ptrs[0] == g.ptr() && ptrs[1] == h.ptr());
+  CHECK(g.size() == 3 * K && h.size() == 2 * K);
+  CHECK(thrown_status([&] { arena.resize_many({g.id(), g.id()}, {K, K}); }) == vmm::Status::InvalidArgument);
+  CHECK(thrown_status([&] { arena.resize_many({g.id()}, {K, K}); }) == vmm::Status::InvalidArgument);
+  CHECK(thrown_status([&] { arena.resize_many({g.id()}, {100 * K}); }) == vmm::Status::OutOfMemory);
+  CHECK(g.size() == 3 * K);
+  g.free_on_stream(0);
+  CHECK(!g);
+  CHECK(arena.stats().live_allocations == 1);
+  // The background thread, through the config.
+  CHECK((small(8, 32).background().raw().flags & VMM_ARENA_FLAG_BACKGROUND) != 0);
+  CHECK((small(8, 32).background().background(false).raw().flags & VMM_ARENA_FLAG_BACKGROUND) == 0);
+#ifndef VMM_ARENA_CALLS_SERIALIZED  // scripts/tsan.sh: a library thread TSan cannot follow
+  vmm::Arena bg(small(8, 32).background());
+  bg.set_prefetch(2 * K, 0);
+#endif
+}
+
 void test_alloc_shared() {
   vmm::Arena arena(small(8, 32));
   vmm::Allocation prefix = arena.alloc(3 * K);
@@ -422,6 +448,8 @@ int main() {
   test_stats_trim_snapshot();
   std::printf("test_wrapper: sleep_wake\n");
   test_sleep_wake();
+  std::printf("test_wrapper: prefetch_stream_free_resize_many\n");
+  test_prefetch_stream_free_resize_many();
   std::printf("test_wrapper: alloc_shared\n");
   test_alloc_shared();
   std::printf("test_wrapper: threads\n");

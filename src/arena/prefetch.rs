@@ -1,0 +1,334 @@
+//! Prefetch: driver work ahead of need, off the callers' critical path
+//! (`set_prefetch`, `maintain`, and the background worker's rounds).
+//!
+//! Two targets, in chunks: `precreate` unmapped pooled chunks (a later
+//! allocation maps one instead of creating it: hides `cuMemCreate`), and
+//! `ahead` chunks mapped and accessible right after each awake growable
+//! allocation's backed pages, inside its reservation (its growth adopts
+//! them with no driver call at all). Both are ordinary pooled chunks: they
+//! count in `pooled_bytes`, are made only within the capacity left
+//! (`held <= capacity` always, work in flight included) and within
+//! `retain_bytes`, and are the first taken by any plan (the pool first,
+//! then idle cached chunks, which include the mapped-ahead ones: unmapping
+//! them needs no synchronize) and the first given back by `trim`. So they
+//! never cause an out-of-memory.
+//!
+//! **Locking: plan, set aside, call outside, commit.** `maintain` works in
+//! rounds. Under the lock a round plans one piece of work and sets aside
+//! what it works on: for a *create* round, capacity only (`inflight_pages`
+//! grows, so no other operation can be promised those chunks); for a *map*
+//! round, chunks taken out of the pool and the pages they go to
+//! (`State::set_aside`). It then makes its driver calls without the lock,
+//! and takes the lock again to commit: created chunks join the pool; mapped
+//! pages become cached and idle wherever they now lie (the allocation may
+//! have been freed, moved or shrunk meanwhile: the pages are then free or
+//! in its unbacked tail, where a cached chunk is at home). A failure
+//! returns the chunks to the pool (the map round's transaction unmaps what
+//! it mapped first) and counts in `maintain_failures`.
+//!
+//! Other threads' operations never wait for a create: creates set no pages
+//! aside. An operation that needs a page being mapped (typically the
+//! allocation growing into its own map-ahead window) finds it in
+//! `set_aside` while planning, before any driver call, and is retried
+//! after the commit (a few maps and one access call later, and then it
+//! adopts those pages for free). An operation that runs out of memory
+//! while chunks are in flight waits for them to land and tries again; the
+//! prefetcher starts nothing new while one waits (`pressure_waiters`).
+//! Sleep and wake wait until nothing is in flight. One `maintain` runs at
+//! a time; a second call returns at once.
+//!
+//! Event polls and destroys (stream-ordered frees) are made under the lock:
+//! they never block (about a microsecond each).
+
+use crate::driver::ChunkHandle;
+use crate::error::{Error, Result};
+
+use super::state::{runs, State};
+use super::stream::{reap, Poll};
+use super::txn::Txn;
+use super::{Arena, Inner, Shared};
+
+/// Chunks created per round: the longest an operation that runs out of
+/// memory may wait for work in flight is one create.
+const CREATES_PER_ROUND: u64 = 1;
+
+/// One round's work, set aside under the lock.
+enum Round {
+    /// Create this many chunks for the pool.
+    Create(u64),
+    /// Map these chunks at these pages (sorted), one access call per run.
+    Map(Vec<(u64, ChunkHandle)>),
+}
+
+impl Arena {
+    /// Sets the prefetch targets, each rounded up to whole chunks:
+    /// `precreate_bytes` of created chunks kept pooled and unmapped, and,
+    /// for every awake growable allocation, up to `map_ahead_bytes` of
+    /// chunks kept mapped and accessible right after its backed size
+    /// (within its reservation), so that its growth makes no driver call.
+    /// The map-ahead chunks do not count toward `precreate_bytes`.
+    ///
+    /// Both count in `pooled_bytes`, are held within the capacity left by
+    /// live allocations and within `retain_bytes`, and are the first to be
+    /// used or given back under pressure: they never cause an
+    /// `OutOfMemory`. `(0, 0)`, the default, turns prefetching off (what is
+    /// pooled stays pooled). The work is done by [`Arena::maintain`] or by
+    /// the background worker ([`ArenaConfig::background`](super::ArenaConfig::background));
+    /// while any allocation is asleep, neither does anything. Never fails
+    /// on a live arena.
+    pub fn set_prefetch(&self, precreate_bytes: u64, map_ahead_bytes: u64) -> Result<()> {
+        let mut inner = self.lock()?;
+        let c = self.chunk;
+        inner.st.prefetch = (precreate_bytes.div_ceil(c), map_ahead_bytes.div_ceil(c));
+        inner.st.prefetch_dirty = true;
+        if inner.worker_waiting {
+            inner.st.prefetch_dirty = false;
+            inner.worker_waiting = false;
+            self.sh.work.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Brings the arena as close to its prefetch targets as the capacity
+    /// left by live allocations allows, now, on the calling thread (e.g.
+    /// between decode steps, while the device computes), and gives back the
+    /// memory of stream-ordered frees whose events have completed (that
+    /// bookkeeping, unlike the prefetch, also while an allocation sleeps).
+    ///
+    /// Best effort: falling short of a target is not an error, and neither
+    /// is a driver out of memory (the device has no more for the targets;
+    /// it ends the call early and counts in `maintain_failures`). Another
+    /// driver failure is returned (`Error::Driver`) and keeps what was
+    /// completed before it, with the arena consistent and nothing lost; it
+    /// counts in `maintain_failures` too. Other
+    /// threads' calls are not held up for the duration of its driver calls
+    /// (see the module docs). Its driver calls count in
+    /// `maintain_driver_calls`, not `caller_driver_calls`. If another
+    /// thread (or the background worker) is maintaining, returns at once.
+    pub fn maintain(&self) -> Result<()> {
+        maintain(&self.sh).map(|_| ())
+    }
+}
+
+/// Runs rounds until the targets are met or out of reach. Returns whether
+/// anything was done (a round, or a completed free reaped).
+pub(super) fn maintain(sh: &Shared) -> Result<bool> {
+    let mut inner = sh.lock()?;
+    if inner.maintaining {
+        return Ok(false);
+    }
+    let ctx = sh.bg_ctx();
+    // Everything is looked at now; what changes meanwhile sets it again.
+    inner.st.prefetch_dirty = false;
+    let mut progressed = reap(&mut inner.st, &ctx, Poll::All) > 0;
+    if progressed {
+        super::pool::enforce_watermark(&mut inner, &ctx);
+        sh.round_done.notify_all();
+    }
+    inner.maintaining = true;
+    let result = loop {
+        let Some(round) = plan_round(&mut inner) else { break Ok(()) };
+        let (base, chunk) = (inner.st.base, inner.st.chunk);
+        drop(inner);
+        // Outside the lock: other threads' operations proceed meanwhile.
+        let done = execute(&round, &ctx, base, chunk);
+        inner = match sh.inner.lock() {
+            Ok(g) => g,
+            // A panic elsewhere poisoned the arena: every call fails from now on.
+            Err(_) => return Err(super::poisoned()),
+        };
+        progressed = true;
+        let failed = commit(&mut inner, round, done);
+        sh.round_done.notify_all();
+        match failed {
+            Ok(()) => {}
+            // The device has no memory for more: the target is out of
+            // reach, which is no error (the contract), but it is counted.
+            Err(Error::OutOfMemory(_)) => {
+                inner.maintain_failures += 1;
+                break Ok(());
+            }
+            Err(e) => {
+                inner.maintain_failures += 1;
+                break Err(e);
+            }
+        }
+    };
+    inner.maintaining = false;
+    inner.st.note_peak();
+    result.map(|()| progressed)
+}
+
+/// The awake growable allocations' map-ahead windows: (pages in the window
+/// that hold no chunk yet and are not set aside), in address order.
+fn missing_ahead(st: &State, ahead: u64) -> impl Iterator<Item = Vec<u64>> + '_ {
+    st.by_start.values().filter_map(move |&slot| {
+        let a = st.alloc(slot);
+        if !a.growable || !a.owner.counts_live() || a.sleep.is_some() {
+            return None;
+        }
+        let end = a.start + a.backed + ahead.min(a.reserved - a.backed);
+        let missing: Vec<u64> = (a.start + a.backed..end)
+            .filter(|&p| st.mapped[p as usize].is_none() && !st.set_aside.contains(&p))
+            .collect();
+        (!missing.is_empty()).then_some(missing)
+    })
+}
+
+/// Pooled pages serving the targets now (for `Stats::prefetched_bytes`).
+pub(super) fn prefetched_pages(st: &State) -> u64 {
+    let (pre, ahead) = st.prefetch;
+    let pooled = (st.pool.len() as u64).min(pre);
+    if ahead == 0 {
+        return pooled;
+    }
+    let mapped: u64 = st
+        .by_start
+        .values()
+        .map(|&slot| {
+            let a = st.alloc(slot);
+            if !a.growable || !a.owner.counts_live() || a.sleep.is_some() {
+                return 0;
+            }
+            let from = a.start + a.backed;
+            st.cached.range(from..from + ahead.min(a.reserved - a.backed)).count() as u64
+        })
+        .sum();
+    pooled + mapped
+}
+
+/// Plans the next round and sets its work aside, or `None` when there is
+/// nothing to do (or nothing allowed: someone waits for memory, an
+/// allocation sleeps, the capacity or `retain_bytes` is reached).
+fn plan_round(inner: &mut Inner) -> Option<Round> {
+    if inner.pressure_waiters > 0 || inner.stop_worker {
+        return None;
+    }
+    let st = &mut inner.st;
+    let (pre, ahead) = st.prefetch;
+    if (pre == 0 && ahead == 0) || st.asleep_pages > 0 {
+        return None;
+    }
+    let room = st.cap_pages.saturating_sub(st.held_pages());
+    let retain_room = if st.retain_bytes == u64::MAX {
+        u64::MAX
+    } else {
+        (st.retain_bytes / st.chunk).saturating_sub(st.pooled_pages() + st.inflight_pages)
+    };
+    let create_room = room.min(retain_room);
+    // (A separate statement: the scan's borrow ends before `st` changes.)
+    let first = if ahead > 0 { missing_ahead(st, ahead).next() } else { None };
+    if let Some(first) = first {
+        // Chunks for the whole window first, so that it is mapped in
+        // one round with one access call.
+        let short = (first.len() as u64).saturating_sub(st.pool.len() as u64);
+        if short > 0 && create_room > 0 {
+            let n = short.min(create_room).min(CREATES_PER_ROUND);
+            st.inflight_pages += n;
+            return Some(Round::Create(n));
+        }
+        if st.pool.is_empty() {
+            return None;
+        }
+        let k = first.len().min(st.pool.len());
+        let chunks = st.pool.split_off(st.pool.len() - k);
+        let work: Vec<(u64, ChunkHandle)> = first[..k].iter().copied().zip(chunks).collect();
+        st.inflight_pages += k as u64;
+        st.set_aside.extend(work.iter().map(|&(p, _)| p));
+        return Some(Round::Map(work));
+    }
+    let have = st.pool.len() as u64;
+    if have < pre && create_room > 0 {
+        let n = (pre - have).min(create_room).min(CREATES_PER_ROUND);
+        st.inflight_pages += n;
+        return Some(Round::Create(n));
+    }
+    None
+}
+
+/// What a round's driver calls produced (outside the lock).
+struct Done {
+    /// Chunks created (kept even if a later create failed).
+    created: Vec<ChunkHandle>,
+    /// For a map round: whether every map and access call succeeded (a
+    /// failed round unmapped what it had mapped).
+    error: Option<Error>,
+}
+
+fn execute(round: &Round, ctx: &super::Ctx<'_>, base: u64, chunk: u64) -> Done {
+    let mut tx = Txn::new(ctx.drv, ctx.counts, base, chunk);
+    match round {
+        Round::Create(n) => {
+            let mut created = Vec::new();
+            let mut error = None;
+            for _ in 0..*n {
+                match tx.create() {
+                    Ok(h) => created.push(h),
+                    Err(e) => {
+                        error = Some(e);
+                        break;
+                    }
+                }
+            }
+            // The chunks made are good: they go to the pool.
+            tx.commit();
+            Done { created, error }
+        }
+        Round::Map(work) => {
+            let mapped = (|| {
+                for &(p, h) in work {
+                    tx.map(p, h)?;
+                }
+                let pages: Vec<u64> = work.iter().map(|&(p, _)| p).collect();
+                for run in runs(&pages) {
+                    tx.set_access(run.start, run.end - run.start)?;
+                }
+                Ok::<_, Error>(())
+            })();
+            match mapped {
+                Ok(()) => {
+                    tx.commit();
+                    Done { created: Vec::new(), error: None }
+                }
+                Err(e) => {
+                    tx.rollback();
+                    Done { created: Vec::new(), error: Some(e) }
+                }
+            }
+        }
+    }
+}
+
+/// Books a round's outcome (under the lock). Returns its error, if any.
+fn commit(inner: &mut Inner, round: Round, done: Done) -> Result<()> {
+    let st = &mut inner.st;
+    match round {
+        Round::Create(n) => {
+            st.inflight_pages -= n;
+            st.pool.extend(done.created);
+        }
+        Round::Map(work) => {
+            st.inflight_pages -= work.len() as u64;
+            for &(p, _) in &work {
+                st.set_aside.remove(&p);
+            }
+            if done.error.is_none() {
+                // Wherever the page lies now (its allocation's unbacked
+                // tail, or free pages if it was freed or moved meanwhile),
+                // a cached chunk that no work has used.
+                for (p, h) in work {
+                    debug_assert!(st.mapped[p as usize].is_none(), "page {p} was set aside");
+                    st.mapped[p as usize] = Some(h);
+                    st.cached.insert(p);
+                    st.idle.insert(p);
+                }
+            } else {
+                st.pool.extend(work.into_iter().map(|(_, h)| h));
+            }
+        }
+    }
+    match done.error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

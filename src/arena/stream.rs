@@ -1,0 +1,238 @@
+//! Stream-ordered frees: `free_on_stream`, polling and waiting for their
+//! events, and what a completed event makes known idle.
+//!
+//! A free on a stream records an event there (`cuEventRecord`) and makes the
+//! id dead at once, but the memory stays where it is, unusable by anyone
+//! else, until the event has completed: an allocation of whole chunks keeps
+//! its reservation and its chunks mapped (owner `Owner::Pending`, immovable,
+//! counted in `pending_free_bytes`), a small object stays taken in its slab.
+//!
+//! Events are polled (`cuEventQuery`, never blocking) at every
+//! `free_on_stream` (oldest first, up to the first incomplete one), by
+//! `maintain` and the worker (all of them), and by an operation that ran out
+//! of memory or address space (all of them). Only when polling freed
+//! nothing does that operation wait, for the oldest event, outside the lock
+//! (`cuEventSynchronize`), and try again; never a device-wide synchronize.
+//!
+//! **Known idle.** When the event of a freed allocation has completed, no
+//! work queued before the free can still use its pages: they become cached
+//! pages marked idle (`State::idle`), and so do the retired ranges that
+//! allocation left when it moved (only its own work used its old
+//! addresses). Unmapping an idle page needs no synchronize: stealing its
+//! chunk for another address, giving it back, or releasing an idle retired
+//! range. A page stops being idle when it backs an allocation again. Plain
+//! `free` and shrinking promise nothing about streams, so the pages they
+//! leave are not idle and unmapping them synchronizes first, as before.
+//! (An idle page adopted by a later allocation and freed on a stream again
+//! is covered by that free's event: work of an earlier owner is assumed
+//! ordered before the later owner's, the same assumption that lets a plain
+//! free's memory be adopted at once.)
+
+use crate::error::Result;
+use crate::sync::MutexGuard;
+use crate::Id;
+
+use super::alloc::{free_now, sync_slab_pin, Target};
+use super::state::{Held, Owner, Pending, State};
+use super::txn::bump;
+use super::{Arena, Ctx, Inner, Shared, Touch};
+
+/// How many events to poll.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Poll {
+    /// Oldest first, stopping at the first incomplete one (frees on one
+    /// stream complete in order): the cheap poll of `free_on_stream`.
+    UntilIncomplete,
+    /// Every pending event.
+    All,
+}
+
+impl Arena {
+    /// Frees like [`Arena::free`], but ordered after the work queued so far
+    /// on `stream` (a `CUstream`; 0 is the legacy default stream): the id is
+    /// dead at once, and the memory is neither unmapped nor handed to
+    /// another address before that work has completed. The arena records an
+    /// event on the stream and polls it; it waits for such events (oldest
+    /// first, never with a device-wide synchronize) only when nothing else
+    /// can serve a request. Once the event has completed, the memory's
+    /// chunks are known idle: reusing them elsewhere, or giving them back,
+    /// needs no device synchronize (see DESIGN.md, "Stream-ordered frees").
+    ///
+    /// On a backend without asynchronous streams (the host) it is
+    /// [`Arena::free`], and so it is for an exported allocation and for an
+    /// import ([`Arena::export`], [`Arena::import`]): their free synchronizes
+    /// the device before it unmaps, which orders it after `stream`'s work. Errors: as `free` (`UnknownAllocation`); a failure
+    /// to record the event is `Error::Driver` and frees nothing.
+    pub fn free_on_stream(&self, id: Id, stream: u64) -> Result<()> {
+        self.run(Touch::Nothing, |inner, ctx, _| {
+            // An exported allocation's chunks never go back to the pool, and
+            // an import is unmapped and closed: both are freed at once, after
+            // the device synchronize their free makes before unmapping (it
+            // orders the unmap after the work on every stream, `stream`'s
+            // included). No event is recorded.
+            #[cfg(unix)]
+            if let Some(r) = super::share::free_shared(inner, ctx, id) {
+                return r;
+            }
+            let target = inner.st.resolve(id)?;
+            let Some(event) = ctx.drv.record_event(stream)? else {
+                free_now(&mut inner.st, target);
+                return Ok(());
+            };
+            bump(&ctx.counts.event_records);
+            hold(&mut inner.st, target, event);
+            reap(&mut inner.st, ctx, Poll::UntilIncomplete);
+            Ok(())
+        })
+    }
+}
+
+/// The bookkeeping of a stream-ordered free: `target` stops being named by
+/// its id but keeps its memory until `event` completes.
+fn hold(st: &mut State, target: Target, event: u64) {
+    let what = match target {
+        Target::Chunks(slot) => {
+            let a = st.alloc(slot).clone();
+            if let Owner::Promoted(ss) = a.owner {
+                st.small.drop_slot(ss);
+            }
+            // Dead to callers: no longer live, no id resolves to it.
+            st.live_bytes -= a.size;
+            st.live_count -= 1;
+            let m = st.alloc_mut(slot);
+            m.owner = Owner::Pending;
+            m.pinned = false;
+            Held::Chunks(slot)
+        }
+        Target::Small(ss) => {
+            let (slab, index) = st.small.hold(ss).expect("resolve gives Small only for objects in slabs");
+            sync_slab_pin(st, slab);
+            st.small.drop_slot(ss);
+            Held::Small { slab, index }
+        }
+    };
+    st.pending.push_back(Pending { event, what, waited: false });
+    st.prefetch_dirty = true;
+}
+
+/// Distinct chunks held only by pending frees of whole chunks (a chunk
+/// shared with a live allocation backs that one; see `Arena::alloc_shared`).
+pub(super) fn pending_chunks(st: &State) -> u64 {
+    let mut pages_of: std::collections::HashMap<crate::driver::ChunkHandle, u32> = Default::default();
+    for p in &st.pending {
+        if let Held::Chunks(slot) = p.what {
+            let a = st.alloc(slot);
+            for page in a.start..a.start + a.backed {
+                *pages_of.entry(st.mapped[page as usize].expect("backing page is mapped")).or_default() += 1;
+            }
+        }
+    }
+    pages_of.iter().filter(|(h, &n)| st.shared.get(h).map_or(true, |&all| all == n)).count() as u64
+}
+
+/// Polls pending events and gives back the memory of completed frees.
+/// Returns how many completed. A failed poll counts as "not complete yet"
+/// (the event is polled again later; nothing is lost).
+pub(super) fn reap(st: &mut State, ctx: &Ctx<'_>, poll: Poll) -> usize {
+    let mut done = 0;
+    let mut i = 0;
+    while i < st.pending.len() {
+        let p = st.pending[i];
+        if p.waited {
+            // Another thread waits on it outside the lock and reaps it.
+            i += 1;
+            continue;
+        }
+        bump(&ctx.counts.event_queries);
+        if ctx.drv.event_complete(p.event).unwrap_or(false) {
+            st.pending.remove(i);
+            complete(st, ctx, p);
+            done += 1;
+        } else if poll == Poll::UntilIncomplete {
+            break;
+        } else {
+            i += 1;
+        }
+    }
+    done
+}
+
+/// The event of `p` has completed: its memory becomes reusable, and known idle.
+fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
+    // A failed destroy leaks one event, nothing of the arena's.
+    let _ = ctx.drv.destroy_event(p.event);
+    match p.what {
+        Held::Chunks(slot) => {
+            let a = st.alloc(slot).clone();
+            // Its own retired ranges: only its work used those addresses.
+            let retired: Vec<(u64, u64)> = st
+                .retired_owner
+                .iter()
+                .filter(|&(_, &o)| o == slot)
+                .filter_map(|(&s, _)| st.retired.get(&s).map(|&l| (s, l)))
+                .collect();
+            for (s, l) in retired {
+                st.idle.extend(s..s + l);
+            }
+            st.remove_alloc(slot);
+            st.idle.extend(a.start..a.start + a.backed);
+        }
+        Held::Small { slab, index } => {
+            if let Some(empty_slab) = st.small.free_held(slab, index) {
+                st.remove_alloc(empty_slab);
+            }
+        }
+    }
+    st.prefetch_dirty = true;
+}
+
+/// Makes memory of stream-ordered frees available to an operation that ran
+/// out of it: polls every event, and if none has completed, waits for the
+/// oldest one not already waited for, outside the lock. Returns whether
+/// anything became available (the operation should try again).
+pub(super) fn reclaim<'a>(
+    sh: &'a Shared,
+    mut inner: MutexGuard<'a, Inner>,
+    ctx: &Ctx<'_>,
+) -> Result<(MutexGuard<'a, Inner>, bool)> {
+    if inner.st.pending.is_empty() {
+        return Ok((inner, false));
+    }
+    if reap(&mut inner.st, ctx, Poll::All) > 0 {
+        sh.round_done.notify_all();
+        return Ok((inner, true));
+    }
+    let Some(i) = inner.st.pending.iter().position(|p| !p.waited) else {
+        // Every one is being waited for by another thread: wait for it to reap.
+        let inner = sh.wait_round(inner)?;
+        return Ok((inner, true));
+    };
+    let event = inner.st.pending[i].event;
+    inner.st.pending[i].waited = true;
+    drop(inner);
+    let waited = ctx.drv.wait_event(event);
+    let mut inner = sh.inner.lock().map_err(|_| super::poisoned())?;
+    // The entry is still there: only the thread that marked it removes it.
+    let i = inner.st.pending.iter().position(|p| p.event == event && p.waited).expect("waited-for entry stays");
+    inner.st.pending[i].waited = false;
+    waited?;
+    bump(&ctx.counts.event_waits);
+    let p = inner.st.pending.remove(i).expect("index just found");
+    complete(&mut inner.st, ctx, p);
+    sh.round_done.notify_all();
+    Ok((inner, true))
+}
+
+/// Waits for every pending free, oldest first, and gives its memory back
+/// (for `sleep`, which must give every pooled chunk back). Under the lock:
+/// sleep synchronizes the device anyway.
+pub(super) fn drain(st: &mut State, ctx: &Ctx<'_>) -> Result<()> {
+    while let Some(i) = st.pending.iter().position(|p| !p.waited) {
+        let p = st.pending[i];
+        ctx.drv.wait_event(p.event)?;
+        bump(&ctx.counts.event_waits);
+        st.pending.remove(i);
+        complete(st, ctx, p);
+    }
+    Ok(())
+}
