@@ -4,7 +4,8 @@
 //! multi_tenant [--trace-a PATH] [--trace-b PATH] [--trace-c PATH] [--tenants 2|3] [--limit N]
 //!              [--kv-a BYTES] [--kv-b BYTES] [--kv-c BYTES] [--shift SECONDS] [--capacity BYTES]
 //!              [--retain BYTES] [--trim-every SECONDS] [--trim-keep BYTES] [--step-ms MS] [--max-batch N] [--phases N] [--seed N]
-//!              [--backend host|host-sparse] [--json PATH] [--snapshot PATH] [--snapshot-at SECONDS]
+//!              [--backend host|host-sparse] [--mode stream|sync] [--precreate BYTES] [--map-ahead BYTES]
+//!              [--json PATH] [--snapshot PATH] [--snapshot-at SECONDS]
 //! ```
 //!
 //! Each tenant is one model served from the same arena: every request gets a
@@ -40,7 +41,21 @@
 //!
 //! The default backend is `host-sparse` (chunks are not committed, so a
 //! replay whose KV exceeds this machine's RAM still runs; only the tagged
-//! pages are touched).
+//! pages are touched). The backend runs under the counting driver of
+//! `common/counted.rs`, which also models stream events: an event recorded
+//! during a step completes when the GPU has finished that step (the next
+//! step begins), so memory freed on the stream is not reusable within the
+//! step that freed it.
+//!
+//! `--mode stream` (the default) drives the arena as issue 11 has engines
+//! do: frees on the engine's stream (`free_on_stream`), prefetch targets
+//! (`--precreate`, `--map-ahead`) kept by `maintain` between steps, while
+//! the GPU computes, and each tenant's decode step grown with one
+//! `resize_many`. `--mode sync` is the arena as engines drove it before:
+//! plain free, no prefetch, one `resize` per request. The report counts the
+//! driver calls made inside the steps (the engine's critical path) apart
+//! from those made between steps, and the device synchronizes and blocking
+//! event waits among them.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -50,7 +65,13 @@ use std::time::Instant;
 
 use clap::{CommandFactory, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
+use vmm_arena::driver::host::{HostDriver, HostOptions};
 use vmm_arena::{Arena, ArenaConfig, Backend, Error, Id};
+
+#[allow(dead_code)]
+#[path = "common/counted.rs"]
+mod counted;
+use counted::{Calls, Counted};
 
 const KIB: u64 = 1 << 10;
 const GIB: u64 = 1 << 30;
@@ -113,6 +134,18 @@ pub struct TenantSpec {
     pub source: Source,
 }
 
+/// How the engine drives the arena (see the module documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Stream,
+    Sync,
+}
+
+/// The stream the engines' kernels run on (the model does not tell streams apart).
+const ENGINE_STREAM: u64 = 0;
+
 /// Everything a run needs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -132,6 +165,10 @@ pub struct Config {
     pub phases: usize,
     pub seed: u64,
     pub backend: Backend,
+    pub mode: Mode,
+    /// `Mode::Stream`'s prefetch targets (`Arena::set_prefetch`).
+    pub precreate_bytes: u64,
+    pub map_ahead_bytes: u64,
     pub snapshot: Option<PathBuf>,
     /// Simulated time of the snapshot; `None`: the middle of the time when A and B both receive requests.
     pub snapshot_at_s: Option<f64>,
@@ -166,6 +203,9 @@ impl Default for Config {
             phases: 6,
             seed: 42,
             backend: Backend::HostSparse,
+            mode: Mode::Stream,
+            precreate_bytes: 8 << 20,
+            map_ahead_bytes: 2 << 20,
             snapshot: None,
             snapshot_at_s: None,
             progress: false,
@@ -239,6 +279,15 @@ pub struct Report {
     pub driver_maps: u64,
     pub driver_unmaps: u64,
     pub driver_access_calls: u64,
+    pub mode: Mode,
+    /// Driver calls made inside the steps (admission, growth, free: the
+    /// engines' critical path) and between them (`maintain`,
+    /// `release_retired`), counted by the driver.
+    pub critical_calls: Calls,
+    pub between_calls: Calls,
+    /// Chunk creations inside steps that needed no more KV than an earlier
+    /// step (warm steps).
+    pub critical_creates_warm: u64,
     /// Steps where the tenants' mapped bytes did not add up to the arena's `mapped_bytes`.
     pub accounting_errors: u64,
     pub integrity_errors: u64,
@@ -404,10 +453,15 @@ fn check_tags(arena: &Arena, seed: u64, t: usize, ts: &TenantState, r: &Running)
     bad
 }
 
-/// Verifies and frees a request's KV; returns the mapped bytes it held.
-fn retire(arena: &Arena, seed: u64, t: usize, ts: &mut TenantState, r: &Running) -> Result<(), String> {
+/// Verifies and frees a request's KV (on the engine's stream in
+/// `Mode::Stream`).
+fn retire(arena: &Arena, mode: Mode, seed: u64, t: usize, ts: &mut TenantState, r: &Running) -> Result<(), String> {
     ts.rep.integrity_errors += check_tags(arena, seed, t, ts, r);
-    arena.free(r.id).map_err(|e| format!("free failed: {e}"))?;
+    match mode {
+        Mode::Stream => arena.free_on_stream(r.id, ENGINE_STREAM),
+        Mode::Sync => arena.free(r.id),
+    }
+    .map_err(|e| format!("free failed: {e}"))?;
     ts.mapped -= round_up(r.tokens * ts.bpt, arena.chunk_bytes());
     Ok(())
 }
@@ -418,14 +472,32 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
     if cfg.tenants.is_empty() || cfg.tenants.len() > 8 {
         return Err("between 1 and 8 tenants".into());
     }
-    let arena = Arena::new(ArenaConfig {
-        backend: cfg.backend,
-        capacity_bytes: cfg.capacity_bytes,
-        chunk_bytes: cfg.chunk_bytes,
-        retain_bytes: cfg.retain_bytes,
-        ..Default::default()
-    })
+    let host = match cfg.backend {
+        Backend::Host => HostDriver::new(),
+        Backend::HostSparse => HostDriver::with_options(HostOptions { sparse: true }),
+        Backend::Cuda => return Err("multi_tenant runs on the host backends".into()),
+    }
+    .map_err(|e| format!("host backend: {e}"))?;
+    let device_bytes = match cfg.capacity_bytes {
+        0 => vmm_arena::driver::Driver::total_memory(&host).map_err(|e| e.to_string())?,
+        c => c,
+    };
+    let dev = std::sync::Arc::new(Counted::new(host, device_bytes));
+    let arena = Arena::with_driver(
+        dev.clone(),
+        ArenaConfig {
+            backend: cfg.backend,
+            capacity_bytes: cfg.capacity_bytes,
+            chunk_bytes: cfg.chunk_bytes,
+            retain_bytes: cfg.retain_bytes,
+            ..Default::default()
+        },
+    )
     .map_err(|e| format!("cannot create the arena: {e}"))?;
+    let stream = cfg.mode == Mode::Stream;
+    if stream {
+        arena.set_prefetch(cfg.precreate_bytes, cfg.map_ahead_bytes).map_err(|e| format!("set_prefetch: {e}"))?;
+    }
     let chunk = arena.chunk_bytes();
     let capacity = arena.stats().map_err(|e| e.to_string())?.capacity_bytes;
     let headroom = capacity / 100;
@@ -497,8 +569,11 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
     } else {
         indicatif::ProgressBar::hidden()
     };
+    let (mut critical_calls, mut between_calls) = (Calls::default(), Calls::default());
+    let (mut critical_creates_warm, mut peak_need) = (0u64, 0u64);
     loop {
         let now = step as f64 * step_s;
+        let calls_before = dev.calls();
         // Arrivals.
         for t in ts.iter_mut() {
             while t.next < t.reqs.len() && t.start_s + t.reqs[t.next].arrive_s <= now {
@@ -545,8 +620,16 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
                 t.running.push(run);
             }
         }
-        // Decode: one token per running request.
+        // Decode: one token per running request; in stream mode each
+        // tenant's batch grows at once first (on failure, one by one).
         for (ti, t) in ts.iter_mut().enumerate() {
+            if stream && !t.running.is_empty() {
+                let batch: Vec<(Id, u64)> = t.running.iter().map(|r| (r.id, (r.tokens + 1) * t.bpt)).collect();
+                match arena.resize_many(&batch) {
+                    Ok(_) | Err(Error::OutOfMemory(_)) => {}
+                    Err(e) => return Err(format!("resize_many of {} requests failed: {e}", batch.len())),
+                }
+            }
             let mut i = 0;
             while i < t.running.len() {
                 let (id, tokens) = (t.running[i].id, t.running[i].tokens);
@@ -558,7 +641,7 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
                         Err(Error::OutOfMemory(_)) => {
                             // Preempt the most recently admitted request of this tenant.
                             let victim = t.running.pop().expect("running is not empty");
-                            retire(&arena, seed, ti, t, &victim)?;
+                            retire(&arena, cfg.mode, seed, ti, t, &victim)?;
                             t.rep.preemptions += 1;
                             t.waiting.push_front(victim.req);
                             if t.running.len() == i {
@@ -581,13 +664,23 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
                 t.rep.tokens_written += 1;
                 if r.tokens >= r.target {
                     let done = t.running.remove(i);
-                    retire(&arena, seed, ti, t, &done)?;
+                    retire(&arena, cfg.mode, seed, ti, t, &done)?;
                     t.rep.completed += 1;
                 } else {
                     i += 1;
                 }
             }
         }
+        // The KV the steps need (mapped by the tenants' requests) at its
+        // highest so far: a step that needs no more is warm.
+        let need: u64 = ts.iter().map(|t| t.mapped).sum();
+        let critical = dev.calls().since(&calls_before);
+        if step > 0 && need <= peak_need {
+            critical_creates_warm += critical.create;
+        }
+        peak_need = peak_need.max(need);
+        critical_calls = critical_calls.plus(&critical);
+        let between_before = dev.calls();
         if trim_steps > 0 && step % trim_steps == trim_steps - 1 {
             periodic_trimmed += arena.trim(cfg.trim_keep_bytes).map_err(|e| format!("trim failed: {e}"))?;
             trims += 1;
@@ -604,6 +697,12 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
             arena.release_retired().map_err(|e| format!("release_retired failed: {e}"))?;
             s = arena.stats().map_err(|e| e.to_string())?;
         }
+        // While the GPU computes the step: the prefetch targets.
+        if stream {
+            arena.maintain().map_err(|e| format!("maintain failed: {e}"))?;
+            s = arena.stats().map_err(|e| e.to_string())?;
+        }
+        between_calls = between_calls.plus(&dev.calls().since(&between_before));
         // Accounting.
         let total_mapped: u64 = ts.iter().map(|t| t.mapped).sum();
         if total_mapped != s.mapped_bytes {
@@ -636,6 +735,7 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
         a.held_peak = a.held_peak.max(held);
         held_sum += held as f64;
         step += 1;
+        dev.finish_gpu_step();
         if step % 256 == 0 {
             bar.set_position((now * 1000.0) as u64);
             bar.set_message(format!("{now:.0}"));
@@ -732,6 +832,10 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
         driver_maps: after.driver_maps,
         driver_unmaps: after.driver_unmaps,
         driver_access_calls: after.driver_access_calls,
+        mode: cfg.mode,
+        critical_calls,
+        between_calls,
+        critical_creates_warm,
         accounting_errors,
         wall_seconds: wall.elapsed().as_secs_f64(),
     })
@@ -865,9 +969,34 @@ impl Report {
                 t.integrity_errors
             );
         }
+        let (c, b) = (&self.critical_calls, &self.between_calls);
         let _ = writeln!(
             o,
-            "\n{} steps ({:.0} s simulated) in {:.1} s; moves {}; driver creates {} releases {} maps {} unmaps {}; \
+            "\n{} mode: inside steps (critical path) creates {} ({} in warm steps), maps {}, access calls {}, \
+             unmaps {}, synchronizes {}, blocking event waits {}, events recorded {}; between steps creates {}, \
+             maps {}, access calls {}, unmaps {}, synchronizes {}, blocking event waits {}",
+            match self.mode {
+                Mode::Stream => "stream",
+                Mode::Sync => "sync",
+            },
+            c.create,
+            self.critical_creates_warm,
+            c.map,
+            c.set_access,
+            c.unmap,
+            c.synchronize,
+            c.event_wait_blocked,
+            c.event_record,
+            b.create,
+            b.map,
+            b.set_access,
+            b.unmap,
+            b.synchronize,
+            b.event_wait_blocked
+        );
+        let _ = writeln!(
+            o,
+            "{} steps ({:.0} s simulated) in {:.1} s; moves {}; driver creates {} releases {} maps {} unmaps {}; \
              accounting errors {}; integrity errors {}",
             self.steps,
             self.sim_seconds,
@@ -952,6 +1081,10 @@ impl Report {
                 },
                 periodic_trims: self.periodic_trims,
                 periodic_trimmed_bytes: self.periodic_trimmed_bytes,
+                mode: self.mode,
+                critical_path_calls: self.critical_calls,
+                between_steps_calls: self.between_calls,
+                critical_path_creates_warm: self.critical_creates_warm,
             },
             static_partitions: StaticJson {
                 total_bytes: self.static_bytes,
@@ -1038,6 +1171,10 @@ struct SharedJson {
     driver_calls: DriverCallsJson,
     periodic_trims: u64,
     periodic_trimmed_bytes: u64,
+    mode: Mode,
+    critical_path_calls: Calls,
+    between_steps_calls: Calls,
+    critical_path_creates_warm: u64,
 }
 
 #[derive(Serialize)]
@@ -1143,6 +1280,16 @@ pub struct Cli {
     /// The arena's backend (host-sparse commits no chunk, so replays larger than RAM run).
     #[arg(long, value_enum, default_value_t = BackendArg::HostSparse)]
     pub backend: BackendArg,
+    /// How engines drive the arena: stream (free on the stream, prefetch
+    /// kept by maintain between steps, batch growth) or sync (as before).
+    #[arg(long, value_enum, default_value_t = Mode::Stream)]
+    pub mode: Mode,
+    /// Stream mode: created, unmapped chunks kept pooled.
+    #[arg(long, value_name = "BYTES", default_value = "8MiB", value_parser = parse_bytes)]
+    pub precreate: u64,
+    /// Stream mode: bytes kept mapped past each request's KV.
+    #[arg(long, value_name = "BYTES", default_value = "2MiB", value_parser = parse_bytes)]
+    pub map_ahead: u64,
     /// Also write the report as JSON to PATH.
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
@@ -1197,6 +1344,9 @@ impl Cli {
                 BackendArg::Host => Backend::Host,
                 BackendArg::HostSparse => Backend::HostSparse,
             },
+            mode: self.mode,
+            precreate_bytes: self.precreate,
+            map_ahead_bytes: self.map_ahead,
             snapshot: self.snapshot.clone(),
             snapshot_at_s: self.snapshot_at,
             progress: false,

@@ -256,3 +256,23 @@ fn a_slab_of_retired_objects_only_counts_as_pooled() {
     let s = a.stats().unwrap();
     assert_eq!((s.mapped_bytes, s.pooled_bytes, s.small_slabs), (0, 2 * 2 * mib, 0));
 }
+
+/// Found by the multi-tenant workload (issue 11): memory freed on a stream
+/// whose event has completed is pooled and given back by nothing else, yet
+/// `trim(0)` kept it, because trim never polled the events — the idle
+/// footprint stayed up after `trim(0)`. Trim polls first now.
+#[test]
+fn trim_gives_back_stream_frees_whose_events_completed() {
+    use vmm_arena::driver::mock::MockDriver;
+    let d = Arc::new(MockDriver::with_streams(C, 64 * C));
+    let cfg = ArenaConfig { capacity_bytes: 16 * C, chunk_bytes: C, ..ArenaConfig::default() };
+    let a = Arena::with_driver(d.clone(), cfg).unwrap();
+    let (id, _) = a.alloc(3 * C).unwrap();
+    a.free_on_stream(id, 7).unwrap();
+    assert_eq!(a.stats().unwrap().pending_free_bytes, 3 * C);
+    assert_eq!(a.trim(0).unwrap(), 0, "the event has not completed: nothing can go back");
+    d.complete_all_events();
+    assert_eq!(a.trim(0).unwrap(), 3 * C, "completed: all three chunks go back");
+    let s = a.stats().unwrap();
+    assert_eq!((s.pooled_bytes, s.pending_free_bytes, s.driver_syncs), (0, 0, 0), "{s:?}");
+}

@@ -161,6 +161,56 @@ fn multi_tenant_small_synthetic() {
     assert_rect_per_range(&json, &svg);
 }
 
+/// Both ways of driving the arena on the same small load: stream mode frees
+/// every request on the stream (one event each, recorded inside the step),
+/// keeps its prefetch with `maintain` between steps, and never needs a
+/// device synchronize or a blocking event wait (the load fits); sync mode
+/// records no event and does no driver work between steps (nothing moves,
+/// the periodic trim is off).
+#[test]
+fn multi_tenant_stream_and_sync_modes() {
+    use multi_tenant::{Mode, Source, TenantSpec};
+    let cfg = |mode| multi_tenant::Config {
+        tenants: vec![
+            TenantSpec {
+                name: "A".into(),
+                kv_bytes_per_token: 64 << 10,
+                source: Source::Synthetic(tiny(20.0, 200.0, 10.0)),
+            },
+            TenantSpec {
+                name: "B".into(),
+                kv_bytes_per_token: 160 << 10,
+                source: Source::Synthetic(tiny(10.0, 300.0, 40.0)),
+            },
+        ],
+        limit: 30,
+        shift_s: Some(1.0),
+        capacity_bytes: 1 << 30,
+        trim_every_s: 0.0,
+        phases: 2,
+        backend: Backend::HostSparse,
+        mode,
+        ..Default::default()
+    };
+    let stream = multi_tenant::run(&cfg(Mode::Stream)).unwrap();
+    let sync = multi_tenant::run(&cfg(Mode::Sync)).unwrap();
+    for r in [&stream, &sync] {
+        print!("{}", r.table());
+        assert_eq!((r.integrity_errors, r.accounting_errors), (0, 0), "{:?}", r.mode);
+        assert_eq!(r.tenants.iter().map(|t| t.completed).sum::<u64>(), 60, "{:?}", r.mode);
+        assert_eq!(r.tenants.iter().map(|t| t.preemptions).sum::<u64>(), 0, "{:?}: the load fits", r.mode);
+    }
+    let (c, b) = (&stream.critical_calls, &stream.between_calls);
+    assert_eq!(c.event_record, 60, "one event per free on the stream");
+    assert_eq!((c.synchronize, c.event_wait_blocked), (0, 0), "{c:?}");
+    assert!(b.management() > 0, "maintain works between steps: {b:?}");
+    assert_eq!(b.drains(), 0);
+    let doc: Value = serde_json::from_str(&stream.to_json()).unwrap();
+    assert_eq!(doc["shared"]["mode"], "stream");
+    assert_eq!(doc["shared"]["critical_path_calls"]["event_record"].as_u64(), Some(60));
+    assert_eq!((sync.critical_calls.event_record, sync.between_calls.management()), (0, 0));
+}
+
 #[test]
 fn multi_tenant_reads_both_trace_formats() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");

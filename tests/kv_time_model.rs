@@ -33,6 +33,9 @@ fn profile() -> Profile {
         release_s: 0.0,
         reserve_s: 0.0,
         synchronize_s: 0.0,
+        event_record_s: 0.0,
+        event_query_s: 0.0,
+        event_destroy_s: 0.0,
     }
 }
 
@@ -42,12 +45,7 @@ fn req(arrival_s: f64, prompt: u64, output: u64, hashes: &[u64]) -> Request {
 
 fn run(name: &str, kvpt: u64, capacity: u64, requests: &[Request]) -> RunResult {
     let shape = KvShape { kv_bytes_per_token: kvpt, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
-    let arena = ArenaOptions {
-        capacity,
-        reserve: managers::arena_reserve(shape, capacity, 8),
-        retain: u64::MAX,
-        no_implicit_moves: false,
-    };
+    let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 8));
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 16 };
     let mut m = managers::build(name, shape, opts).expect("manager");
     let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: kvpt, profile: profile() };
@@ -126,7 +124,8 @@ fn three_requests_take_the_hand_computed_step_times() {
     assert_eq!((r.critical_path_alloc_s, r.critical_path_syncs), (0.0, 0));
 }
 
-/// One request on the arena, 1 MiB of KV per token and 2 MiB chunks:
+/// One request on the arena as engines drove it before (`arena-sync`),
+/// 1 MiB of KV per token and 2 MiB chunks:
 /// prompt 1, 3 tokens. Admission maps one chunk (create 100 + map 1 +
 /// access 10 µs); step 2 grows to a second chunk (the same); nothing else
 /// calls the driver (the free keeps its chunks pooled). Step 1: prefill of
@@ -135,7 +134,7 @@ fn three_requests_take_the_hand_computed_step_times() {
 #[test]
 fn driver_calls_on_the_critical_path_are_charged() {
     let mib = 1 << 20;
-    let r = run("arena", mib, 64 * mib, &[req(0.0, 1, 3, &[])]);
+    let r = run("arena-sync", mib, 64 * mib, &[req(0.0, 1, 3, &[])]);
     let decode = |kv: u64| (2e9 + kv as f64) / 1e12;
     let steps = [4e-6 + decode(mib) + 111e-6, decode(2 * mib) + 111e-6, decode(3 * mib)];
     assert!(close(r.critical_path_alloc_s, 222e-6), "{}", r.critical_path_alloc_s);
@@ -176,7 +175,7 @@ fn prefix_hits_follow_the_chain_and_lru_eviction() {
     assert!(close(r.prefix_hit_rate, 2528.0 / 5076.0));
     // Without prefix caching nothing hits.
     let shape = KvShape { kv_bytes_per_token: 1024, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
-    let arena = ArenaOptions { capacity: 2 << 20, reserve: 0, retain: u64::MAX, no_implicit_moves: false };
+    let arena = ArenaOptions::new(2 << 20, 0);
     let mut m =
         managers::build("vllm-paged", shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
     let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: 1024, profile: profile() };
@@ -226,4 +225,169 @@ fn replays_that_cannot_bound_host_memory_are_refused() {
     let only_vllm = vec!["vllm-paged".to_string()];
     assert!(managers::check_host_memory(ram, shape, 2000 << 30, &hashed, 256, &only_vllm, true, 1).is_err());
     managers::check_host_memory(ram, shape, 2000 << 30, &hashed, 256, &only_vllm, false, 1).expect("short requests");
+}
+
+/// The counted driver's stream events (`counted.rs`): an event recorded in
+/// step k completes when the GPU has finished step k; a poll changes
+/// nothing; a wait blocks only on an incomplete event and then drains the
+/// GPU (every event recorded so far completes), as a synchronize does.
+#[test]
+fn events_complete_when_the_gpu_finishes_their_step() {
+    use vmm_arena::driver::Driver;
+    let dev = managers::new_device(64 << 20).unwrap();
+    let e1 = dev.record_event(0).unwrap().expect("the model has streams");
+    assert!(!dev.event_complete(e1).unwrap(), "not within the step that recorded it");
+    assert!(!dev.event_complete(e1).unwrap(), "a poll changes nothing");
+    assert_eq!(dev.events_outstanding(), (1, 1));
+    dev.finish_gpu_step();
+    assert!(dev.event_complete(e1).unwrap(), "the GPU finished step 0");
+    // Step 1: e2 and e3; a wait on e2 blocks and drains: e3 completes too.
+    let e2 = dev.record_event(0).unwrap().unwrap();
+    let e3 = dev.record_event(0).unwrap().unwrap();
+    dev.wait_for_event(e2).unwrap();
+    assert!(dev.event_complete(e3).unwrap());
+    // e4, recorded after the drain in the same step, is pending again.
+    let e4 = dev.record_event(0).unwrap().unwrap();
+    assert!(!dev.event_complete(e4).unwrap());
+    dev.synchronize().unwrap();
+    assert!(dev.event_complete(e4).unwrap(), "a synchronize drains the GPU");
+    dev.wait_for_event(e1).unwrap(); // complete: does not block
+    for e in [e1, e2, e3, e4] {
+        dev.destroy_event(e).unwrap();
+    }
+    assert!(dev.destroy_event(e1).is_err() && dev.event_complete(e2).is_err(), "destroyed events are unknown");
+    assert_eq!(dev.events_outstanding(), (0, 0));
+    // Every call counts, the refused ones too: 7 polls (e1 three times, e3,
+    // e4 twice, destroyed e2) and 5 destroys (one refused).
+    let c = dev.calls();
+    assert_eq!(
+        (c.event_record, c.event_query, c.event_wait, c.event_wait_blocked, c.event_destroy, c.synchronize),
+        (4, 7, 2, 1, 5, 1),
+        "{c:?}"
+    );
+    assert_eq!(c.drains(), 2, "one blocking wait and one synchronize");
+    assert_eq!(c.management(), 0, "events are not memory management");
+}
+
+/// The rule's event terms: event calls are priced per call; a blocking wait
+/// on the critical path loses the overlap like a synchronize; a drain
+/// between steps hides none of that step's between-steps driver time.
+#[test]
+fn drains_and_event_calls_are_charged() {
+    let p = Profile { event_record_s: 3e-6, event_query_s: 0.5e-6, event_destroy_s: 1e-6, ..profile() };
+    let c = Calls {
+        event_record: 2,
+        event_query: 4,
+        event_wait: 2,
+        event_wait_blocked: 1,
+        event_destroy: 2,
+        ..Calls::default()
+    };
+    // 2 x 3 + (4 + 2) x 0.5 + 2 x 1 = 11 µs.
+    assert!(close(p.driver_s(&c), 11e-6), "{}", p.driver_s(&c));
+    let gpu_only = StepWork { decoding: true, decode_kv_bytes: 1_000_000_000, ..Default::default() };
+    assert!(close(p.step(&gpu_only).total_s, 3e-3));
+    let waited = StepWork { critical_blocking_waits: 1, ..gpu_only };
+    assert!(close(p.step(&waited).total_s, 4e-3), "3 ms GPU + 1 ms CPU");
+    let hidden = StepWork { alloc_between_s: 2e-3, ..gpu_only };
+    assert!(close(p.step(&hidden).total_s, 3e-3));
+    let drained = StepWork { between_drains: 1, ..hidden };
+    let t = p.step(&drained);
+    assert!(close(t.total_s, 5e-3) && t.alloc_hidden_s == 0.0 && close(t.alloc_charged_s, 2e-3), "{t:?}");
+}
+
+/// A replay on an arena row with prefetch off (`precreate` and `map_ahead`
+/// 0), 1 MiB of KV per token, 2 MiB chunks, a device of 4 chunks.
+fn run_tight(name: &str) -> RunResult {
+    let mib = 1 << 20;
+    let shape = KvShape { kv_bytes_per_token: mib, layers: 1, layout: Layout::TokenMajor, max_context: 8 };
+    let arena = ArenaOptions {
+        precreate_bytes: 0,
+        map_ahead_bytes: 0,
+        ..ArenaOptions::new(8 * mib, managers::arena_reserve(shape, 8 * mib, 8))
+    };
+    let mut m = managers::build(name, shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
+    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: mib, profile: profile() };
+    let r = replay(m.as_mut(), &[req(0.0, 3, 5, &[]), req(0.0, 3, 5, &[])], &cfg, &AtomicU64::new(0));
+    assert_eq!((r.integrity_errors, r.completed_requests), (0, 2), "{name}");
+    r
+}
+
+/// `arena-sync` (plain free) under pressure. A and B (prompt 3, 5 tokens
+/// each) are admitted with room for 4 tokens: 2 chunks each (2 creates,
+/// 2 maps, one access call each), the device is full. Step 2: A needs a
+/// third chunk, none is left: B (admitted last) is preempted, its 2 chunks
+/// pooled, still mapped at B's address. A's retry steals one: the arena
+/// synchronizes (B's kernels might still use it) and unmaps B's range (one
+/// call, 2 chunks), maps one chunk and sets access. Step 4: A's fourth chunk
+/// is B's other one, pooled unmapped: a map and an access call. B comes back
+/// when A ends and adopts A's old, still mapped chunks: no call.
+#[test]
+fn plain_frees_under_pressure_synchronize_to_steal() {
+    let r = run_tight("arena-sync");
+    let c = r.critical_calls;
+    assert_eq!(r.preemptions, 1);
+    assert_eq!(
+        (c.create, c.map, c.set_access, c.set_access_chunks, c.unmap, c.unmap_chunks),
+        (4, 6, 4, 6, 1, 2),
+        "{c:?}"
+    );
+    assert_eq!((r.critical_path_syncs, r.critical_path_event_waits, c.event_record), (1, 0, 0));
+    assert_eq!(r.between_calls.management() + r.between_calls.drains(), 0, "nothing between steps");
+}
+
+/// The same load on `arena`: B's preemption frees it on the stream, so its
+/// chunks are not reusable within step 2 (the event completes when the GPU
+/// has finished step 2). A's retry finds nothing else: the arena waits on
+/// that event (one blocking wait, no device synchronize), and B's chunks,
+/// now known idle, are stolen without one: an unmap of one chunk, a map and
+/// an access call in step 2, the same again in step 4. Three frees on the
+/// stream (B preempted, A, B) record three events. The calls cost what
+/// `arena-sync`'s cost (2 unmapped chunks, no event cost in this profile)
+/// and the one drain loses the same overlap: the same simulated time.
+#[test]
+fn stream_frees_are_not_reusable_within_their_step() {
+    let r = run_tight("arena");
+    let c = r.critical_calls;
+    assert_eq!(r.preemptions, 1);
+    assert_eq!(
+        (c.create, c.map, c.set_access, c.set_access_chunks, c.unmap, c.unmap_chunks),
+        (4, 6, 4, 6, 2, 2),
+        "{c:?}"
+    );
+    assert_eq!((r.critical_path_syncs, r.critical_path_event_waits, c.event_record), (0, 1, 3));
+    assert_eq!(r.between_calls.management() + r.between_calls.drains(), 0, "prefetch is off");
+    let sync = run_tight("arena-sync");
+    assert!(
+        close(r.simulated_seconds, sync.simulated_seconds),
+        "{} vs {}",
+        r.simulated_seconds,
+        sync.simulated_seconds
+    );
+}
+
+/// `arena` with its default prefetch (4 chunks created ahead, one mapped
+/// ahead of each tensor) on the one-request load of
+/// `driver_calls_on_the_critical_path_are_charged`: admission still
+/// creates, maps and sets access on its chunk (111 µs: nothing was ready
+/// yet). Between step 1 and 2, `maintain` creates the 4 chunks and one more
+/// mapped ahead of the tensor (5 creates, a map, an access call: 511 µs,
+/// under the GPU's 2 ms). Step 2's growth adopts that chunk: no call; after
+/// it, `maintain` maps a pooled chunk ahead and creates one to refill the
+/// pool (111 µs, hidden). Step 3's free on the stream records an event.
+/// So 111 µs charged instead of 222, 622 µs hidden, 7 chunks created.
+#[test]
+fn prefetch_moves_driver_work_between_steps() {
+    let mib = 1 << 20;
+    let r = run("arena", mib, 64 * mib, &[req(0.0, 1, 3, &[])]);
+    let decode = |kv: u64| (2e9 + kv as f64) / 1e12;
+    let steps = [4e-6 + decode(mib) + 111e-6, decode(2 * mib), decode(3 * mib)];
+    assert!(close(r.critical_path_alloc_s, 111e-6), "{}", r.critical_path_alloc_s);
+    assert!(close(r.overlapped_alloc_s, 622e-6), "{}", r.overlapped_alloc_s);
+    assert!(close(r.simulated_seconds, steps.iter().sum()), "{} vs {steps:?}", r.simulated_seconds);
+    let (c, b) = (r.critical_calls, r.between_calls);
+    assert_eq!((c.create, c.map, c.set_access, c.event_record), (1, 1, 1, 1), "{c:?}");
+    assert_eq!((b.create, b.map, b.set_access, b.drains()), (6, 2, 2, 0), "{b:?}");
+    assert_eq!(r.peak_physical_bytes, 14 * mib);
+    assert_eq!((r.critical_path_creates, r.critical_path_creates_warm), (1, 0));
 }

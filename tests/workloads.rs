@@ -27,7 +27,7 @@ fn run(name: &str, layout: Layout, capacity: u64, requests: &[trace::Request]) -
     let s = shape(layout);
     let max_batch = 64;
     let reserve = managers::arena_reserve(s, capacity, max_batch);
-    let arena = ArenaOptions { capacity, reserve, retain: u64::MAX, no_implicit_moves: false };
+    let arena = ArenaOptions::new(capacity, reserve);
     let max_tokens = requests.iter().map(|q| q.output).max().unwrap_or(1);
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens };
     let mut m = managers::build(name, s, opts).expect("manager");
@@ -73,6 +73,21 @@ fn tiny_replay_token_major_keeps_every_tag() {
     assert_eq!(arena.bytes_copied, 0, "the arena never copies");
     let vllm = rs.iter().find(|r| r.name == "vllm-paged").unwrap();
     assert_eq!(vllm.peak_physical_bytes, 4 * GIB, "vLLM holds the whole capacity");
+    // The arena rows: `arena` frees each request's one allocation on the
+    // stream (one event each, 60 requests, no preemption), moves its
+    // prefetch between steps and never drains on the critical path; between
+    // steps only `release_retired` may synchronize, once per moved
+    // allocation's old range at most (a live allocation's old addresses are
+    // not known idle). `arena-sync` records no event and creates nothing
+    // between steps (no prefetch).
+    let sync = rs.iter().find(|r| r.name == "arena-sync").unwrap();
+    assert_eq!((arena.preemptions, sync.preemptions), (0, 0));
+    assert_eq!(arena.critical_calls.event_record + arena.between_calls.event_record, 60);
+    assert_eq!((arena.critical_path_syncs, arena.critical_path_event_waits), (0, 0));
+    assert_eq!(arena.between_steps_drains, arena.between_calls.synchronize, "no event wait between steps");
+    assert!(arena.between_steps_drains <= arena.moves, "{} drains, {} moves", arena.between_steps_drains, arena.moves);
+    assert!(arena.between_calls.create > 0, "maintain creates ahead between steps");
+    assert_eq!((sync.critical_calls.event_record + sync.between_calls.event_record, sync.between_calls.create), (0, 0));
 }
 
 #[test]

@@ -7,8 +7,30 @@
 //! vmm-arena and every baseline run on their own instance of this wrapper
 //! over the host backend (sparse mode), so their counts and their physical
 //! footprint come from the same code.
+//!
+//! # Streams and events
+//!
+//! The host backend has no asynchronous streams: its events would complete
+//! at once, which would hide exactly what stream-ordered frees are about.
+//! This wrapper models them instead, by the replay's steps (the replay calls
+//! [`Counted::finish_gpu_step`] when the GPU has finished a step):
+//!
+//! - an event recorded while step *k* is prepared or computed completes
+//!   only once the GPU has finished step *k*, that is when step *k + 1*
+//!   begins: memory freed on a stream is not reusable within the step that
+//!   freed it;
+//! - [`Driver::event_complete`] (a poll) never blocks and changes nothing;
+//! - a wait on an event that has not completed (`wait_event`) blocks until
+//!   the GPU has drained: it completes every event recorded so far, and
+//!   counts as a *blocking wait* (the time model charges it like a device
+//!   synchronize: the step loses its CPU/GPU overlap); a wait on a completed
+//!   event does not block;
+//! - a device [`Driver::synchronize`] likewise completes every event
+//!   recorded so far;
+//! - every event call is counted by kind (record, query, wait, blocking
+//!   wait, destroy) and priced by the profile (`timing.rs`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -33,9 +55,11 @@ fn index(k: CallKind) -> usize {
         CallKind::Unmap => 6,
         CallKind::Synchronize => 7,
         CallKind::Data => 8,
-        // Stream events and sharing: counted, not modeled (the managers
-        // here make none).
-        CallKind::Event | CallKind::Share => 9,
+        // Stream events: every call counts here, and by kind in `Events`.
+        CallKind::Event => 9,
+        // Sharing (export and import): counted, not modeled (the managers
+        // here make none; this driver forwards none).
+        CallKind::Share => 11,
         // Host buffers for sleep backups: counted, not modeled.
         CallKind::HostAlloc => 10,
     }
@@ -63,6 +87,14 @@ pub struct Calls {
     pub map_chunks: u64,
     pub set_access_chunks: u64,
     pub unmap_chunks: u64,
+    /// Stream events (see the module documentation): recorded, polled,
+    /// waited for, waited for while not complete (the GPU drained), and
+    /// destroyed.
+    pub event_record: u64,
+    pub event_query: u64,
+    pub event_wait: u64,
+    pub event_wait_blocked: u64,
+    pub event_destroy: u64,
 }
 
 impl Calls {
@@ -84,7 +116,44 @@ impl Calls {
             map_chunks: self.map_chunks - before.map_chunks,
             set_access_chunks: self.set_access_chunks - before.set_access_chunks,
             unmap_chunks: self.unmap_chunks - before.unmap_chunks,
+            event_record: self.event_record - before.event_record,
+            event_query: self.event_query - before.event_query,
+            event_wait: self.event_wait - before.event_wait,
+            event_wait_blocked: self.event_wait_blocked - before.event_wait_blocked,
+            event_destroy: self.event_destroy - before.event_destroy,
         }
+    }
+
+    /// The calls of both.
+    pub fn plus(&self, o: &Calls) -> Calls {
+        Calls {
+            reserve: self.reserve + o.reserve,
+            free_reservation: self.free_reservation + o.free_reservation,
+            create: self.create + o.create,
+            create_failed: self.create_failed + o.create_failed,
+            release: self.release + o.release,
+            map: self.map + o.map,
+            set_access: self.set_access + o.set_access,
+            unmap: self.unmap + o.unmap,
+            synchronize: self.synchronize + o.synchronize,
+            data: self.data + o.data,
+            create_chunks: self.create_chunks + o.create_chunks,
+            release_chunks: self.release_chunks + o.release_chunks,
+            map_chunks: self.map_chunks + o.map_chunks,
+            set_access_chunks: self.set_access_chunks + o.set_access_chunks,
+            unmap_chunks: self.unmap_chunks + o.unmap_chunks,
+            event_record: self.event_record + o.event_record,
+            event_query: self.event_query + o.event_query,
+            event_wait: self.event_wait + o.event_wait,
+            event_wait_blocked: self.event_wait_blocked + o.event_wait_blocked,
+            event_destroy: self.event_destroy + o.event_destroy,
+        }
+    }
+
+    /// Calls that make the CPU wait for the GPU: device synchronizes and
+    /// waits on events not yet complete.
+    pub fn drains(&self) -> u64 {
+        self.synchronize + self.event_wait_blocked
     }
 
     /// Driver calls that change mappings or memory (data access excluded).
@@ -93,18 +162,51 @@ impl Calls {
     }
 }
 
+/// The modeled stream events (see the module documentation).
+#[derive(Debug, Default)]
+struct Events {
+    /// The step the GPU is on: events recorded now complete when it ends.
+    step: u64,
+    next_id: u64,
+    /// Live events: id -> the step it was recorded in.
+    live: BTreeMap<u64, u64>,
+    /// Every event up to this id has completed early (a synchronize or a
+    /// blocking wait drained the GPU).
+    drained_through: u64,
+    record: u64,
+    query: u64,
+    wait: u64,
+    wait_blocked: u64,
+    destroy: u64,
+}
+
+impl Events {
+    fn complete(&self, id: u64) -> Result<bool> {
+        match self.live.get(&id) {
+            Some(&recorded) => Ok(recorded < self.step || id <= self.drained_through),
+            None => Err(Error::InvalidArgument(format!("event {id} is unknown or destroyed"))),
+        }
+    }
+
+    /// The GPU has finished everything queued so far.
+    fn drain(&mut self) {
+        self.drained_through = self.next_id;
+    }
+}
+
 /// Counting, capacity-enforcing wrapper (see the module documentation).
 #[derive(Debug)]
 pub struct Counted<D> {
     inner: D,
     capacity: u64,
-    counts: [AtomicU64; 11],
+    counts: [AtomicU64; 12],
     /// Chunks covered, by call kind (see [`Calls::create_chunks`]).
-    chunks: [AtomicU64; 11],
+    chunks: [AtomicU64; 12],
     create_failed: AtomicU64,
     live: AtomicU64,
     peak: AtomicU64,
     sizes: Mutex<HashMap<ChunkHandle, u64>>,
+    events: Mutex<Events>,
 }
 
 impl<D: Driver> Counted<D> {
@@ -119,6 +221,7 @@ impl<D: Driver> Counted<D> {
             live: AtomicU64::new(0),
             peak: AtomicU64::new(0),
             sizes: Mutex::new(HashMap::new()),
+            events: Mutex::new(Events::default()),
         }
     }
 
@@ -134,7 +237,16 @@ impl<D: Driver> Counted<D> {
     pub fn calls(&self) -> Calls {
         let c = |k: CallKind| self.counts[index(k)].load(Relaxed);
         let u = |k: CallKind| self.chunks[index(k)].load(Relaxed);
+        let (event_record, event_query, event_wait, event_wait_blocked, event_destroy) = match self.events.lock() {
+            Ok(e) => (e.record, e.query, e.wait, e.wait_blocked, e.destroy),
+            Err(_) => Default::default(),
+        };
         Calls {
+            event_record,
+            event_query,
+            event_wait,
+            event_wait_blocked,
+            event_destroy,
             reserve: c(CallKind::Reserve),
             free_reservation: c(CallKind::FreeReservation),
             create: c(CallKind::Create),
@@ -161,6 +273,43 @@ impl<D: Driver> Counted<D> {
     /// High-water mark of [`Counted::live_bytes`].
     pub fn peak_bytes(&self) -> u64 {
         self.peak.load(Relaxed)
+    }
+
+    /// The GPU has finished the step it was on: every event recorded until
+    /// now completes, and later ones belong to the next step.
+    pub fn finish_gpu_step(&self) {
+        if let Ok(mut e) = self.events.lock() {
+            e.step += 1;
+        }
+    }
+
+    /// Live (recorded, not destroyed) events, and how many of them have
+    /// not completed.
+    pub fn events_outstanding(&self) -> (u64, u64) {
+        match self.events.lock() {
+            Ok(e) => {
+                let pending = e.live.keys().filter(|&&id| !e.complete(id).unwrap_or(true)).count();
+                (e.live.len() as u64, pending as u64)
+            }
+            Err(_) => (0, 0),
+        }
+    }
+
+    fn events(&self) -> Result<std::sync::MutexGuard<'_, Events>> {
+        self.count(CallKind::Event);
+        self.events.lock().map_err(|_| Error::Internal("event lock poisoned".into()))
+    }
+
+    /// `wait_event` of the model: blocks (is counted as blocking) only if
+    /// the event has not completed, and then drains the GPU.
+    pub fn wait_for_event(&self, event: u64) -> Result<()> {
+        let mut e = self.events()?;
+        e.wait += 1;
+        if !e.complete(event)? {
+            e.wait_blocked += 1;
+            e.drain();
+        }
+        Ok(())
     }
 
     fn count(&self, k: CallKind) {
@@ -234,7 +383,11 @@ impl<D: Driver> Driver for Counted<D> {
     }
     fn synchronize(&self) -> Result<()> {
         self.count(CallKind::Synchronize);
-        self.inner.synchronize()
+        self.inner.synchronize()?;
+        if let Ok(mut e) = self.events.lock() {
+            e.drain();
+        }
+        Ok(())
     }
     fn read(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
         self.count(CallKind::Data);
@@ -247,6 +400,31 @@ impl<D: Driver> Driver for Counted<D> {
     fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
         self.count(CallKind::Data);
         self.inner.copy(dst, src, len)
+    }
+    // Events are modeled here, not forwarded: the host's complete at once.
+    fn record_event(&self, _stream: u64) -> Result<Option<u64>> {
+        let mut e = self.events()?;
+        e.record += 1;
+        e.next_id += 1;
+        let (id, step) = (e.next_id, e.step);
+        e.live.insert(id, step);
+        Ok(Some(id))
+    }
+    fn event_complete(&self, event: u64) -> Result<bool> {
+        let mut e = self.events()?;
+        e.query += 1;
+        e.complete(event)
+    }
+    fn wait_event(&self, event: u64) -> Result<()> {
+        self.wait_for_event(event)
+    }
+    fn destroy_event(&self, event: u64) -> Result<()> {
+        let mut e = self.events()?;
+        e.destroy += 1;
+        match e.live.remove(&event) {
+            Some(_) => Ok(()),
+            None => Err(Error::InvalidArgument(format!("event {event} is unknown or destroyed"))),
+        }
     }
     fn alloc_host(&self, len: usize) -> Result<vmm_arena::driver::HostBuffer> {
         self.count(CallKind::HostAlloc);

@@ -1,5 +1,6 @@
 //! KV-cache managers driven by the replay: vmm-arena (with and without
-//! implicit moves) and the baselines — PyTorch's caching allocator (native
+//! implicit moves, driven with stream-ordered frees, prefetch and batch
+//! growth; and `arena-sync`, driven as before) and the baselines — PyTorch's caching allocator (native
 //! and expandable segments) holding each request's KV as contiguous tensors
 //! grown by doubling with a copy, and vLLM's static block pool.
 //!
@@ -113,6 +114,19 @@ pub trait KvManager {
     fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail>;
     /// Makes room for `tokens` tokens (more than now); `stored` hold data.
     fn grow(&mut self, seq: usize, tokens: u64, stored: u64) -> Result<(), Fail>;
+    /// Called once per decode step, before the per-sequence [`KvManager::grow`]
+    /// calls, with every running sequence's growth (`seq`, `tokens`,
+    /// `stored`, as `grow` takes them). A manager with a batch form grows
+    /// them all here, all or nothing; `grow` then finds each one done. On
+    /// failure (nothing grown) the replay falls back to growing each
+    /// sequence in turn, preempting as usual. The default has no batch form
+    /// and does nothing: each sequence grows in its own `grow` call, as the
+    /// allocators the baselines model do (vLLM's scheduler allocates slots
+    /// request by request; a PyTorch tensor is reallocated on its own).
+    fn grow_batch(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
+        let _ = grows;
+        Ok(())
+    }
     /// Frees the sequence's KV.
     fn free(&mut self, seq: usize);
     /// Writes token `t`'s tag through the mapping.
@@ -130,6 +144,10 @@ pub trait KvManager {
     /// (see `timing.rs`). The point where an engine lets the arena unmap the
     /// old addresses of moved allocations.
     fn between_steps(&mut self) {}
+    /// Called when the GPU has finished the step just charged: events
+    /// recorded on the manager's device until now complete (see
+    /// `counted.rs`).
+    fn gpu_finished_step(&mut self) {}
     /// Called every few steps: checks the host memory the simulation holds
     /// (not a figure of the report) and turns discarding on or off.
     fn housekeeping(&mut self) {}
@@ -250,9 +268,16 @@ fn slot_vec<T>(v: &mut Vec<Option<T>>, seq: usize) -> &mut Option<T> {
 
 /// vmm-arena: one growable allocation per KV tensor, reserved for the
 /// model's context, grown a chunk at a time (as vAttention maps pages).
+///
+/// Two ways to drive it ([`ArenaMode`]): `Stream` (the `arena` rows) frees
+/// on the engine's stream, keeps prefetch targets with `maintain` between
+/// steps, and grows the whole decode batch with one `resize_many`; `Sync`
+/// (the `arena-sync` row) is the arena as engines used it before: plain
+/// free, no prefetch, one `resize` per allocation.
 pub struct ArenaMgr {
     name: &'static str,
     arena: Arena,
+    mode: ArenaMode,
     dev: Dev,
     shape: KvShape,
     chunk: u64,
@@ -260,8 +285,21 @@ pub struct ArenaMgr {
     seqs: Vec<Option<ArenaSeq>>,
     release_errors: u64,
     last_release_error: Option<String>,
+    maintain_errors: u64,
+    last_maintain_error: Option<String>,
     discard: bool,
 }
+
+/// How the engine drives the arena (see [`ArenaMgr`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArenaMode {
+    Stream,
+    Sync,
+}
+
+/// The stream the engine's kernels run on (the model in `counted.rs` does
+/// not tell streams apart: one engine, one stream).
+pub const ENGINE_STREAM: u64 = 0;
 
 struct ArenaSeq {
     ids: Vec<Id>,
@@ -289,10 +327,38 @@ pub struct ArenaOptions {
     /// Pooled bytes kept on free (`u64::MAX`: all).
     pub retain: u64,
     pub no_implicit_moves: bool,
+    /// `Stream` mode's prefetch targets (`Arena::set_prefetch`): created,
+    /// unmapped chunks kept pooled, and bytes kept mapped past each growable
+    /// allocation's size.
+    pub precreate_bytes: u64,
+    pub map_ahead_bytes: u64,
 }
 
+impl ArenaOptions {
+    /// `capacity` and `reserve`, with the defaults of `kv_serving` for the
+    /// rest: retain everything, implicit moves on, prefetch of
+    /// [`DEFAULT_PRECREATE`] and [`DEFAULT_MAP_AHEAD`].
+    pub fn new(capacity: u64, reserve: u64) -> ArenaOptions {
+        ArenaOptions {
+            capacity,
+            reserve,
+            retain: u64::MAX,
+            no_implicit_moves: false,
+            precreate_bytes: DEFAULT_PRECREATE,
+            map_ahead_bytes: DEFAULT_MAP_AHEAD,
+        }
+    }
+}
+
+/// Default prefetch targets of the `arena` rows: one 2 MiB chunk mapped
+/// ahead of each growing KV tensor (a decode step grows a tensor by at most
+/// one token, so one chunk ahead always covers it), and 4 chunks created
+/// ahead for admissions.
+pub const DEFAULT_MAP_AHEAD: u64 = 2 << 20;
+pub const DEFAULT_PRECREATE: u64 = 8 << 20;
+
 impl ArenaMgr {
-    pub fn new(name: &'static str, shape: KvShape, o: ArenaOptions) -> Result<ArenaMgr, String> {
+    pub fn new(name: &'static str, shape: KvShape, o: ArenaOptions, mode: ArenaMode) -> Result<ArenaMgr, String> {
         let dev = new_device(o.capacity)?;
         let cfg = ArenaConfig {
             capacity_bytes: o.capacity,
@@ -302,10 +368,14 @@ impl ArenaMgr {
             ..ArenaConfig::default()
         };
         let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
+        if mode == ArenaMode::Stream {
+            arena.set_prefetch(o.precreate_bytes, o.map_ahead_bytes).map_err(|e| format!("set_prefetch: {e}"))?;
+        }
         let chunk = arena.chunk_bytes();
         Ok(ArenaMgr {
             name,
             arena,
+            mode,
             dev,
             shape,
             chunk,
@@ -313,12 +383,26 @@ impl ArenaMgr {
             seqs: Vec::new(),
             release_errors: 0,
             last_release_error: None,
+            maintain_errors: 0,
+            last_maintain_error: None,
             discard: false,
         })
     }
 
     pub fn arena(&self) -> &Arena {
         &self.arena
+    }
+
+    pub fn device(&self) -> &Dev {
+        &self.dev
+    }
+
+    /// Frees one allocation as the mode says.
+    fn free_one(&self, id: Id) -> vmm_arena::Result<()> {
+        match self.mode {
+            ArenaMode::Stream => self.arena.free_on_stream(id, ENGINE_STREAM),
+            ArenaMode::Sync => self.arena.free(id),
+        }
     }
 
     fn bytes_for(&self, tokens: u64) -> u64 {
@@ -353,6 +437,7 @@ impl KvManager for ArenaMgr {
                 Ok((id, _)) => ids.push(id),
                 Err(e) => {
                     let f = self.fail(e, (n - k) as u64 * size);
+                    // Never used by the GPU: a plain free is exact.
                     for id in ids {
                         let _ = self.arena.free(id);
                     }
@@ -381,6 +466,34 @@ impl KvManager for ArenaMgr {
         Ok(())
     }
 
+    fn grow_batch(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
+        if self.mode == ArenaMode::Sync {
+            return Ok(());
+        }
+        let mut targets: Vec<(Id, u64)> = Vec::new();
+        let mut grown: Vec<(usize, u64)> = Vec::new();
+        let (mut old_total, mut new_total) = (0u64, 0u64);
+        for &(seq, tokens, _) in grows {
+            let s = self.seqs[seq].as_ref().expect("live sequence");
+            if tokens <= s.cap {
+                continue;
+            }
+            let new_size = self.bytes_for(tokens);
+            old_total += s.ids.len() as u64 * self.bytes_for(s.cap);
+            new_total += s.ids.len() as u64 * new_size;
+            targets.extend(s.ids.iter().map(|&id| (id, new_size)));
+            grown.push((seq, new_size / self.shape.bpt()));
+        }
+        if targets.is_empty() {
+            return Ok(());
+        }
+        self.arena.resize_many(&targets).map_err(|e| self.fail(e, new_total - old_total))?;
+        for (seq, cap) in grown {
+            self.seqs[seq].as_mut().expect("live").cap = cap;
+        }
+        Ok(())
+    }
+
     fn free(&mut self, seq: usize) {
         if let Some(s) = self.seqs[seq].take() {
             for id in s.ids {
@@ -389,7 +502,7 @@ impl KvManager for ArenaMgr {
                         discard(q.ptr, q.mapped_bytes);
                     }
                 }
-                self.arena.free(id).expect("free of a live allocation");
+                self.free_one(id).expect("free of a live allocation");
             }
         }
     }
@@ -432,12 +545,23 @@ impl KvManager for ArenaMgr {
         self.discard = self.dev.inner().allocated_file_bytes().unwrap_or(0) > host_budget(self.capacity);
     }
 
+    fn gpu_finished_step(&mut self) {
+        self.dev.finish_gpu_step();
+    }
+
     fn between_steps(&mut self) {
         // Old ranges of moved allocations stay mapped (and valid for kernels
         // still using them) until released; between steps nothing uses them.
         if let Err(e) = self.arena.release_retired() {
             self.release_errors += 1;
             self.last_release_error = Some(e.to_string());
+        }
+        // While the GPU computes: bring the prefetch targets back.
+        if self.mode == ArenaMode::Stream {
+            if let Err(e) = self.arena.maintain() {
+                self.maintain_errors += 1;
+                self.last_maintain_error = Some(e.to_string());
+            }
         }
     }
 
@@ -452,6 +576,20 @@ impl KvManager for ArenaMgr {
             ("chunk_bytes".into(), s.chunk_bytes.to_string()),
             ("driver_syncs".into(), s.driver_syncs.to_string()),
             ("release_retired_errors".into(), self.release_errors.to_string()),
+            ("maintain_errors".into(), self.maintain_errors.to_string()),
+            ("arena_caller_driver_calls".into(), s.caller_driver_calls.to_string()),
+            ("arena_caller_creates".into(), s.caller_creates.to_string()),
+            ("arena_caller_syncs".into(), s.caller_syncs.to_string()),
+            ("arena_maintain_driver_calls".into(), s.maintain_driver_calls.to_string()),
+            ("arena_maintain_failures".into(), s.maintain_failures.to_string()),
+            ("arena_stream_frees".into(), s.stream_frees.to_string()),
+            ("arena_event_polls".into(), s.event_polls.to_string()),
+            ("arena_event_waits".into(), s.event_waits.to_string()),
+            ("arena_pending_free_bytes".into(), s.pending_free_bytes.to_string()),
+            ("arena_prefetched_bytes".into(), s.prefetched_bytes.to_string()),
+            ("arena_final_pooled_bytes".into(), s.pooled_bytes.to_string()),
+            ("arena_final_cached_mapped_bytes".into(), s.cached_mapped_bytes.to_string()),
+            ("arena_mode".into(), format!("{:?}", format!("{:?}", self.mode).to_lowercase())),
         ]
     }
 }
@@ -627,6 +765,10 @@ impl KvManager for TorchMgr {
 
     fn housekeeping(&mut self) {
         self.discard = self.dev.inner().allocated_file_bytes().unwrap_or(0) > host_budget(self.capacity);
+    }
+
+    fn gpu_finished_step(&mut self) {
+        self.dev.finish_gpu_step();
     }
 
     fn moves(&self) -> u64 {
@@ -978,6 +1120,10 @@ impl KvManager for VllmMgr {
         self.discard = self.dev.inner().allocated_file_bytes().unwrap_or(0) > host_budget(self.capacity);
     }
 
+    fn gpu_finished_step(&mut self) {
+        self.dev.finish_gpu_step();
+    }
+
     fn extra(&self) -> Vec<(String, String)> {
         vec![
             ("num_blocks".into(), self.num_blocks.to_string()),
@@ -1123,9 +1269,10 @@ impl KvManager for IdealMgr {
 }
 
 /// Every manager name the replay knows, in report order.
-pub const ALL_MANAGERS: [&str; 7] = [
+pub const ALL_MANAGERS: [&str; 8] = [
     "arena",
     "arena-no-moves",
+    "arena-sync",
     "pytorch-caching",
     "pytorch-expandable",
     "vllm-paged",
@@ -1148,10 +1295,24 @@ pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvMa
     let arena = o.arena;
     let cap = arena.capacity;
     Ok(match name {
-        "arena" => Box::new(ArenaMgr::new("arena", shape, ArenaOptions { no_implicit_moves: false, ..arena })?),
-        "arena-no-moves" => {
-            Box::new(ArenaMgr::new("arena-no-moves", shape, ArenaOptions { no_implicit_moves: true, ..arena })?)
-        }
+        "arena" => Box::new(ArenaMgr::new(
+            "arena",
+            shape,
+            ArenaOptions { no_implicit_moves: false, ..arena },
+            ArenaMode::Stream,
+        )?),
+        "arena-no-moves" => Box::new(ArenaMgr::new(
+            "arena-no-moves",
+            shape,
+            ArenaOptions { no_implicit_moves: true, ..arena },
+            ArenaMode::Stream,
+        )?),
+        "arena-sync" => Box::new(ArenaMgr::new(
+            "arena-sync",
+            shape,
+            ArenaOptions { no_implicit_moves: false, ..arena },
+            ArenaMode::Sync,
+        )?),
         "pytorch-caching" => Box::new(TorchMgr::new("pytorch-caching", shape, cap, false)?),
         "pytorch-expandable" => Box::new(TorchMgr::new("pytorch-expandable", shape, cap, true)?),
         "vllm-paged" => Box::new(VllmMgr::new(shape, cap, o.prefix_caching)?),

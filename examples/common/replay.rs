@@ -12,7 +12,9 @@
 //!    and is not tried again until some KV has been freed (an engine does
 //!    not probe a full device every step; this also keeps the models' retry
 //!    paths from being charged for probes);
-//! 3. every running request appends one token: the manager grows its KV and
+//! 3. every running request appends one token: the manager grows its KV
+//!    (first all of them at once where it has a batch form, `grow_batch`;
+//!    then, or where that fails, one by one) and
 //!    the token's tag is written through the mapping. When growth fails,
 //!    the most recently admitted running request is preempted — its tags are
 //!    verified, its KV freed, and it goes back to the front of the waiting
@@ -22,10 +24,19 @@
 //! 4. a request that has generated all its tokens has every tag verified and
 //!    its KV freed.
 //!
-//! 5. the manager's `between_steps` hook runs while the GPU computes.
+//! 5. the manager's `between_steps` hook runs while the GPU computes;
+//! 6. the step's time is charged, and the manager learns that the GPU has
+//!    finished it (`gpu_finished_step`: the stream events recorded during
+//!    it complete, see `counted.rs`).
 //!
 //! The driver calls of steps 2 to 4 are the allocator's critical path; those
 //! of step 5 hide under the GPU's time (see `timing.rs` for the rule).
+//!
+//! A step is *warm* when its instantaneous peak of live KV does not exceed
+//! that of an earlier step: the memory it needs has been needed before, so a
+//! manager that keeps memory should not have to create any. Chunk creations
+//! on the critical path of warm steps are reported apart
+//! (`critical_path_creates_warm`).
 //! Idle time (nothing running or waiting) is skipped to the next arrival.
 //!
 //! Each token's KV slot holds a tag. A prompt token inside a full, named
@@ -100,6 +111,28 @@ pub struct RunResult {
     pub overlapped_alloc_s: f64,
     /// Synchronizes on the critical path (each costs its step the overlap).
     pub critical_path_syncs: u64,
+    /// Waits on stream events not yet complete, on the critical path (each
+    /// costs its step the overlap, like a synchronize).
+    pub critical_path_event_waits: u64,
+    /// Drains (synchronizes, blocking event waits) between steps (the step
+    /// hides none of its between-steps driver time then).
+    pub between_steps_drains: u64,
+    /// Chunk creations on the critical path, in all steps and in warm steps
+    /// (see the module docs).
+    pub critical_path_creates: u64,
+    pub critical_path_creates_warm: u64,
+    pub warm_steps: u64,
+    /// Driver calls made on the critical path and between steps.
+    pub critical_calls: Calls,
+    pub between_calls: Calls,
+    /// The sum of the steps' times (the simulated time less idle gaps), and
+    /// the share of it that is allocator time charged.
+    pub step_seconds: f64,
+    pub critical_path_alloc_fraction: f64,
+    /// Peak physical memory over the instantaneous peak of live KV.
+    pub footprint_over_peak_live: f64,
+    /// Decode steps whose batch growth failed (then grown one by one).
+    pub batch_growth_failures: u64,
     /// Prompt tokens found in a prefix cache (not computed), and their share
     /// of all prompt tokens admitted (re-admissions included).
     pub prefix_hit_tokens: u64,
@@ -206,6 +239,8 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
     let mut freed_gen = 0u64;
     let mut blocked_at: Option<u64> = None;
     let mut copied_before = mgr.bytes_copied();
+    // The highest instantaneous live KV of the steps so far (warm steps).
+    let mut peak_live_before = 0u64;
 
     // Verifies and frees a sequence's KV; returns mismatching tags.
     let retire = |mgr: &mut dyn KvManager, l: &Live| -> u64 {
@@ -228,6 +263,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         }
         let calls_before = mgr.calls();
         let mut work = StepWork::default();
+        let mut step_peak_live = live_now;
 
         // Admission.
         while running.len() < cfg.max_batch && blocked_at != Some(freed_gen) {
@@ -255,6 +291,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                     running.push(Live { seq, stored });
                     live_now += stored * kvpt;
                     r.peak_live_bytes = r.peak_live_bytes.max(live_now);
+                    step_peak_live = step_peak_live.max(live_now);
                 }
                 Err(f) => {
                     r.admission_failures += 1;
@@ -274,6 +311,10 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
 
         // Decode: one token for every running request. The step reads the
         // KV each of them holds; finished requests end with the step.
+        let grows: Vec<(usize, u64, u64)> = running.iter().map(|l| (l.seq, l.stored + 1, l.stored)).collect();
+        if !grows.is_empty() && mgr.grow_batch(&grows).is_err() {
+            r.batch_growth_failures += 1;
+        }
         let mut finished: Vec<usize> = Vec::new();
         let mut i = 0;
         while i < running.len() {
@@ -306,6 +347,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
             running[i].stored += 1;
             live_now += kvpt;
             r.peak_live_bytes = r.peak_live_bytes.max(live_now);
+            step_peak_live = step_peak_live.max(live_now);
             generated[seq] += 1;
             r.output_tokens += 1;
             if generated[seq] >= q.output {
@@ -324,13 +366,27 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         let critical = after_critical.since(&calls_before);
         work.alloc_critical_s = prof.driver_s(&critical);
         work.critical_syncs = critical.synchronize;
+        work.critical_blocking_waits = critical.event_wait_blocked;
         let copied = mgr.bytes_copied();
         work.copied_bytes = copied - copied_before;
         copied_before = copied;
 
         // Between steps: while the GPU computes.
         mgr.between_steps();
-        work.alloc_between_s = prof.driver_s(&mgr.calls().since(&after_critical));
+        let between = mgr.calls().since(&after_critical);
+        work.alloc_between_s = prof.driver_s(&between);
+        work.between_drains = between.drains();
+        r.critical_calls = r.critical_calls.plus(&critical);
+        r.between_calls = r.between_calls.plus(&between);
+        r.critical_path_event_waits += critical.event_wait_blocked;
+        r.between_steps_drains += between.drains();
+        r.critical_path_creates += critical.create;
+        let warm = r.steps > 0 && step_peak_live <= peak_live_before;
+        if warm {
+            r.warm_steps += 1;
+            r.critical_path_creates_warm += critical.create;
+        }
+        peak_live_before = peak_live_before.max(step_peak_live);
         if r.steps % 64 == 0 {
             mgr.housekeeping();
         }
@@ -341,7 +397,9 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         r.critical_path_alloc_s += st.alloc_charged_s;
         r.overlapped_alloc_s += st.alloc_hidden_s;
         r.critical_path_syncs += work.critical_syncs;
+        r.step_seconds += st.total_s;
         now += st.total_s;
+        mgr.gpu_finished_step();
         // Tokens of this step exist at its end.
         for l in &running {
             first_token_at[l.seq].get_or_insert(now);
@@ -404,6 +462,9 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
     r.extra = mgr.extra();
     r.simulated_seconds = now - t0;
     r.tokens_per_s = if r.simulated_seconds > 0.0 { r.output_tokens as f64 / r.simulated_seconds } else { 0.0 };
+    r.critical_path_alloc_fraction = if r.step_seconds > 0.0 { r.critical_path_alloc_s / r.step_seconds } else { 0.0 };
+    r.footprint_over_peak_live =
+        if r.peak_live_bytes > 0 { r.peak_physical_bytes as f64 / r.peak_live_bytes as f64 } else { 0.0 };
     r.wall_seconds = start.elapsed().as_secs_f64();
     r
 }

@@ -6,10 +6,16 @@
 //! ```text
 //! gpu   = prefill + decode + copies
 //! cpu   = cpu_step_s                        (scheduling, input preparation)
-//! step  = max(gpu, cpu) + alloc_critical    no synchronize on the critical path
-//! step  = gpu + cpu + alloc_critical        a synchronize on the critical path
+//! step  = max(gpu, cpu) + alloc_critical    no drain on the critical path
+//! step  = gpu + cpu + alloc_critical        a drain on the critical path
 //!         + max(0, alloc_between - gpu)     driver work between steps, beyond what the GPU hides
+//!         + alloc_between                   instead, when a drain happens between steps
 //! ```
+//!
+//! A *drain* is a call that makes the CPU wait for the GPU: a device
+//! synchronize, or a wait on a stream event that has not completed yet
+//! (`counted.rs` models when events complete: at the end of the step that
+//! recorded them).
 //!
 //! - **Prefill**: `2 × parameters` FLOPs per computed prompt token (the
 //!   usual estimate for a dense decoder, see the design brief) at
@@ -28,13 +34,18 @@
 //!   of the caching allocator) is priced by its size: the per-2-MiB cost
 //!   times the chunks it covers. That is conservative for batched calls
 //!   (only per-chunk costs are published) and charges every manager alike.
-//! - **Synchronizes**: an engine overlaps its CPU work for the next step with
-//!   the GPU's current one. A device synchronize on the critical path makes
-//!   the CPU wait until the GPU drains: that step loses the overlap, and its
-//!   CPU time adds to its GPU time instead of hiding under it.
+//! - **Drains**: an engine overlaps its CPU work for the next step with
+//!   the GPU's current one. A device synchronize, or a blocking event wait,
+//!   on the critical path makes the CPU wait until the GPU drains: that step
+//!   loses the overlap, and its CPU time adds to its GPU time instead of
+//!   hiding under it.
 //! - **Between steps**: a manager's `between_steps` hook runs while the GPU
 //!   computes the step; its driver time is hidden up to that step's GPU
-//!   time and only the excess is charged.
+//!   time and only the excess is charged. A drain there makes the CPU wait
+//!   for the GPU's end before its remaining calls: conservatively, none of
+//!   that step's between-steps driver time is hidden then.
+//! - **Events**: recording, polling and destroying a stream event are
+//!   priced per call (`event_*_s`), wherever they happen.
 //!
 //! Profiles `h200` (default) and `a100` ship here; a JSON file can override
 //! any field (`--profile-file`).
@@ -81,6 +92,15 @@ pub struct Profile {
     /// The call itself of a device synchronize (its real cost, the loss of
     /// overlap, is charged by the rule above).
     pub synchronize_s: f64,
+    /// Stream events, per call: `cuEventCreate` + `cuEventRecord` (the CUDA
+    /// backend creates an event per record), `cuEventQuery`, and
+    /// `cuEventDestroy`; a wait's own call costs a query (its real cost, if
+    /// it blocks, is the drain). Assumptions — the design brief has no event
+    /// figures; these are the order of CUDA's per-call overheads (a few µs
+    /// for an enqueue, under one for a query); override them.
+    pub event_record_s: f64,
+    pub event_query_s: f64,
+    pub event_destroy_s: f64,
 }
 
 impl Default for Profile {
@@ -110,6 +130,9 @@ impl Profile {
             release_s: 0.0,
             reserve_s: 19e-6,
             synchronize_s: 5e-6,
+            event_record_s: 3e-6,
+            event_query_s: 0.5e-6,
+            event_destroy_s: 1e-6,
         }
     }
 
@@ -172,6 +195,9 @@ impl Profile {
             self.release_s,
             self.reserve_s,
             self.synchronize_s,
+            self.event_record_s,
+            self.event_query_s,
+            self.event_destroy_s,
         ];
         if costs.iter().any(|v| !(v.is_finite() && *v >= 0.0)) {
             return Err("profile: sizes and costs must be finite and not negative".into());
@@ -211,6 +237,9 @@ impl Profile {
             + c.release_chunks as f64 * self.release_s
             + c.reserve as f64 * self.reserve_s
             + c.synchronize as f64 * self.synchronize_s
+            + c.event_record as f64 * self.event_record_s
+            + (c.event_query + c.event_wait) as f64 * self.event_query_s
+            + c.event_destroy as f64 * self.event_destroy_s
     }
 }
 
@@ -228,8 +257,12 @@ pub struct StepWork {
     pub alloc_critical_s: f64,
     /// Synchronizes among those calls.
     pub critical_syncs: u64,
+    /// Waits on events not yet complete among those calls.
+    pub critical_blocking_waits: u64,
     /// Driver time of calls made between steps (`between_steps`).
     pub alloc_between_s: f64,
+    /// Drains (synchronizes, blocking waits) among the between-steps calls.
+    pub between_drains: u64,
 }
 
 /// A step's time and how it splits.
@@ -250,8 +283,9 @@ impl Profile {
         let gpu_s = self.prefill_s(w.prefill_tokens)
             + self.decode_s(w.decode_kv_bytes, w.decoding)
             + self.copy_s(w.copied_bytes);
-        let base = if w.critical_syncs > 0 { gpu_s + self.cpu_step_s } else { gpu_s.max(self.cpu_step_s) };
-        let hidden = w.alloc_between_s.min(gpu_s);
+        let drained = w.critical_syncs + w.critical_blocking_waits > 0;
+        let base = if drained { gpu_s + self.cpu_step_s } else { gpu_s.max(self.cpu_step_s) };
+        let hidden = if w.between_drains > 0 { 0.0 } else { w.alloc_between_s.min(gpu_s) };
         let excess = w.alloc_between_s - hidden;
         StepTime {
             total_s: base + w.alloc_critical_s + excess,

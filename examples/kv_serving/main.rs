@@ -88,8 +88,11 @@ struct Opts {
     /// Llama-3-8B's 16 GB of weights).
     #[arg(long, default_value = "64GiB", value_parser = parse_size)]
     capacity: u64,
-    /// Comma-separated subset of: arena, arena-no-moves, pytorch-caching,
-    /// pytorch-expandable, vllm-paged, ideal-contiguous, contiguous-max.
+    /// Comma-separated subset of: arena, arena-no-moves, arena-sync,
+    /// pytorch-caching, pytorch-expandable, vllm-paged, ideal-contiguous,
+    /// contiguous-max. `arena` frees on the stream, prefetches and grows the
+    /// decode batch at once; `arena-sync` is the arena driven as before
+    /// (plain free, no prefetch, one resize per allocation).
     #[arg(long, value_delimiter = ',', default_values_t = ALL_MANAGERS.map(String::from))]
     managers: Vec<String>,
     /// vmm-arena's pooled-memory watermark: a size, or "all".
@@ -99,6 +102,12 @@ struct Opts {
     /// 2 x max-batch reservations if that is more).
     #[arg(long, value_parser = parse_size)]
     arena_reserve: Option<u64>,
+    /// The `arena` rows' prefetch: created, unmapped chunks kept pooled.
+    #[arg(long, default_value = "8MiB", value_parser = parse_size)]
+    precreate: u64,
+    /// The `arena` rows' prefetch: bytes kept mapped past each KV tensor's size.
+    #[arg(long, default_value = "2MiB", value_parser = parse_size)]
+    map_ahead: u64,
     /// GPU profile of the step-time model.
     #[arg(long, default_value = "h200", value_parser = ["h200", "a100"])]
     profile: String,
@@ -257,7 +266,12 @@ fn setup(o: &Opts) -> Setup {
     }
     let max_batch = o.max_batch as usize;
     let reserve = o.arena_reserve.unwrap_or_else(|| managers::arena_reserve(shape, o.capacity, max_batch));
-    let arena = ArenaOptions { capacity: o.capacity, reserve, retain: o.retain, no_implicit_moves: false };
+    let arena = ArenaOptions {
+        retain: o.retain,
+        precreate_bytes: o.precreate,
+        map_ahead_bytes: o.map_ahead,
+        ..ArenaOptions::new(o.capacity, reserve)
+    };
     let max_tokens = o.max_tokens.unwrap_or_else(|| trace.requests.iter().map(|q| q.output).max().unwrap_or(1));
     let build = BuildOptions { arena, prefix_caching: o.prefix_caching == OnOff::On, max_tokens };
     let jobs = o.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
@@ -358,9 +372,12 @@ fn main() {
         p.cpu_step_s * 1e3
     );
     println!(
-        "  managers  arena: virtual range {}, retain {}; vllm-paged: prefix caching {}; contiguous-max: room for {} output tokens",
+        "  managers  arena: virtual range {}, retain {}, prefetch {} created + {} mapped ahead per tensor (arena-sync: none); \
+         vllm-paged: prefix caching {}; contiguous-max: room for {} output tokens",
         fmt_bytes(s.build.arena.reserve),
         if o.retain == u64::MAX { "all pooled memory".to_string() } else { fmt_bytes(o.retain) },
+        fmt_bytes(o.precreate),
+        fmt_bytes(o.map_ahead),
         if s.build.prefix_caching { "on" } else { "off" },
         s.build.max_tokens
     );
@@ -477,6 +494,7 @@ fn print_table(results: &[RunResult], trace: &Trace) {
     println!("  synchronizes on the critical path (each costs its step the CPU/GPU overlap); prefix hit = prompt");
     println!("  tokens found in vLLM's prefix cache; recomp = tokens computed again after preemptions; peak live =");
     println!("  KV of running requests at its instantaneous peak; GiB for memory. See common/timing.rs.");
+    print_driver_table(results);
     if let Some(a) = results.iter().find(|r| r.name == "arena") {
         let rel: Vec<String> = results
             .iter()
@@ -524,6 +542,46 @@ fn print_table(results: &[RunResult], trace: &Trace) {
     }
 }
 
+/// Driver work on the critical path, and the figures against vllm-paged
+/// (when it ran) that issue 11's targets are stated in.
+fn print_driver_table(results: &[RunResult]) {
+    let vllm = results.iter().find(|r| r.name == "vllm-paged");
+    println!();
+    println!(
+        "{:<19} {:>7} {:>7} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {:>9}",
+        "manager", "syncs", "event", "creates", "creates", "alloc %", "between", "TPOT p99", "tok/s", "peak phys"
+    );
+    println!(
+        "{:<19} {:>7} {:>7} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {:>9}",
+        "", "crit", "waits", "crit", "crit warm", "of steps", "drains", "vs vLLM", "vs vLLM", "/peak live"
+    );
+    for r in results {
+        let vs = |f: &dyn Fn(&RunResult) -> f64| match vllm {
+            Some(v) if f(v) > 0.0 => format!("{:.3}", f(r) / f(v)),
+            _ => "-".into(),
+        };
+        println!(
+            "{:<19} {:>7} {:>7} {:>9} {:>9} {:>8.2}% {:>8} {:>9} {:>9} {:>9.3}",
+            r.name,
+            r.critical_path_syncs,
+            r.critical_path_event_waits,
+            r.critical_path_creates,
+            r.critical_path_creates_warm,
+            r.critical_path_alloc_fraction * 100.0,
+            r.between_steps_drains,
+            vs(&|x| x.tpot_p99_s),
+            vs(&|x| x.tokens_per_s),
+            r.footprint_over_peak_live
+        );
+    }
+    println!("\n  syncs crit / event waits = device synchronizes / waits on incomplete stream events on the critical");
+    println!(
+        "  path (each costs its step the overlap); creates crit (warm) = chunk creations on the critical path (in"
+    );
+    println!("  steps whose live KV peak was reached before); alloc % = allocator time charged over the summed step");
+    println!("  time; between drains = drains in between_steps; vs vLLM = ratio to vllm-paged of this run.");
+}
+
 /// One manager's JSON object: every field of its result, the driver calls
 /// under `driver_calls`, and its own extra facts at the top level.
 fn manager_json(r: &RunResult) -> Value {
@@ -560,6 +618,8 @@ fn to_json(results: &[RunResult], o: &Opts, s: &Setup) -> Value {
             "seed": o.seed,
             "arena_retain_bytes": if o.retain == u64::MAX { Value::Null } else { json!(o.retain) },
             "arena_reserve_bytes": s.build.arena.reserve,
+            "arena_precreate_bytes": o.precreate,
+            "arena_map_ahead_bytes": o.map_ahead,
             "prefix_caching": s.build.prefix_caching,
             "contiguous_max_tokens": s.build.max_tokens,
             "profile": s.cfg.profile,

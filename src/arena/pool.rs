@@ -5,6 +5,7 @@ use crate::error::Result;
 
 use super::moves::forget_retired_pages;
 use super::state::{self, State};
+use super::stream::{reap, Poll};
 use super::txn;
 use super::{Arena, Ctx, Inner, Touch};
 
@@ -24,11 +25,16 @@ impl Arena {
     /// other retired page is: a live allocation's old address stays valid
     /// (for its current size) until [`Arena::release_retired`], and the bytes
     /// returned never exceed what was pooled.
+    ///
+    /// Stream-ordered frees count as pooled while their events are pending:
+    /// trim polls every pending event first (never waiting), so the memory
+    /// of those that completed goes back too.
     pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
         // Down to the retain watermark too, if it is lower: `run` would give
         // that back right after (pooled memory may exceed the watermark after
         // a failed give-back), and the bytes returned must count it.
         self.run(Touch::Nothing, |inner, ctx, _| {
+            reap(&mut inner.st, ctx, Poll::All);
             let keep = keep_bytes.min(inner.st.retain_bytes);
             trim_pool(&mut inner.st, ctx, keep)
         })
