@@ -47,6 +47,17 @@ fn read(a: &Arena, id: Id, off: u64, len: u64) -> Vec<u8> {
     v
 }
 
+/// Equal bytes, or where they first differ.
+fn same(got: &[u8], want: &[u8], what: &str) {
+    let at = got.iter().zip(want).position(|(g, w)| g != w);
+    assert!(
+        at.is_none() && got.len() == want.len(),
+        "{what}: {} bytes for {}, first difference at {at:?}",
+        got.len(),
+        want.len()
+    );
+}
+
 #[test]
 fn writes_through_either_address_are_seen_through_the_other() {
     let (d, a, c) = arena(16, 64);
@@ -261,6 +272,63 @@ fn a_group_woken_in_two_steps_shares_the_first_wakers_chunk() {
     assert_eq!(read(&a, src, 8, 2), b"sh", "src maps the chunk sh woke with, as it is now");
     assert_eq!(a.stats().unwrap().shared_bytes, c);
     check_consistent(&a, &d);
+}
+
+/// A member whose size ends inside the group's chunk backs up only part of
+/// it: the rest of the new chunk comes from a member whose backup covers
+/// it. (Found by the property test: sh, slept after src in the same call,
+/// gave the chunk its 32453 bytes only, and src lost the rest of its page.)
+#[test]
+fn a_group_chunk_gets_every_byte_some_member_backed_up() {
+    let (d, a, c) = arena(16, 64);
+    let (src, _) = a.alloc(c).unwrap();
+    fill(&a, src, 9);
+    let (sh, shp) = a.alloc_shared(src, 0, c, c).unwrap();
+    assert!(shp > a.query(src).unwrap().ptr, "sh lies above src: it sleeps after src in the same call");
+    let part = c / 2 - 315;
+    a.resize(sh, part).unwrap(); // its page stays: it still maps src's chunk
+    assert_eq!(a.stats().unwrap().shared_bytes, c);
+    a.sleep(ALL_TAGS, SLEEP_BACKUP).unwrap();
+    assert_eq!(d.fault.live_chunks(), 0);
+    a.wake(ALL_TAGS).unwrap();
+    same(&read_all(&a, src), &pattern(9, c), "src's whole page, though sh backed up part of it");
+    same(&read_all(&a, sh), &pattern(9, part), "sh");
+    a.write(src, 8, b"again").unwrap();
+    assert_eq!(read(&a, sh, 8, 5), b"again", "they share again");
+    check_consistent(&a, &d);
+}
+
+/// Members that slept at different times: each byte comes from the newest
+/// backup that covers it, here the later but shorter one's where it has
+/// them and the earlier one's beyond; also when the short member wakes
+/// first and alone.
+#[test]
+fn a_group_chunk_takes_each_byte_from_the_newest_backup_covering_it() {
+    for short_wakes_first in [false, true] {
+        let (d, a, c) = arena(16, 64);
+        let (src, _) = a.alloc(c).unwrap();
+        fill(&a, src, 10);
+        let (sh, _) = a.alloc_shared(src, 0, c, c).unwrap();
+        let part = c / 4 + 3;
+        a.resize(sh, part).unwrap();
+        a.set_tag(src, 1).unwrap();
+        a.set_tag(sh, 2).unwrap();
+        a.sleep(1, SLEEP_BACKUP).unwrap(); // sh still maps the chunk: kept
+        a.write(sh, 0, b"newer").unwrap();
+        a.sleep(2, SLEEP_BACKUP).unwrap(); // now nobody awake maps it
+        assert_eq!(d.fault.live_chunks(), 0);
+        if short_wakes_first {
+            a.wake(2).unwrap();
+            assert_eq!(read(&a, sh, 0, 5), b"newer");
+        }
+        a.wake(ALL_TAGS).unwrap();
+        let mut want = pattern(10, c);
+        want[..5].copy_from_slice(b"newer");
+        same(&read_all(&a, src), &want, &format!("src, short_wakes_first {short_wakes_first}"));
+        same(&read_all(&a, sh), &want[..part as usize], &format!("sh, short_wakes_first {short_wakes_first}"));
+        assert_eq!(a.stats().unwrap().shared_bytes, c);
+        check_consistent(&a, &d);
+    }
 }
 
 #[test]

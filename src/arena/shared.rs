@@ -297,7 +297,8 @@ pub(super) fn wake_needs(st: &State, targets: &[u32]) -> u64 {
 
 /// What waking one sleeper wrote where: the pages that got a new chunk
 /// and receive its own backup, and the group pages that got a new chunk
-/// (each receives the bytes of the group's member that slept last).
+/// (each receives, byte by byte, the newest backup of a member covering it:
+/// [`group_sources`]).
 pub(super) struct Woken {
     pub own_pages: Vec<u64>,
     pub group_pages: Vec<(u64, u64)>,
@@ -339,17 +340,47 @@ pub(super) fn wake_one(st: &mut State, tx: &mut Txn<'_>, slot: u32) -> Result<Wo
     Ok(woken)
 }
 
-/// The backup whose bytes a group's new chunk receives: that of the
-/// member (in the books before the wake) that slept last with a backup.
-pub(super) fn group_source(before: &State, g: u64) -> Option<(u32, u64)> {
-    before.groups.by_id[&g]
+/// One piece of a group's new chunk: bytes `from..to` of the chunk come
+/// from the backup of sleeper `slot`, at the same offsets of its page `page`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct GroupPiece {
+    pub slot: u32,
+    pub page: u64,
+    pub from: u64,
+    pub to: u64,
+}
+
+/// Where a group's new chunk gets its bytes (from the books before the
+/// wake): each byte from the backup of the member that slept last with a
+/// backup covering that byte. A backup holds its sleeper's `size` bytes,
+/// so a member whose size ends inside the shared page covers only a prefix
+/// of the chunk: the newest backup gives its prefix, and an older one that
+/// covers more gives the bytes after it, and so on. (Backups taken in one
+/// sleep agree wherever they overlap; across sleeps the newer is the later
+/// state of the chunk.)
+pub(super) fn group_sources(before: &State, g: u64) -> Vec<GroupPiece> {
+    let c = before.chunk;
+    let mut members: Vec<(u64, u32, u64, u64)> = before.groups.by_id[&g]
         .members
         .iter()
         .filter_map(|&(slot, i)| {
             let z = before.alloc(slot).sleep.as_ref()?;
-            z.backup.as_ref()?;
-            Some((z.seq, slot, i))
+            let b = z.backup.as_ref()?;
+            let covers = (b.len() as u64).saturating_sub(i * c).min(c);
+            Some((z.seq, slot, i, covers))
         })
-        .max()
-        .map(|(_, slot, i)| (slot, i))
+        .collect();
+    members.sort_unstable_by_key(|&(seq, ..)| std::cmp::Reverse(seq));
+    let mut pieces = Vec::new();
+    let mut covered = 0;
+    for (_, slot, page, covers) in members {
+        if covers > covered {
+            pieces.push(GroupPiece { slot, page, from: covered, to: covers });
+            covered = covers;
+        }
+        if covered == c {
+            break;
+        }
+    }
+    pieces
 }

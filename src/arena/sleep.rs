@@ -234,12 +234,12 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
                 }
             }
             for &(i, g) in &w.group_pages {
-                if let Some((src, j)) = shared::group_source(st, g) {
-                    let b = st.alloc(src).sleep.as_ref().and_then(|s| s.backup.as_ref()).expect("a backup");
-                    let (from, to) = ((j * c) as usize, (((j + 1) * c) as usize).min(b.len()));
-                    if from < to {
-                        ctx.drv.write(st.addr(a.start + i), &b.as_slice()[from..to])?;
-                    }
+                for piece in shared::group_sources(st, g) {
+                    let src = st.alloc(piece.slot);
+                    let b = src.sleep.as_ref().and_then(|s| s.backup.as_ref()).expect("a backup");
+                    let at = piece.page * c;
+                    let bytes = &b.as_slice()[(at + piece.from) as usize..(at + piece.to) as usize];
+                    ctx.drv.write(st.addr(a.start + i) + piece.from, bytes)?;
                 }
             }
         }

@@ -58,8 +58,8 @@ pub(crate) struct Sleep {
     /// sharing group), so that it shares again when it wakes (see
     /// `arena/shared.rs`).
     pub shares: Vec<(u64, u64)>,
-    /// When it fell asleep (a counter): a group's new chunk gets the bytes
-    /// of the member that slept last.
+    /// When it fell asleep (a counter): each byte of a group's new chunk
+    /// comes from the member that slept last with a backup covering it.
     pub seq: u64,
     /// Its first `size` bytes, when it slept with a backup. Shared, so that
     /// the state copies of the slow paths do not copy the bytes; freed when

@@ -28,8 +28,8 @@
 //!   operation that may do so;
 //! - sleep and wake: the sharing rules of the contract (a chunk an awake
 //!   allocation maps stays and is mapped again as it is now; sleepers that
-//!   shared share again, with the bytes of the one that slept last with a
-//!   backup);
+//!   shared share again, each byte from the one that slept last with a
+//!   backup covering it);
 //! - an operation whose injected failure fired returns that failure and
 //!   leaves the arena exactly as it was (`trim`: what was released stays
 //!   released; a give-back that failed after the operation's own change is
@@ -995,8 +995,9 @@ impl Harness {
                 assert!(needed <= obtainable, "woke {needed} pages beyond the capacity");
                 // Each page's bytes, from the books before the wake: a chunk
                 // an awake allocation maps, as it is now; a group's new
-                // chunk, the backup of its member that slept last with one;
-                // any other new chunk, its own backup.
+                // chunk, byte by byte the backup of the member that slept
+                // last with one covering that byte; any other new chunk, its
+                // own backup.
                 let mut restored: Vec<(Id, Marks)> = Vec::new();
                 for &id in &selected {
                     let m = &self.live[&id];
@@ -1007,16 +1008,28 @@ impl Harness {
                         let from: Option<Marks> = if let Some(&(h, j)) = self.awake_holders(k).first() {
                             Some(marks_in_page(&self.live[&h].stamps.marks, j, c))
                         } else if z.grouped[i as usize] {
-                            self.live
+                            // Byte by byte, the newest backup covering it: a
+                            // member backed up its size, so only a prefix of
+                            // a page its size ends in. Overlaid oldest first,
+                            // each replacing what the older ones said there.
+                            let mut members: Vec<(u64, u64, Marks)> = self
+                                .live
                                 .values()
                                 .filter_map(|o| {
                                     let oz = o.slept.as_ref()?;
-                                    let j = o.chunks.iter().position(|&x| x == k)?;
+                                    let j = o.chunks.iter().position(|&x| x == k)? as u64;
                                     let b = oz.backup.as_ref()?;
-                                    Some((oz.seq, marks_in_page(b, j as u64, c)))
+                                    Some((oz.seq, (o.size - j * c).min(c), marks_in_page(b, j, c)))
                                 })
-                                .max_by_key(|(seq, _)| *seq)
-                                .map(|(_, pieces)| pieces)
+                                .collect();
+                            members.sort_by_key(|&(seq, _, _)| seq);
+                            let mut page: Option<Marks> = None;
+                            for (_, covers, pieces) in members {
+                                let acc = page.get_or_insert_with(Vec::new);
+                                acc.retain(|(o, _)| *o >= covers);
+                                acc.extend(pieces);
+                            }
+                            page
                         } else {
                             z.backup.as_ref().map(|b| marks_in_page(b, i, c))
                         };
