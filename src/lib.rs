@@ -40,6 +40,7 @@ pub mod arena;
 mod compact;
 pub mod driver;
 pub mod error;
+pub mod group;
 mod id;
 mod snapshot;
 mod sync;
@@ -49,7 +50,10 @@ pub use arena::{
     AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, ALL_TAGS,
     DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,
 };
+#[cfg(unix)]
+pub use arena::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
 pub use error::{Error, Result, Status};
+pub use group::{Group, GroupConfig, GroupError, GroupId};
 pub use id::Id;
 
 /// The README's code blocks, compiled and run as doc tests.

@@ -57,6 +57,9 @@ fn index(k: CallKind) -> usize {
         CallKind::Data => 8,
         // Stream events: every call counts here, and by kind in `Events`.
         CallKind::Event => 9,
+        // Sharing (export and import): counted, not modeled (the managers
+        // here make none; this driver forwards none).
+        CallKind::Share => 11,
         // Host buffers for sleep backups: counted, not modeled.
         CallKind::HostAlloc => 10,
     }
@@ -196,9 +199,9 @@ impl Events {
 pub struct Counted<D> {
     inner: D,
     capacity: u64,
-    counts: [AtomicU64; 11],
+    counts: [AtomicU64; 12],
     /// Chunks covered, by call kind (see [`Calls::create_chunks`]).
-    chunks: [AtomicU64; 11],
+    chunks: [AtomicU64; 12],
     create_failed: AtomicU64,
     live: AtomicU64,
     peak: AtomicU64,

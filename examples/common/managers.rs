@@ -702,6 +702,17 @@ impl TorchMgr {
         })
     }
 
+    /// The device (for managers made of several, `tp.rs`).
+    pub fn device(&self) -> &Dev {
+        &self.dev
+    }
+
+    /// The caching allocator, for tensors sharing it with the KV
+    /// (activations, in `tp.rs`).
+    pub fn allocator_mut(&mut self) -> &mut CachingAllocator<Dev> {
+        &mut self.alloc
+    }
+
     /// `remaining`: bytes the operation still had to allocate when it failed.
     fn fail(oom: super::caching::Oom, remaining: u64) -> Fail {
         let free = oom.capacity.saturating_sub(oom.allocated_bytes);

@@ -11,6 +11,7 @@
 //! - [`trace`]: trace files and the synthetic trace;
 //! - [`replay`]: the continuous-batching scheduler;
 //! - [`timing`]: the step-time model (GPU profiles, driver costs);
+//! - [`tp`]: tensor-parallel managers (`kv_serving --tp N`);
 //! - [`scenario`]: the textbook fragmentation failure;
 //! - [`util`]: sizes and a seeded RNG.
 #![allow(dead_code)]
@@ -22,5 +23,6 @@ pub mod prefix_cache;
 pub mod replay;
 pub mod scenario;
 pub mod timing;
+pub mod tp;
 pub mod trace;
 pub mod util;

@@ -6,7 +6,16 @@
 //! cargo run --release --example kv_serving                       # built-in synthetic Azure-like trace
 //! cargo run --release --example kv_serving -- --trace ../shared/traces/azure_conv_2023.csv
 //! cargo run --release --example kv_serving -- --quick --json out.json
+//! cargo run --release --example kv_serving -- --tp 4 --model llama3-70b --capacity 12GiB   # tensor parallel
 //! ```
+//!
+//! With `--tp N` every request's KV is sharded over N devices (1/N of each
+//! token's KV per device, token-major), and the managers are the
+//! tensor-parallel ones of `common/tp.rs`: a vmm-arena group (all or
+//! nothing across members) and N per-device PyTorch caching-allocator
+//! models, each device with activation noise of its own seed
+//! (`--activation-bytes`). `--capacity` is then the KV capacity of each
+//! device.
 //!
 //! Every manager replays the same requests with the same scheduler (see
 //! `common/replay.rs`) on its own counted host device (sparse mode) of the
@@ -29,6 +38,7 @@ use clap::{Parser, ValueEnum};
 use common::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
 use common::replay::{self, RunResult, SchedConfig};
 use common::timing::Profile;
+use common::tp;
 use common::trace::{self, Trace};
 use common::util::{fmt_bytes, parse_size};
 use serde_json::{json, Value};
@@ -119,6 +129,22 @@ struct Opts {
     /// Write the results as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Tensor-parallel degree: shard every request's KV over N devices
+    /// (token-major layout; managers: arena and pytorch-caching, as their
+    /// tensor-parallel versions). --capacity is per device.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    tp: u64,
+    /// With --tp: mean activation bytes per device per step, allocated
+    /// between steps from the same allocator as the KV (default: 1/32 of
+    /// --capacity).
+    #[arg(long, value_parser = parse_size)]
+    activation_bytes: Option<u64>,
+    /// With --tp: each step's activation total is mean x (1 +- spread).
+    #[arg(long, default_value_t = 0.5)]
+    activation_spread: f64,
+    /// With --tp: activation tensors per step per device.
+    #[arg(long, default_value_t = 4)]
+    activation_tensors: u32,
     /// Internal: replay only this manager and report on stdout.
     #[arg(long, hide = true)]
     worker: Option<String>,
@@ -172,6 +198,19 @@ struct Setup {
     cfg: SchedConfig,
     build: BuildOptions,
     jobs: usize,
+    /// Tensor-parallel degree (1: the single-device managers).
+    tp: usize,
+    noise: tp::Noise,
+}
+
+/// Builds the manager `name` replays: a single-device one, or with `--tp`
+/// its tensor-parallel version.
+fn build_manager(name: &str, s: &Setup) -> Result<Box<dyn managers::KvManager + Send>, String> {
+    if s.tp == 1 {
+        return managers::build(name, s.shape, s.build);
+    }
+    let a = s.build.arena;
+    tp::build(name, s.shape, s.tp, a.capacity, a.reserve, a.retain, s.noise)
 }
 
 fn setup(o: &Opts) -> Setup {
@@ -182,9 +221,14 @@ fn setup(o: &Opts) -> Setup {
             MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
         ))
     });
+    let tp_degree = o.tp as usize;
+    let managers_given = std::env::args().any(|a| a == "--managers" || a.starts_with("--managers="));
     for m in &o.managers {
         if !ALL_MANAGERS.contains(&m.as_str()) {
             die(&format!("unknown manager {m:?} (known: {})", ALL_MANAGERS.join(", ")));
+        }
+        if tp_degree > 1 && managers_given && !tp::TP_MANAGERS.contains(&m.as_str()) {
+            die(&format!("--tp replays {} only, not {m:?}", tp::TP_MANAGERS.join(" and ")));
         }
     }
     if o.managers.is_empty() {
@@ -233,12 +277,46 @@ fn setup(o: &Opts) -> Setup {
     let max_tokens = o.max_tokens.unwrap_or_else(|| trace.requests.iter().map(|q| q.output).max().unwrap_or(1));
     let build = BuildOptions { arena, prefix_caching: o.prefix_caching == OnOff::On, max_tokens };
     let jobs = o.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
-    let cfg = SchedConfig { max_batch, kv_bytes_per_token: shape.kv_bytes_per_token, profile };
-    Setup { trace, shape, model: if o.kv_bytes_per_token.is_some() { "custom" } else { model.name }, cfg, build, jobs }
+    let mut cfg = SchedConfig { max_batch, kv_bytes_per_token: shape.kv_bytes_per_token, profile };
+    if tp_degree > 1 {
+        // The replay models one device's step (every device runs the same
+        // step at once; the all-reduce between them is not modeled): its
+        // share of the weights and of every token's KV.
+        let shard = tp::shard_shape(shape, tp_degree).unwrap_or_else(|e| die(&e));
+        cfg.kv_bytes_per_token = shard.kv_bytes_per_token;
+        cfg.profile.params /= tp_degree as f64;
+    }
+    let noise = tp::Noise {
+        mean_bytes: o.activation_bytes.unwrap_or(o.capacity / 32),
+        spread: o.activation_spread.clamp(0.0, 1.0),
+        tensors: o.activation_tensors,
+        seed: o.seed,
+    };
+    Setup {
+        trace,
+        shape,
+        model: if o.kv_bytes_per_token.is_some() { "custom" } else { model.name },
+        cfg,
+        build,
+        jobs,
+        tp: tp_degree,
+        noise,
+    }
+}
+
+/// The managers to replay: as given, or with `--tp` and no `--managers`,
+/// the tensor-parallel ones.
+fn manager_names(o: &Opts) -> Vec<String> {
+    let given = std::env::args().any(|a| a == "--managers" || a.starts_with("--managers="));
+    match (o.tp > 1, given) {
+        (true, false) => tp::TP_MANAGERS.iter().map(|m| m.to_string()).collect(),
+        _ => o.managers.clone(),
+    }
 }
 
 fn main() {
-    let o = Opts::parse();
+    let mut o = Opts::parse();
+    o.managers = manager_names(&o);
     let s = setup(&o);
     if let Some(name) = &o.worker {
         run_worker(name, &s);
@@ -248,7 +326,8 @@ fn main() {
     if let Err(e) = managers::check_host_memory(
         managers::host_ram(),
         s.shape,
-        o.capacity,
+        // Every device of a tensor-parallel manager lives in its process.
+        o.capacity * s.tp as u64,
         &s.trace.requests,
         s.cfg.max_batch,
         &o.managers,
@@ -312,8 +391,24 @@ fn main() {
     println!();
 
     // Build managers up front so a bad configuration fails before the replay.
+    if s.tp > 1 {
+        println!(
+            "  tp        {} devices, 1/{} of every token's KV each ({} per token per device); {} KV capacity per \
+             device; activations per device per step: {} mean, +-{:.0}%, {} tensors, seeded per device;\n            \
+             step times are one device's (its share of weights and KV; all-reduce not modeled); memory \
+             columns are per device (the device with the highest value)",
+            s.tp,
+            s.tp,
+            fmt_bytes(s.shape.kv_bytes_per_token / s.tp as u64),
+            fmt_bytes(o.capacity),
+            fmt_bytes(s.noise.mean_bytes),
+            s.noise.spread * 100.0,
+            s.noise.tensors
+        );
+        println!();
+    }
     for name in &o.managers {
-        if let Err(e) = managers::build(name, s.shape, s.build) {
+        if let Err(e) = build_manager(name, &s) {
             die(&format!("{name}: {e}"));
         }
     }
@@ -449,6 +544,23 @@ fn print_table(results: &[RunResult], trace: &Trace) {
         }
     }
     for r in results {
+        let x = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        if let (Some(n), Some(by), Some(bucket), Some(act), Some(actf)) = (
+            x("tp_failures"),
+            x("tp_failures_by_member"),
+            x("tp_bucket_failures"),
+            x("tp_activation_failures"),
+            x("tp_activation_fragmentation"),
+        ) {
+            println!(
+                "  {}: {n} failed admissions/growths, by failing device {by}: {bucket} on a device after the \
+                 devices before it had room, {} with the failing device's free memory covering the request \
+                 (fragmentation); activation allocations failed by device {act}, {actf} of them for fragmentation",
+                r.name, r.fragmentation_failures
+            );
+        }
+    }
+    for r in results {
         if let Some(f) = &r.first_fragmentation {
             println!("  {}: first fragmentation failure: {f}", r.name);
         }
@@ -530,6 +642,10 @@ fn to_json(results: &[RunResult], o: &Opts, s: &Setup) -> Value {
             "allocations_per_request": s.shape.n_allocs(),
             "reservation_tokens": s.shape.max_context,
             "max_batch": s.cfg.max_batch,
+            "tp": s.tp,
+            "activation_mean_bytes": if s.tp > 1 { json!(s.noise.mean_bytes) } else { Value::Null },
+            "activation_spread": if s.tp > 1 { json!(s.noise.spread) } else { Value::Null },
+            "activation_tensors": if s.tp > 1 { json!(s.noise.tensors) } else { Value::Null },
             "seed": o.seed,
             "arena_retain_bytes": if o.retain == u64::MAX { Value::Null } else { json!(o.retain) },
             "arena_reserve_bytes": s.build.arena.reserve,
@@ -562,7 +678,7 @@ fn run_worker(name: &str, s: &Setup) {
                 std::thread::sleep(Duration::from_millis(250));
             }
         });
-        let mut mgr = managers::build(name, s.shape, s.build).unwrap_or_else(|e| die(&e));
+        let mut mgr = build_manager(name, s).unwrap_or_else(|e| die(&e));
         let r = replay::replay(mgr.as_mut(), &s.trace.requests, &s.cfg, &progress);
         drop(mgr);
         done.store(true, Relaxed);

@@ -50,6 +50,16 @@
 #define VMM_ARENA_FLAG_BACKGROUND 2u
 
 /**
+ * Chunks are exportable to other processes (vmm_arena_export): on the
+ * host backend each chunk gets a sealed memfd of its own (one descriptor
+ * per chunk held by the arena); on CUDA chunks are created with the POSIX
+ * file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
+ * the device lacks it). (8, not 4: the contract's own program checks that
+ * 4 is refused.)
+ */
+#define VMM_ARENA_FLAG_EXPORTABLE 8u
+
+/**
  * Every tag, for vmm_arena_sleep and vmm_arena_wake.
  */
 #define VMM_ARENA_ALL_TAGS 4294967295u
@@ -59,6 +69,29 @@
  * vmm_arena_wake writes them back.
  */
 #define VMM_ARENA_SLEEP_BACKUP 1u
+
+/**
+ * vmm_arena_group_create flag: on the CUDA backend, every member's chunks
+ * are made readable and writable from every other device of the group
+ * (one access descriptor per device in each cuMemSetAccess; peer access
+ * enabled through the runtime API does not reach these mappings). A pair
+ * of devices without peer access is VMM_ARENA_ERR_UNSUPPORTED. No effect
+ * on the host backend.
+ */
+#define VMM_ARENA_GROUP_PEER_ACCESS 1u
+
+/**
+ * The format version of vmm_arena_export_layout this library writes and
+ * accepts (the version field).
+ */
+#define VMM_ARENA_EXPORT_FORMAT_VERSION 1u
+
+/**
+ * vmm_arena_import flag: map the chunks readable only (on the host backend
+ * a store through the pointer faults; on CUDA the access is
+ * CU_MEM_ACCESS_FLAGS_PROT_READ).
+ */
+#define VMM_ARENA_IMPORT_READ_ONLY 1u
 
 /**
  * What every call that can fail returns. Values are never changed or reused.
@@ -135,6 +168,18 @@ typedef enum vmm_arena_backend {
  * Opaque arena.
  */
 typedef struct vmm_arena vmm_arena;
+
+/**
+ * Opaque open export: one descriptor per chunk of an allocation and its
+ * layout. It may outlive the arena that made it (the descriptors keep the
+ * memory alive).
+ */
+typedef struct vmm_arena_export vmm_arena_export;
+
+/**
+ * Opaque device group: one arena per device.
+ */
+typedef struct vmm_arena_group vmm_arena_group;
 
 /**
  * Arena configuration. Defaults (vmm_arena_config_default): backend CUDA,
@@ -306,6 +351,40 @@ typedef void (*vmm_arena_move_fn)(void *user,
                                   uint64_t old_ptr,
                                   uint64_t new_ptr,
                                   uint64_t size);
+
+/**
+ * Names one group allocation for the group's lifetime; 0 is never issued
+ * and an id is never reused.
+ */
+typedef uint64_t vmm_arena_group_id;
+
+/**
+ * What an importer needs besides the descriptors: send it with them (a
+ * plain struct of integers, 32 bytes). struct_size is set by whoever fills
+ * it in and checked by whoever reads it.
+ */
+typedef struct vmm_arena_export_layout {
+  /**
+   * sizeof(vmm_arena_export_layout)
+   */
+  uint32_t struct_size;
+  /**
+   * VMM_ARENA_EXPORT_FORMAT_VERSION
+   */
+  uint32_t version;
+  /**
+   * bytes per chunk: the importing arena's chunk_bytes must be equal
+   */
+  uint64_t chunk_bytes;
+  /**
+   * chunks, one descriptor each, in address order
+   */
+  uint64_t chunk_count;
+  /**
+   * the allocation's size when it was exported
+   */
+  uint64_t size;
+} vmm_arena_export_layout;
 
 #ifdef __cplusplus
 extern "C" {
@@ -683,6 +762,286 @@ enum vmm_arena_status vmm_arena_snapshot_json(struct vmm_arena *arena,
                                               char *buf,
                                               size_t cap,
                                               size_t *out_len);
+
+/**
+ * Creates a group of `count` members, member i on device devices[i]
+ * (distinct ordinals; on the host backend any distinct values: N arenas
+ * stand for N devices), each configured by `config` (its device field is
+ * ignored). flags: VMM_ARENA_GROUP_PEER_ACCESS or 0; unknown bits are
+ * INVALID_ARGUMENT, as are a NULL config, devices or out, count 0 and a
+ * repeated device. A member that cannot be created fails the call with its
+ * status (vmm_arena_group_last_member() names it) and the members made
+ * before it are destroyed. *out receives the group on VMM_ARENA_OK; the
+ * caller owns it and destroys it with vmm_arena_group_destroy.
+ *
+ * # Safety
+ * `config` is NULL or points to a config of at least its `struct_size`
+ * bytes; `devices` is NULL or has `count` readable entries; `out` is NULL
+ * or writable.
+ */
+enum vmm_arena_status vmm_arena_group_create(const struct vmm_arena_config *config,
+                                             const int32_t *devices,
+                                             uint32_t count,
+                                             uint32_t flags,
+                                             struct vmm_arena_group **out);
+
+/**
+ * Destroys every member (unmapping and releasing everything, as
+ * vmm_arena_destroy does) and the group. NULL is fine.
+ *
+ * # Safety
+ * `group` is NULL or a live handle that no other thread is using, and is
+ * not used again.
+ */
+void vmm_arena_group_destroy(struct vmm_arena_group *group);
+
+/**
+ * The member index named by this thread's last failing vmm_arena_group_*
+ * call (the member whose call failed; vmm_arena_last_error() says how), or
+ * -1 if it named none (a bad argument, an unknown group id) or no group
+ * call has failed on this thread. A successful call leaves it as it was.
+ */
+int32_t vmm_arena_group_last_member(void);
+
+/**
+ * Number of members.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out_count` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_member_count(struct vmm_arena_group *group,
+                                                   uint32_t *out_count);
+
+/**
+ * Allocates `size` bytes on every member (as vmm_arena_alloc), all or
+ * nothing: if member k fails, members 0..k-1 free what they allocated and
+ * the call returns member k's status (vmm_arena_group_last_member() is k).
+ * out_ptrs receives each member's address, member order; out_ptrs_len
+ * below the member count is INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out_id` is NULL or writable;
+ * `out_ptrs` is NULL or has `out_ptrs_len` writable entries.
+ */
+enum vmm_arena_status vmm_arena_group_alloc(struct vmm_arena_group *group,
+                                            uint64_t size,
+                                            vmm_arena_group_id *out_id,
+                                            uint64_t *out_ptrs,
+                                            uint32_t out_ptrs_len);
+
+/**
+ * vmm_arena_alloc_growable on every member, all or nothing (as
+ * vmm_arena_group_alloc).
+ *
+ * # Safety
+ * As for `vmm_arena_group_alloc`.
+ */
+enum vmm_arena_status vmm_arena_group_alloc_growable(struct vmm_arena_group *group,
+                                                     uint64_t size,
+                                                     uint64_t max_size,
+                                                     vmm_arena_group_id *out_id,
+                                                     uint64_t *out_ptrs,
+                                                     uint32_t out_ptrs_len);
+
+/**
+ * Resizes every member's allocation (as vmm_arena_resize), all or nothing:
+ * if member k fails, members 0..k-1 are resized back to the old size and
+ * the call returns member k's status. A resize back is a shrink after a
+ * growth, which makes no driver call that can fail: the sizes, contents
+ * and mapped bytes are as before, though a member whose growth moved the
+ * allocation keeps its new address (its move callback was told). Shrinks
+ * never fail part-way unless a member was changed through another path.
+ * out_ptrs receives each member's (maybe new) address.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out_ptrs` is NULL or has
+ * `out_ptrs_len` writable entries.
+ */
+enum vmm_arena_status vmm_arena_group_resize(struct vmm_arena_group *group,
+                                             vmm_arena_group_id id,
+                                             uint64_t new_size,
+                                             uint64_t *out_ptrs,
+                                             uint32_t out_ptrs_len);
+
+/**
+ * Frees the allocation on every member; its id is never valid again.
+ * UNKNOWN_ALLOCATION for an id this group did not issue or already freed.
+ *
+ * # Safety
+ * `group` is NULL or a live handle.
+ */
+enum vmm_arena_status vmm_arena_group_free(struct vmm_arena_group *group, vmm_arena_group_id id);
+
+/**
+ * Member `member`'s address, size and own allocation id of a group
+ * allocation (each out-parameter may be NULL). A member index not below
+ * the member count is INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_query(struct vmm_arena_group *group,
+                                            vmm_arena_group_id id,
+                                            uint32_t member,
+                                            uint64_t *out_ptr,
+                                            uint64_t *out_size,
+                                            vmm_arena_id *out_member_id);
+
+/**
+ * Member `member`'s stats, as vmm_arena_stats_get (stats->struct_size
+ * must be set by the caller).
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `stats` is NULL or points to at least
+ * `stats->struct_size` writable bytes starting with a `uint32_t struct_size`.
+ */
+enum vmm_arena_status vmm_arena_group_stats_get(struct vmm_arena_group *group,
+                                                uint32_t member,
+                                                struct vmm_arena_stats *stats);
+
+/**
+ * A JSON object: "devices", "allocations" (each group allocation's "id",
+ * "size" and every member's "ids") and "members" (each member's snapshot,
+ * as vmm_arena_snapshot_json writes it). Buffer rules as for
+ * vmm_arena_snapshot_json: written with its NUL if cap suffices, and
+ * *out_len receives the size needed either way.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `buf` is NULL or has `cap` writable
+ * bytes; `out_len` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *group,
+                                                    char *buf,
+                                                    size_t cap,
+                                                    size_t *out_len);
+
+/**
+ * Exports allocation `id`: *out receives a new export holding one file
+ * descriptor per chunk of the allocation, owned by the export. The
+ * allocation must be of whole chunks (more than half a chunk, or growable;
+ * a small allocation is INVALID_ARGUMENT) in an arena created with
+ * VMM_ARENA_FLAG_EXPORTABLE (else VMM_ARENA_ERR_UNSUPPORTED); an asleep
+ * one is VMM_ARENA_ERR_ASLEEP, an imported one INVALID_ARGUMENT.
+ *
+ * While any export of it is open, the allocation is pinned (it never
+ * moves; vmm_arena_unpin takes effect once every export is closed). From
+ * its first export until it is freed, its chunks never go back to the
+ * pool: vmm_arena_free unmaps and releases them, a resize below the chunks
+ * it exported is INVALID_ARGUMENT, it never sleeps, and vmm_arena_alloc_shared
+ * from it is INVALID_ARGUMENT (as is exporting an allocation that shares
+ * chunks with another).
+ *
+ * If the exporter frees first: the importers' mappings stay valid, with
+ * their bytes, until each importer frees its import (the memory lives
+ * while any process maps it or holds a descriptor for it); the exporting
+ * arena no longer counts it.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_export_open(struct vmm_arena *arena,
+                                            vmm_arena_id id,
+                                            struct vmm_arena_export **out);
+
+/**
+ * Writes the export's layout (layout->struct_size must be set by the
+ * caller to sizeof(vmm_arena_export_layout)).
+ *
+ * # Safety
+ * `handle` is NULL or a live export; `layout` is NULL or points to at least
+ * `layout->struct_size` writable bytes starting with a `uint32_t struct_size`.
+ */
+enum vmm_arena_status vmm_arena_export_layout_get(const struct vmm_arena_export *handle,
+                                                  struct vmm_arena_export_layout *layout);
+
+/**
+ * The export's descriptors, in chunk order: if cap is at least their
+ * count, writes them into fds (fds may be NULL when cap is 0); either way
+ * *out_count receives the count, and the status is VMM_ARENA_OK. The
+ * descriptors stay owned by the export and are closed by
+ * vmm_arena_export_close: pass them on (SCM_RIGHTS gives the receiver its
+ * own) or dup() them before closing the export.
+ *
+ * # Safety
+ * `handle` is NULL or a live export; `fds` is NULL or has `cap` writable
+ * entries; `out_count` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_export_fds(const struct vmm_arena_export *handle,
+                                           int32_t *fds,
+                                           size_t cap,
+                                           size_t *out_count);
+
+/**
+ * Closes an export: its descriptors are closed, and once every export of
+ * the allocation is closed it is no longer pinned by them. Importers are
+ * not affected. NULL is fine.
+ *
+ * # Safety
+ * `handle` is NULL or a live export that no other thread is using, and is
+ * not used again.
+ */
+void vmm_arena_export_close(struct vmm_arena_export *handle);
+
+/**
+ * Maps the chunks behind fds (an export's descriptors, received from this
+ * or another process, count of them, in chunk order) into a new allocation
+ * of layout->size bytes; *out_id and *out_ptr receive it. The descriptors
+ * are borrowed: the arena keeps duplicates (closed at vmm_arena_free), the
+ * caller still owns and closes its own. flags: VMM_ARENA_IMPORT_READ_ONLY
+ * or 0.
+ *
+ * The import lives in an address range of its own: it never moves, counts
+ * in vmm_arena_sharing_stats and not in vmm_arena_stats (nor against the
+ * capacity, which is the arena's own memory), and works with
+ * vmm_arena_query, vmm_arena_pin/unpin (no effect) and vmm_arena_free
+ * (which unmaps it). vmm_arena_resize, vmm_arena_set_tag and
+ * vmm_arena_export_open of it are INVALID_ARGUMENT.
+ *
+ * INVALID_ARGUMENT: a NULL layout, fds (with count > 0), out_id or
+ * out_ptr; unknown flag bits; a layout whose struct_size or version is not
+ * this library's, whose chunk_bytes is not this arena's, whose chunk_count
+ * is not count, or whose size does not fill its chunks; a descriptor that
+ * is negative, closed, or not an exported chunk of chunk_bytes bytes. All
+ * or nothing: on failure nothing is mapped or kept.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `layout` is NULL or readable for its
+ * struct_size; `fds` is NULL or has `count` readable entries; the
+ * out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_import(struct vmm_arena *arena,
+                                       const struct vmm_arena_export_layout *layout,
+                                       const int32_t *fds,
+                                       size_t count,
+                                       uint32_t flags,
+                                       vmm_arena_id *out_id,
+                                       uint64_t *out_ptr);
+
+/**
+ * A DMA-BUF file descriptor for the allocation's backed bytes
+ * (cuMemGetHandleForAddressRange), for RDMA stacks to register. GPU only:
+ * VMM_ARENA_ERR_UNSUPPORTED on the host backend. *out_fd receives a
+ * descriptor the caller owns and closes. Pin the allocation first if the
+ * registration must not see it move (the call does not pin it).
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_fd` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_export_dmabuf(struct vmm_arena *arena,
+                                              vmm_arena_id id,
+                                              int32_t *out_fd);
+
+/**
+ * Imported allocations and the chunk bytes they map, and allocations
+ * exported at least once and not yet freed (each out-parameter may be NULL).
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_sharing_stats(struct vmm_arena *arena,
+                                              uint64_t *out_imported_allocations,
+                                              uint64_t *out_imported_bytes,
+                                              uint64_t *out_exported_allocations);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -30,6 +30,8 @@ use arena::driver::fault::FaultDriver;
 use arena::driver::host::HostDriver;
 use arena::{Arena, ArenaConfig, Backend, Error, Id, MoveEvent, Status};
 
+mod group;
+mod share;
 mod testing;
 mod torch;
 
@@ -46,8 +48,16 @@ pub const VMM_ARENA_FLAG_NO_IMPLICIT_MOVES: u32 = 1u32;
 /// path); vmm_arena_destroy stops and joins it.
 pub const VMM_ARENA_FLAG_BACKGROUND: u32 = 2u32;
 
+/// Chunks are exportable to other processes (vmm_arena_export): on the
+/// host backend each chunk gets a sealed memfd of its own (one descriptor
+/// per chunk held by the arena); on CUDA chunks are created with the POSIX
+/// file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
+/// the device lacks it). (8, not 4: the contract's own program checks that
+/// 4 is refused.)
+pub const VMM_ARENA_FLAG_EXPORTABLE: u32 = 8u32;
+
 /// Every flag bit this version knows.
-const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | VMM_ARENA_FLAG_BACKGROUND;
+const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | VMM_ARENA_FLAG_BACKGROUND | VMM_ARENA_FLAG_EXPORTABLE;
 
 /// What every call that can fail returns. Values are never changed or reused.
 #[repr(C)]
@@ -268,6 +278,28 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
 /// `arena` must be NULL or a live handle: every caller passes its own
 /// `arena` argument, which its `# Safety` contract requires to be so.
 fn boundary(func: &'static str, arena: *const vmm_arena, body: impl FnOnce() -> Result<(), Error>) -> vmm_arena_status {
+    boundary_with(
+        func,
+        || {
+            // SAFETY: `arena` is NULL or a live handle (see above); the flag
+            // is atomic, so other threads may use the handle meanwhile.
+            if let Some(h) = unsafe { arena.as_ref() } {
+                h.poisoned.store(true, Ordering::SeqCst);
+            }
+        },
+        "arena",
+        body,
+    )
+}
+
+/// [`boundary`] for any handle: `poison` marks it when a panic is caught;
+/// `what` names it in the message.
+fn boundary_with(
+    func: &'static str,
+    poison: impl FnOnce(),
+    what: &str,
+    body: impl FnOnce() -> Result<(), Error>,
+) -> vmm_arena_status {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => VMM_ARENA_OK,
         Ok(Err(e)) => {
@@ -275,13 +307,9 @@ fn boundary(func: &'static str, arena: *const vmm_arena, body: impl FnOnce() -> 
             e.status().into()
         }
         Err(payload) => {
-            // SAFETY: `arena` is NULL or a live handle (see above); the flag
-            // is atomic, so other threads may use the handle meanwhile.
-            if let Some(h) = unsafe { arena.as_ref() } {
-                h.poisoned.store(true, Ordering::SeqCst);
-            }
+            poison();
             set_last_error(format!(
-                "{func}: internal error: a panic was caught ({}); the arena is poisoned",
+                "{func}: internal error: a panic was caught ({}); the {what} is poisoned",
                 panic_message(&*payload)
             ));
             VMM_ARENA_ERR_INTERNAL
@@ -445,6 +473,7 @@ fn arena_config(c: &vmm_arena_config) -> Result<ArenaConfig, Error> {
         chunk_bytes: c.chunk_bytes,
         retain_bytes: c.retain_bytes,
         no_implicit_moves: c.flags & VMM_ARENA_FLAG_NO_IMPLICIT_MOVES != 0,
+        exportable: c.flags & VMM_ARENA_FLAG_EXPORTABLE != 0,
         background: c.flags & VMM_ARENA_FLAG_BACKGROUND != 0,
     })
 }

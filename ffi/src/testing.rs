@@ -9,8 +9,9 @@ use std::sync::Arc;
 use arena::driver::fault::{FaultDriver, FaultKind};
 use arena::driver::host::HostDriver;
 use arena::driver::CallKind;
-use arena::{Arena, Error};
+use arena::{Arena, Error, Group};
 
+use crate::group::{publish_group, vmm_arena_group};
 use crate::{arena_config, boundary, handle, invalid, publish, read_config, required, vmm_arena, vmm_arena_config};
 use crate::{vmm_arena_backend, vmm_arena_status};
 
@@ -31,7 +32,11 @@ pub unsafe extern "C" fn vmm_arena_testing_create_faulty(
         if c.backend != vmm_arena_backend::VMM_ARENA_BACKEND_HOST as u32 {
             return Err(invalid("a faulty arena needs the host backend"));
         }
-        let fault = Arc::new(FaultDriver::new(HostDriver::new()?));
+        let host = match c.flags & crate::VMM_ARENA_FLAG_EXPORTABLE {
+            0 => HostDriver::new()?,
+            _ => HostDriver::with_exportable_chunks(Default::default())?,
+        };
+        let fault = Arc::new(FaultDriver::new(host));
         let arena = Arena::with_driver(Arc::clone(&fault), arena_config(&c)?)?;
         // SAFETY: `out` was checked and is writable per this function's contract.
         unsafe { publish(arena, Some(fault), out) }
@@ -40,9 +45,10 @@ pub unsafe extern "C" fn vmm_arena_testing_create_faulty(
 
 /// Makes the `n`th driver call from now (1-based) of `call_kind` fail:
 /// `call_kind` 0 = any call, 1.. = reserve, free_reservation, create,
-/// release, map, set_access, unmap, synchronize, data, event, host_alloc;
-/// `fault` 0 = out of memory, 1 = a driver error. `n` 0 clears the plan.
-/// INVALID_ARGUMENT for an arena not made by `vmm_arena_testing_create_faulty`.
+/// release, map, set_access, unmap, synchronize, data, event, host_alloc,
+/// share; `fault` 0 = out of memory, 1 = a driver error. `n` 0 clears the
+/// plan. INVALID_ARGUMENT for an arena not made by
+/// `vmm_arena_testing_create_faulty`.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle.
@@ -129,6 +135,109 @@ pub unsafe extern "C" fn vmm_arena_testing_driver_calls(
         unsafe {
             crate::put(oc, f.total_calls());
             crate::put(oi, f.injected());
+        }
+        Ok(())
+    })
+}
+
+/// Like `vmm_arena_group_create` with `count` members on the host backend,
+/// each wrapped in a fault injector of its own (`config->backend` must be
+/// `VMM_ARENA_BACKEND_HOST`).
+///
+/// # Safety
+/// As for `vmm_arena_group_create`.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_group_create_faulty(
+    config: *const vmm_arena_config,
+    count: u32,
+    out: *mut *mut vmm_arena_group,
+) -> vmm_arena_status {
+    boundary("vmm_arena_testing_group_create_faulty", std::ptr::null(), || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { read_config(config) }?;
+        let out = required(out, "out")?;
+        if c.backend != vmm_arena_backend::VMM_ARENA_BACKEND_HOST as u32 {
+            return Err(invalid("a faulty group needs the host backend"));
+        }
+        let cfg = arena_config(&c)?;
+        let mut faults = Vec::new();
+        let mut arenas = Vec::new();
+        for _ in 0..count {
+            let fault = Arc::new(FaultDriver::new(HostDriver::new()?));
+            arenas.push(Arena::with_driver(Arc::clone(&fault), cfg)?);
+            faults.push(fault);
+        }
+        let group = Group::from_arenas(arenas)?;
+        // SAFETY: `out` was checked and is writable per this function's contract.
+        unsafe { publish_group(group, faults, out) };
+        Ok(())
+    })
+}
+
+/// The fault injector of member `member` of a faulty group.
+///
+/// # Safety
+/// `group` is NULL or a live handle.
+unsafe fn member_fault<'a>(group: *mut vmm_arena_group, member: u32) -> Result<&'a FaultDriver<HostDriver>, Error> {
+    // SAFETY: per this function's contract.
+    let h = unsafe { group.as_ref() }.ok_or_else(|| invalid("group is NULL"))?;
+    h.faults.get(member as usize).map(|f| &**f).ok_or_else(|| invalid("not a faulty group, or no such member"))
+}
+
+/// `vmm_arena_testing_fail_nth` for member `member` of a faulty group.
+///
+/// # Safety
+/// `group` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_group_fail_nth(
+    group: *mut vmm_arena_group,
+    member: u32,
+    call_kind: u32,
+    n: u64,
+    fault: u32,
+) -> vmm_arena_status {
+    boundary("vmm_arena_testing_group_fail_nth", std::ptr::null(), || {
+        // SAFETY: per this function's contract.
+        let f = unsafe { member_fault(group, member) }?;
+        let kind = match call_kind {
+            0 => None,
+            k => Some(*CallKind::ALL.get(k as usize - 1).ok_or_else(|| invalid("unknown call kind"))?),
+        };
+        let fault = *FaultKind::ALL.get(fault as usize).ok_or_else(|| invalid("unknown fault kind"))?;
+        if n == 0 {
+            f.clear();
+        } else {
+            f.fail_nth(kind, n, fault);
+        }
+        Ok(())
+    })
+}
+
+/// Driver calls so far, failures injected so far, and chunks and mappings
+/// alive, of member `member` of a faulty group (every out-parameter required).
+///
+/// # Safety
+/// `group` is NULL or a live handle; the out-parameters are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_group_driver_state(
+    group: *mut vmm_arena_group,
+    member: u32,
+    out_calls: *mut u64,
+    out_injected: *mut u64,
+    out_chunks: *mut u64,
+    out_mappings: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_testing_group_driver_state", std::ptr::null(), || {
+        let (oc, oi) = (required(out_calls, "out_calls")?, required(out_injected, "out_injected")?);
+        let (ok, om) = (required(out_chunks, "out_chunks")?, required(out_mappings, "out_mappings")?);
+        // SAFETY: per this function's contract.
+        let f = unsafe { member_fault(group, member) }?;
+        // SAFETY: checked out-parameters, writable per this function's contract.
+        unsafe {
+            crate::put(oc, f.total_calls());
+            crate::put(oi, f.injected());
+            crate::put(ok, f.live_chunks() as u64);
+            crate::put(om, f.live_mappings() as u64);
         }
         Ok(())
     })

@@ -235,6 +235,27 @@ fn c_fault_matrix() {
     assert!(out.contains("C ABI fault matrix size:"), "{out}");
 }
 
+/// Device groups from C: calls, arguments, the group fault matrix, threads.
+#[test]
+fn c_group_test() {
+    let exe = compile("test_group", Lang::C, &[source("c/test_group.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI group fault matrix size:"), "{out}");
+}
+
+/// Export and import from C: one process, refusals, the fault matrix, and
+/// two processes (fork, SCM_RIGHTS).
+#[test]
+fn c_share_test() {
+    let exe = compile("test_share", Lang::C, &[source("c/test_share.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI export/import fault matrix size:"), "{out}");
+}
+
 #[test]
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);

@@ -1024,7 +1024,7 @@ fn run_with(data: &[u8], may_panic: bool) {
         unsafe { ffi::vmm_arena_destroy(a) };
         return;
     }
-    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | ffi::VMM_ARENA_FLAG_BACKGROUND;
+    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | ffi::VMM_ARENA_FLAG_BACKGROUND | ffi::VMM_ARENA_FLAG_EXPORTABLE;
     assert_eq!(cfg.flags & !known, 0, "unknown flag bits accepted");
     let mut h = Harness {
         a,

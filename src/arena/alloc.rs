@@ -65,7 +65,11 @@ impl Arena {
     /// [`Arena::alloc_shared`]) stays with it, and this allocation's page
     /// of it is retired (unmapped when retired memory is released).
     pub fn free(&self, id: Id) -> Result<()> {
-        self.run(Touch::Nothing, |inner, _, _| {
+        self.run(Touch::Nothing, |inner, _ctx, _| {
+            #[cfg(unix)]
+            if let Some(r) = super::share::free_shared(inner, _ctx, id) {
+                return r;
+            }
             let target = inner.st.resolve(id)?;
             free_now(&mut inner.st, target);
             Ok(())
@@ -85,6 +89,8 @@ impl Arena {
         let chunk = self.chunk;
         let np = pages_for(new_size, chunk, "new_size")?;
         self.run(Touch::Nothing, |inner, ctx, events| {
+            #[cfg(unix)]
+            inner.shares.check_resize(&inner.st, id, np)?;
             let st = &mut inner.st;
             let target = st.resolve(id)?;
             let mut tx = ctx.txn(st);
@@ -105,6 +111,10 @@ impl Arena {
     pub fn query(&self, id: Id) -> Result<AllocInfo> {
         let inner = self.lock()?;
         let st = &inner.st;
+        #[cfg(unix)]
+        if let Some(info) = inner.shares.query(st, id) {
+            return info;
+        }
         let slot = match st.resolve(id)? {
             Target::Chunks(slot) => slot,
             Target::Small(ss) => {
@@ -150,6 +160,13 @@ impl Arena {
 
     fn set_pinned(&self, id: Id, pinned: bool) -> Result<()> {
         let mut inner = self.lock()?;
+        #[cfg(unix)]
+        {
+            let super::Inner { st, shares, .. } = &mut *inner;
+            if let Some(r) = shares.set_pinned(st, id, pinned) {
+                return r;
+            }
+        }
         let st = &mut inner.st;
         match st.resolve(id)? {
             Target::Chunks(slot) => {

@@ -29,7 +29,8 @@ impl Arena {
     /// changed. Each request means what [`Arena::resize`] means for it.
     ///
     /// Errors, in this precedence: `InvalidArgument` (a size of 0 or one
-    /// that overflows, the same id twice), `UnknownAllocation`, `Asleep`,
+    /// that overflows, the same id twice, an import, the shrink of an
+    /// exported allocation below the chunks it exported), `UnknownAllocation`, `Asleep`,
     /// then `Pinned`, `OutOfMemory`, `OutOfAddressSpace` as the requests
     /// meet them. An empty batch does nothing.
     pub fn resize_many(&self, requests: &[(Id, u64)]) -> Result<Vec<u64>> {
@@ -45,6 +46,12 @@ impl Arena {
         }
         let ids: Vec<Id> = requests.iter().map(|&(id, _)| id).collect();
         self.run(Touch::Nothing, |inner, ctx, events| {
+            // What `resize` refuses: an import, an exported allocation's
+            // shrink below the chunks it exported.
+            #[cfg(unix)]
+            for (&id, &np) in ids.iter().zip(&pages) {
+                inner.shares.check_resize(&inner.st, id, np)?;
+            }
             let st = &mut inner.st;
             let targets: Vec<Target> = ids.iter().map(|&id| st.resolve(id)).collect::<Result<_>>()?;
             for (t, &id) in targets.iter().zip(&ids) {

@@ -33,6 +33,8 @@ mod config;
 mod moves;
 mod pool;
 mod prefetch;
+#[cfg(unix)]
+mod share;
 mod shared;
 mod sleep;
 pub(crate) mod small;
@@ -44,6 +46,8 @@ mod worker;
 
 use self::alloc::{small_ptr, Target};
 use pool::enforce_watermark;
+#[cfg(unix)]
+pub use share::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
 pub use state::MoveEvent;
 use state::State;
 pub use stats::{AllocInfo, CompactReport, Stats};
@@ -94,6 +98,13 @@ pub struct ArenaConfig {
     /// out-of-address-space instead); only `compact` and a resized
     /// allocation itself move.
     pub no_implicit_moves: bool,
+    /// Chunks can be exported to other processes ([`Arena::export`]): on the
+    /// host each chunk gets a sealed memfd of its own (one descriptor per
+    /// chunk), on CUDA chunks are created with the POSIX file-descriptor
+    /// handle type (refused as `Unsupported` where the device lacks it).
+    /// Used by [`Arena::new`]; with [`Arena::with_driver`] the driver
+    /// decides.
+    pub exportable: bool,
     /// Run a background thread of the arena's own that keeps the targets of
     /// [`Arena::set_prefetch`] and reaps completed stream-ordered frees, so
     /// that this driver work stays off the callers' threads (the C flag
@@ -111,6 +122,7 @@ impl Default for ArenaConfig {
             chunk_bytes: 0,
             retain_bytes: u64::MAX,
             no_implicit_moves: false,
+            exportable: false,
             background: false,
         }
     }
@@ -123,6 +135,9 @@ struct Inner {
     st: State,
     callback: Option<MoveCallback>,
     release_failures: u64,
+    /// Exports and imports (`share.rs`).
+    #[cfg(unix)]
+    shares: share::Shares,
     /// Whether the background worker waits for work (a caller's operation
     /// that made some wakes it, once).
     worker_waiting: bool,
@@ -284,15 +299,20 @@ impl Ctx<'_> {
 impl Arena {
     /// Creates an arena on the backend named in `config`.
     pub fn new(config: ArenaConfig) -> Result<Arena> {
+        use crate::driver::host::{HostDriver, HostOptions};
         // Before loading a backend: an invalid config is invalid everywhere.
         config::check(&config)?;
+        let host = |options: HostOptions| match config.exportable {
+            true => HostDriver::with_exportable_chunks(options),
+            false => HostDriver::with_options(options),
+        };
         match config.backend {
-            Backend::Host => Arena::with_driver(crate::driver::host::HostDriver::new()?, config),
-            Backend::HostSparse => Arena::with_driver(
-                crate::driver::host::HostDriver::with_options(crate::driver::host::HostOptions { sparse: true })?,
+            Backend::Host => Arena::with_driver(host(HostOptions::default())?, config),
+            Backend::HostSparse => Arena::with_driver(host(HostOptions { sparse: true })?, config),
+            Backend::Cuda => Arena::with_driver(
+                crate::driver::cuda::CudaDriver::with_options(config.device, &[], config.exportable)?,
                 config,
             ),
-            Backend::Cuda => Arena::with_driver(crate::driver::cuda::CudaDriver::new(config.device)?, config),
         }
     }
 
@@ -359,6 +379,8 @@ impl Arena {
                 st,
                 callback: None,
                 release_failures: 0,
+                #[cfg(unix)]
+                shares: share::Shares::default(),
                 worker_waiting: false,
                 maintaining: false,
                 pressure_waiters: 0,
@@ -487,13 +509,24 @@ impl Arena {
     }
 
     /// The address of `len` bytes at `offset` in a live, awake allocation.
-    fn span(&self, st: &State, id: Id, offset: u64, len: usize) -> Result<u64> {
-        let (ptr, size, asleep) = match st.resolve(id)? {
-            Target::Chunks(slot) => {
-                let a = st.alloc(slot);
-                (st.addr(a.start), a.size, a.sleep.is_some())
+    fn span(&self, inner: &Inner, id: Id, offset: u64, len: usize) -> Result<u64> {
+        let st = &inner.st;
+        #[cfg(unix)]
+        let import = inner.shares.span(st, id);
+        #[cfg(not(unix))]
+        let import: Option<Result<(u64, u64)>> = None;
+        let (ptr, size, asleep) = match import {
+            Some(r) => {
+                let (ptr, size) = r?;
+                (ptr, size, false)
             }
-            Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), false),
+            None => match st.resolve(id)? {
+                Target::Chunks(slot) => {
+                    let a = st.alloc(slot);
+                    (st.addr(a.start), a.size, a.sleep.is_some())
+                }
+                Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), false),
+            },
         };
         match offset.checked_add(len as u64) {
             Some(end) if end <= size && asleep => Err(Error::Asleep(id.get())),
@@ -506,7 +539,7 @@ impl Arena {
     /// a memcpy on the host, a host-to-device copy on CUDA).
     pub fn write(&self, id: Id, offset: u64, data: &[u8]) -> Result<()> {
         let inner = self.lock()?;
-        let addr = self.span(&inner.st, id, offset, data.len())?;
+        let addr = self.span(&inner, id, offset, data.len())?;
         self.sh.driver.write(addr, data)
     }
 
@@ -537,7 +570,7 @@ impl Arena {
     /// Copies bytes of the allocation at `offset` into `out`.
     pub fn read(&self, id: Id, offset: u64, out: &mut [u8]) -> Result<()> {
         let inner = self.lock()?;
-        let addr = self.span(&inner.st, id, offset, out.len())?;
+        let addr = self.span(&inner, id, offset, out.len())?;
         self.sh.driver.read(addr, out)
     }
 }
@@ -549,12 +582,16 @@ impl Drop for Arena {
         if let Some(handle) = self.worker.take() {
             worker::stop(&self.sh, handle);
         }
-        let inner = match self.sh.inner.lock() {
+        let mut inner = match self.sh.inner.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        let st = &inner.st;
         let _ = self.sh.driver.synchronize();
+        // Imports live in reservations of their own; exported chunks that
+        // could not be released earlier are released here, never pooled.
+        #[cfg(unix)]
+        inner.shares.drop_all(&*self.sh.driver, self.chunk);
+        let st = &inner.st;
         // Pending frees' events are the arena's to destroy; their memory is
         // released below with every allocation's (the device is idle now).
         for p in &st.pending {
@@ -583,7 +620,13 @@ impl Shared {
         if reentrant {
             return Err(Error::invalid("the arena was called from inside its own move callback"));
         }
-        self.inner.lock().map_err(|_| poisoned())
+        let mut inner = self.inner.lock().map_err(|_| poisoned())?;
+        #[cfg(unix)]
+        {
+            let Inner { st, shares, .. } = &mut *inner;
+            shares.sweep(st);
+        }
+        Ok(inner)
     }
 
     fn ctx(&self) -> Ctx<'_> {

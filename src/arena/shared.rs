@@ -63,6 +63,8 @@ impl Arena {
         }
         let reserved = pages_for(max_size, chunk, "max_size")?;
         self.run(Touch::Nothing, |inner, ctx, events| {
+            #[cfg(unix)]
+            inner.shares.check_share_source(&inner.st, src)?;
             let st = &mut inner.st;
             let slot = match st.resolve(src)? {
                 Target::Chunks(slot) => slot,

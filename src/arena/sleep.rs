@@ -23,6 +23,8 @@ impl Arena {
     /// allocations never sleep, whatever the tag asked for.
     pub fn set_tag(&self, id: Id, tag: u32) -> Result<()> {
         let mut inner = self.lock()?;
+        #[cfg(unix)]
+        inner.shares.check_tag(&inner.st, id)?;
         let st = &mut inner.st;
         match st.resolve(id)? {
             Target::Chunks(slot) => {
@@ -96,9 +98,20 @@ fn tagged(a: &Alloc, tag: u32) -> bool {
 /// [`Arena::sleep`]: the reversible part (synchronize, backups, unmaps) on a
 /// copy of the state, then the releases, best effort.
 fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result<()> {
+    // An exported allocation never sleeps: its chunks may be mapped in
+    // another process, which a wake's new chunks would not reach.
+    #[cfg(unix)]
+    let exported = |s: u32| inner.shares.is_exported(s);
+    #[cfg(not(unix))]
+    let exported = |_: u32| false;
+    let targets: Vec<u32> = inner
+        .st
+        .by_start
+        .values()
+        .copied()
+        .filter(|&s| inner.st.alloc(s).sleep.is_none() && tagged(inner.st.alloc(s), tag) && !exported(s))
+        .collect();
     let st = &mut inner.st;
-    let targets: Vec<u32> =
-        st.by_start.values().copied().filter(|&s| st.alloc(s).sleep.is_none() && tagged(st.alloc(s), tag)).collect();
     let nothing_held = st.retired.is_empty() && st.small.nothing_retired() && st.pooled_pages() == 0;
     if targets.is_empty() && nothing_held {
         return Ok(());

@@ -60,6 +60,14 @@ pub struct Stats {
     pub asleep_bytes: u64,
     /// Host bytes held as sleeping allocations' backups.
     pub backup_bytes: u64,
+    /// Allocations imported from exports ([`Arena::import`]); they count
+    /// here only, not in `live_allocations`, `live_bytes` or `mapped_bytes`.
+    pub imported_allocations: u64,
+    /// Chunk bytes mapped by imported allocations (memory another arena
+    /// created: not held against this arena's capacity).
+    pub imported_bytes: u64,
+    /// Live allocations that were exported ([`Arena::export`]) at least once.
+    pub exported_allocations: u64,
     /// Virtual-memory driver calls (creates, releases, maps, unmaps,
     /// access calls, synchronizes) made by the callers' operations, on
     /// their threads: the driver work on the critical path.
@@ -142,6 +150,10 @@ impl Arena {
         // chunks are held memory, pooled (they return to the pool when
         // retired memory is released).
         let idle_slabs = st.small.reclaimable_slabs();
+        #[cfg(unix)]
+        let (imported, exported) = (inner.shares.imported(c), inner.shares.exported_count());
+        #[cfg(not(unix))]
+        let (imported, exported) = ((0, 0), 0);
         let (fg, bg) = (&self.sh.counts, &self.sh.bg_counts);
         let both = |f: fn(&super::txn::Counters) -> &AtomicU64| load(f(fg)) + load(f(bg));
         let pending = super::stream::pending_chunks(st);
@@ -171,6 +183,9 @@ impl Arena {
             small_slabs: st.small.slab_count(),
             asleep_bytes: st.asleep_pages * c,
             backup_bytes: st.backup_bytes,
+            imported_allocations: imported.0,
+            imported_bytes: imported.1,
+            exported_allocations: exported,
             caller_driver_calls: fg.vmm_calls(),
             caller_creates: load(&fg.creates),
             caller_syncs: load(&fg.syncs),

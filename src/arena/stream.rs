@@ -59,10 +59,21 @@ impl Arena {
     /// needs no device synchronize (see DESIGN.md, "Stream-ordered frees").
     ///
     /// On a backend without asynchronous streams (the host) it is
-    /// [`Arena::free`]. Errors: as `free` (`UnknownAllocation`); a failure
+    /// [`Arena::free`], and so it is for an exported allocation and for an
+    /// import ([`Arena::export`], [`Arena::import`]): their free synchronizes
+    /// the device before it unmaps, which orders it after `stream`'s work. Errors: as `free` (`UnknownAllocation`); a failure
     /// to record the event is `Error::Driver` and frees nothing.
     pub fn free_on_stream(&self, id: Id, stream: u64) -> Result<()> {
         self.run(Touch::Nothing, |inner, ctx, _| {
+            // An exported allocation's chunks never go back to the pool, and
+            // an import is unmapped and closed: both are freed at once, after
+            // the device synchronize their free makes before unmapping (it
+            // orders the unmap after the work on every stream, `stream`'s
+            // included). No event is recorded.
+            #[cfg(unix)]
+            if let Some(r) = super::share::free_shared(inner, ctx, id) {
+                return r;
+            }
             let target = inner.st.resolve(id)?;
             let Some(event) = ctx.drv.record_event(stream)? else {
                 free_now(&mut inner.st, target);

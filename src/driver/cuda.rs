@@ -45,6 +45,15 @@
 //! calls themselves do not wait for the device: [`Driver::synchronize`]
 //! (`cuCtxSynchronize`) is the one place that does (trap 1).
 //!
+//! Peers and sharing: [`CudaDriver::with_options`] can give every mapping
+//! access from peer devices too (one `cuMemSetAccess` descriptor per device,
+//! design trap 6) and create chunks exportable as POSIX file descriptors
+//! (`cuMemExportToShareableHandle` / `cuMemImportFromShareableHandle`; a
+//! read-only import's mappings get read-only descriptors), and
+//! [`Driver::dmabuf_fd`] is `cuMemGetHandleForAddressRange`. These paths are
+//! built and unit-tested here but were not run on a GPU by the tests of this
+//! repository's host-only CI.
+//!
 //! Chunk handles are tracked: releasing a handle twice, or mapping a handle
 //! that was released, is an [`Error::InvalidArgument`] here rather than a call
 //! into the driver with a value that may by then name someone else's chunk
@@ -125,6 +134,7 @@ driver_api! {
     cuDeviceGetName: fn(*mut c_char, c_int, sys::CUdevice);
     cuDeviceGetAttribute: fn(*mut c_int, sys::CUdevice_attribute, sys::CUdevice);
     cuDeviceTotalMem_v2: fn(*mut usize, sys::CUdevice);
+    cuDeviceCanAccessPeer: fn(*mut c_int, sys::CUdevice, sys::CUdevice);
     cuDevicePrimaryCtxRetain: fn(*mut sys::CUcontext, sys::CUdevice);
     cuDevicePrimaryCtxRelease_v2: fn(sys::CUdevice);
     cuCtxGetCurrent: fn(*mut sys::CUcontext);
@@ -159,6 +169,18 @@ driver_api! {
     cuEventQuery: fn(sys::CUevent);
     cuEventSynchronize: fn(sys::CUevent);
     cuEventDestroy_v2: fn(sys::CUevent);
+    cuMemExportToShareableHandle: fn(
+        *mut c_void,
+        sys::CUmemGenericAllocationHandle,
+        sys::CUmemAllocationHandleType,
+        u64,
+    );
+    cuMemImportFromShareableHandle: fn(
+        *mut sys::CUmemGenericAllocationHandle,
+        *mut c_void,
+        sys::CUmemAllocationHandleType,
+    );
+    cuMemGetHandleForAddressRange: fn(*mut c_void, sys::CUdeviceptr, usize, sys::CUmemRangeHandleType, u64);
 }
 
 /// The resolved table, or the name of the missing symbol.
@@ -340,6 +362,14 @@ impl Lib {
         Ok(bytes as u64)
     }
 
+    fn can_access_peer(self, dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
+        let mut v: c_int = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local; the
+        // driver validates both device handles.
+        self.check("cuDeviceCanAccessPeer", unsafe { (self.api.cuDeviceCanAccessPeer)(&mut v, dev, peer) })?;
+        Ok(v != 0)
+    }
+
     fn primary_ctx_retain(self, dev: sys::CUdevice) -> Result<sys::CUcontext> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: resolved function; the out-pointer is a valid local.
@@ -426,10 +456,10 @@ impl Lib {
         self.check("cuMemMap", unsafe { (self.api.cuMemMap)(ptr, size, offset, handle, 0) })
     }
 
-    fn mem_set_access(self, ptr: u64, size: usize, desc: &sys::CUmemAccessDesc) -> Result<()> {
-        // SAFETY: resolved function; `desc` points to exactly one valid
-        // descriptor and the count says 1.
-        self.check("cuMemSetAccess", unsafe { (self.api.cuMemSetAccess)(ptr, size, desc, 1) })
+    fn mem_set_access(self, ptr: u64, size: usize, desc: &[sys::CUmemAccessDesc]) -> Result<()> {
+        // SAFETY: resolved function; `desc` points to `desc.len()` valid
+        // descriptors, borrowed for the call, and the count says so.
+        self.check("cuMemSetAccess", unsafe { (self.api.cuMemSetAccess)(ptr, size, desc.as_ptr(), desc.len()) })
     }
 
     fn mem_unmap(self, ptr: u64, size: usize) -> Result<()> {
@@ -496,6 +526,55 @@ impl Lib {
     fn event_destroy(self, ev: u64) -> Result<()> {
         // SAFETY: as in `event_query`; destroyed once by its owner.
         self.check("cuEventDestroy", unsafe { (self.api.cuEventDestroy_v2)(ev as sys::CUevent) })
+    }
+
+    fn export_fd(self, handle: u64) -> Result<c_int> {
+        let mut fd: c_int = -1;
+        // SAFETY: resolved function; for the POSIX file-descriptor type the
+        // driver writes one `int` through the pointer, a valid local; the
+        // handle is live (tracked by `CudaDriver`), flags 0.
+        self.check("cuMemExportToShareableHandle", unsafe {
+            (self.api.cuMemExportToShareableHandle)(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        Ok(fd)
+    }
+
+    fn import_fd(self, fd: c_int) -> Result<u64> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: resolved function; the out-pointer is a valid local; for
+        // the POSIX file-descriptor type the driver takes the descriptor's
+        // value in the pointer argument (it is never dereferenced) and does
+        // not take ownership of it.
+        self.check("cuMemImportFromShareableHandle", unsafe {
+            (self.api.cuMemImportFromShareableHandle)(
+                &mut handle,
+                fd as isize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        Ok(handle)
+    }
+
+    fn range_dmabuf_fd(self, ptr: u64, size: usize) -> Result<c_int> {
+        let mut fd: c_int = -1;
+        // SAFETY: resolved function; for the DMA-BUF type the driver writes
+        // one `int` through the pointer, a valid local; the range is device
+        // virtual address space, validated by the driver; flags 0.
+        self.check("cuMemGetHandleForAddressRange", unsafe {
+            (self.api.cuMemGetHandleForAddressRange)(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                ptr,
+                size,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
+        Ok(fd)
     }
 
     fn memset_d32(self, dst: u64, value: u32, count: usize) -> Result<()> {
@@ -658,6 +737,16 @@ pub struct CudaDriver {
     driver_version: i32,
     /// Handles created and not yet released (trap 4: never release twice).
     live: Mutex<HashSet<u64>>,
+    /// One access descriptor per device that gets read-write access to
+    /// every mapping: this device first, then its peers (trap 6).
+    access: Vec<sys::CUmemAccessDesc>,
+    /// The same devices with read access only, for read-only imports.
+    read_access: Vec<sys::CUmemAccessDesc>,
+    /// Chunks are created with the POSIX file-descriptor handle type.
+    exportable: bool,
+    /// Imported read-only handles, and where each is mapped (address ->
+    /// size), so that `set_access` gives those spans read access only.
+    read_only: Mutex<(HashSet<u64>, std::collections::BTreeMap<u64, u64>)>,
 }
 
 impl CudaDriver {
@@ -667,13 +756,34 @@ impl CudaDriver {
     /// too old, the driver cannot initialise, the device does not exist, or it
     /// lacks virtual memory management. Never panics.
     pub fn new(device: i32) -> Result<CudaDriver> {
-        match catch_unwind(AssertUnwindSafe(|| CudaDriver::open(device))) {
+        CudaDriver::with_peer_access(device, &[])
+    }
+
+    /// Like [`CudaDriver::new`], and every mapping is also made readable
+    /// and writable from each device in `peers` (ordinals): one access
+    /// descriptor per device in each `cuMemSetAccess` call, since peer
+    /// access enabled through the runtime API does not reach VMM mappings
+    /// (design trap 6). A peer that does not exist, repeats, is `device`
+    /// itself, or cannot access `device`'s memory (`cuDeviceCanAccessPeer`)
+    /// is [`Error::Unsupported`], before anything is mapped.
+    pub fn with_peer_access(device: i32, peers: &[i32]) -> Result<CudaDriver> {
+        CudaDriver::with_options(device, peers, false)
+    }
+
+    /// Like [`CudaDriver::with_peer_access`]; with `exportable`, chunks are
+    /// created with the POSIX file-descriptor handle type, so that
+    /// [`Driver::export_chunk`] can hand them to another process. A device
+    /// that does not support that handle type
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`)
+    /// is [`Error::Unsupported`].
+    pub fn with_options(device: i32, peers: &[i32], exportable: bool) -> Result<CudaDriver> {
+        match catch_unwind(AssertUnwindSafe(|| CudaDriver::open(device, peers, exportable))) {
             Ok(r) => r,
             Err(_) => Err(Error::Unsupported("the CUDA driver could not be loaded (loader panicked)".into())),
         }
     }
 
-    fn open(ordinal: i32) -> Result<CudaDriver> {
+    fn open(ordinal: i32, peers: &[i32], exportable: bool) -> Result<CudaDriver> {
         let lib = Lib::load()?;
         lib.init().map_err(|e| Error::Unsupported(format!("the CUDA driver cannot initialise: {e}")))?;
         let count = lib.device_count().map_err(|e| Error::Unsupported(e.to_string()))?;
@@ -692,6 +802,39 @@ impl CudaDriver {
                 "CUDA device {ordinal} does not support virtual memory management"
             )));
         }
+        let mut access = vec![access_desc(ordinal)];
+        for (i, &peer) in peers.iter().enumerate() {
+            if peer < 0 || peer >= count || peer == ordinal || peers[..i].contains(&peer) {
+                return Err(Error::Unsupported(format!(
+                    "peer device {peer} of CUDA device {ordinal}: not another existing device, or listed twice \
+                     ({count} device(s) visible)"
+                )));
+            }
+            let peer_dev = lib.device_get(peer).map_err(|e| Error::Unsupported(e.to_string()))?;
+            if !lib.can_access_peer(peer_dev, device).map_err(unsupported)? {
+                return Err(Error::Unsupported(format!(
+                    "CUDA device {peer} cannot access the memory of device {ordinal} (cuDeviceCanAccessPeer)"
+                )));
+            }
+            access.push(access_desc(peer));
+        }
+        if exportable {
+            let posix = lib
+                .device_attribute(
+                    device,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                )
+                .map_err(unsupported)?;
+            if posix == 0 {
+                return Err(Error::Unsupported(format!(
+                    "CUDA device {ordinal} cannot export memory as POSIX file descriptors"
+                )));
+            }
+        }
+        let read_access = access
+            .iter()
+            .map(|d| sys::CUmemAccessDesc { flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ, ..*d })
+            .collect();
         let name = lib.device_name(device).unwrap_or_else(|_| "unknown".into());
         let driver_version = lib.driver_version().unwrap_or(0);
 
@@ -707,11 +850,15 @@ impl CudaDriver {
             name,
             driver_version,
             live: Mutex::new(HashSet::new()),
+            access,
+            read_access,
+            exportable,
+            read_only: Mutex::new((HashSet::new(), std::collections::BTreeMap::new())),
         };
         let (minimum, recommended) = {
             // The granularity query wants the context current, like every call.
             let _cur = driver.enter().map_err(unsupported)?;
-            let prop = allocation_prop(ordinal);
+            let prop = allocation_prop(ordinal, exportable);
             let flag = |f| lib.granularity(&prop, f).map_err(unsupported);
             (
                 flag(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?,
@@ -760,11 +907,14 @@ impl CudaDriver {
         self.ctx.enter()
     }
 
-    fn access_desc(&self) -> sys::CUmemAccessDesc {
-        sys::CUmemAccessDesc {
-            location: location(self.ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        }
+    /// The devices that get access to every mapping: this one, then its peers.
+    pub fn access_devices(&self) -> Vec<i32> {
+        self.access.iter().map(|d| d.location.id).collect()
+    }
+
+    fn ro(&self) -> std::sync::MutexGuard<'_, (HashSet<u64>, std::collections::BTreeMap<u64, u64>)> {
+        // Single inserts and removes, as for `live`: a poisoned lock is fine.
+        self.read_only.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn live(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
@@ -774,15 +924,28 @@ impl CudaDriver {
     }
 }
 
+/// Read-write access for device `ordinal`.
+fn access_desc(ordinal: i32) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: location(ordinal),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
 fn location(ordinal: i32) -> sys::CUmemLocation {
     sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal }
 }
 
-/// Pinned device memory on `ordinal`, no shareable handle types.
-fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+/// Pinned device memory on `ordinal`; exportable as a POSIX file
+/// descriptor when asked, else with no shareable handle type.
+fn allocation_prop(ordinal: i32, exportable: bool) -> sys::CUmemAllocationProp {
+    let handles = match exportable {
+        true => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        false => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+    };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: handles,
         location: location(ordinal),
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -830,7 +993,7 @@ impl Driver for CudaDriver {
     fn create(&self, size: u64) -> Result<ChunkHandle> {
         let size = to_usize("size", size)?;
         let _cur = self.enter()?;
-        let handle = self.lib.mem_create(size, &allocation_prop(self.ordinal))?;
+        let handle = self.lib.mem_create(size, &allocation_prop(self.ordinal, self.exportable))?;
         self.live().insert(handle);
         Ok(ChunkHandle(handle))
     }
@@ -846,6 +1009,7 @@ impl Driver for CudaDriver {
         let _cur = self.enter()?;
         self.lib.mem_release(chunk.0)?;
         live.remove(&chunk.0);
+        self.ro().0.remove(&chunk.0);
         Ok(())
     }
 
@@ -859,19 +1023,33 @@ impl Driver for CudaDriver {
             )));
         }
         let _cur = self.enter()?;
-        self.lib.mem_map(addr, size, offset, chunk.0)
+        self.lib.mem_map(addr, size, offset, chunk.0)?;
+        let mut ro = self.ro();
+        if ro.0.contains(&chunk.0) {
+            ro.1.insert(addr, size as u64);
+        }
+        Ok(())
     }
 
     fn set_access(&self, addr: u64, size: u64) -> Result<()> {
+        let read_only = self.ro().1.range(addr..addr + size).next().is_some();
         let size = to_usize("size", size)?;
         let _cur = self.enter()?;
-        self.lib.mem_set_access(addr, size, &self.access_desc())
+        let desc = if read_only { &self.read_access } else { &self.access };
+        self.lib.mem_set_access(addr, size, desc)
     }
 
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        let bytes = size;
         let size = to_usize("size", size)?;
         let _cur = self.enter()?;
-        self.lib.mem_unmap(addr, size)
+        self.lib.mem_unmap(addr, size)?;
+        let mut ro = self.ro();
+        let gone: Vec<u64> = ro.1.range(addr..addr + bytes).map(|(&a, _)| a).collect();
+        for a in gone {
+            ro.1.remove(&a);
+        }
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -940,6 +1118,49 @@ impl Driver for CudaDriver {
             Err(Error::OutOfMemory(_)) => HostBuffer::pageable(len),
             Err(e) => Err(e),
         }
+    }
+
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        if !self.live().contains(&chunk.0) {
+            return Err(Error::invalid(format!("chunk handle {:#x} is not live", chunk.0)));
+        }
+        if !self.exportable {
+            return Err(Error::Unsupported(
+                "this driver's chunks are not exportable: open it with exportable chunks".into(),
+            ));
+        }
+        let _cur = self.enter()?;
+        let fd = self.lib.export_fd(chunk.0)?;
+        // SAFETY: the driver just created this descriptor for the caller,
+        // who owns it from here on.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn import_chunk(&self, fd: std::os::fd::BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
+        use std::os::fd::AsRawFd;
+        let _ = size; // cuMemMap checks the size against the chunk's own.
+        let _cur = self.enter()?;
+        let handle = self.lib.import_fd(fd.as_raw_fd()).map_err(|e| match e {
+            Error::Driver { code, message, .. } if code == CUresult::CUDA_ERROR_INVALID_VALUE as i64 => {
+                Error::invalid(format!("import: descriptor {} is not an exported chunk: {message}", fd.as_raw_fd()))
+            }
+            e => e,
+        })?;
+        self.live().insert(handle);
+        if read_only {
+            self.ro().0.insert(handle);
+        }
+        Ok(ChunkHandle(handle))
+    }
+
+    fn dmabuf_fd(&self, addr: u64, size: u64) -> Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        let size = to_usize("size", size)?;
+        let _cur = self.enter()?;
+        let fd = self.lib.range_dmabuf_fd(addr, size)?;
+        // SAFETY: the driver just created this descriptor for the caller.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
     }
 }
 
@@ -1036,11 +1257,30 @@ mod tests {
     }
 
     #[test]
+    fn access_descriptors_are_read_write_per_device() {
+        let d = access_desc(5);
+        assert_eq!(d.location.id, 5);
+        assert_eq!(d.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
+        assert_eq!(d.flags, sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // system calls
+    fn peers_that_cannot_exist_are_unsupported() {
+        for peers in [&[-1][..], &[i32::MAX], &[0]] {
+            let r = std::panic::catch_unwind(|| CudaDriver::with_peer_access(0, peers)).expect("no panic");
+            assert!(matches!(r, Err(Error::Unsupported(_))), "peers {peers:?}: {r:?}");
+        }
+    }
+
+    #[test]
     fn allocation_prop_is_pinned_device_memory() {
-        let p = allocation_prop(3);
+        let p = allocation_prop(3, false);
         assert_eq!(p.type_, sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED);
         assert_eq!(p.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
         assert_eq!(p.location.id, 3);
         assert_eq!(p.requestedHandleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
+        let p = allocation_prop(3, true);
+        assert_eq!(p.requestedHandleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     }
 }

@@ -263,6 +263,23 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.host_buffers.fetch_add(1, Ordering::Relaxed);
         Ok(HostBuffer::new(Box::new(TrackedHostBuffer { buffer, live: Arc::clone(&self.host_buffers) })))
     }
+    #[cfg(unix)]
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {
+        self.enter(CallKind::Share)?;
+        self.inner.export_chunk(chunk)
+    }
+    #[cfg(unix)]
+    fn import_chunk(&self, fd: std::os::fd::BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
+        self.enter(CallKind::Share)?;
+        let h = self.inner.import_chunk(fd, size, read_only)?;
+        self.st().chunks.insert(h);
+        Ok(h)
+    }
+    #[cfg(unix)]
+    fn dmabuf_fd(&self, addr: u64, size: u64) -> Result<std::os::fd::OwnedFd> {
+        self.enter(CallKind::Share)?;
+        self.inner.dmabuf_fd(addr, size)
+    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,19 @@
 //! - `release` punches the chunk's hole (`fallocate(PUNCH_HOLE)`), giving the
 //!   pages back to the kernel, once the chunk's last mapping is gone.
 //!
+//! **Exportable chunks** ([`HostDriver::with_exportable_chunks`]): passing
+//! the arena's one memfd to another process would hand over every chunk.
+//! So an exportable chunk gets a memfd of its own, sealed against growing
+//! and shrinking (`F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL`: an importer
+//! can neither truncate it under the exporter, which would be a SIGBUS, nor
+//! change the seals). [`Driver::export_chunk`] hands out a duplicate of that
+//! descriptor; [`Driver::import_chunk`] takes one (checked: a sealed regular
+//! file of the chunk's size) and keeps a duplicate. Releasing such a chunk
+//! closes the driver's descriptor instead of punching a hole: the kernel
+//! frees the memory once no descriptor or mapping in any process holds it,
+//! as the CUDA driver frees a chunk exported to another process only when
+//! that process has released its handle too.
+//!
 //! Every call is first checked against the CUDA rules checker (`rules.rs`),
 //! so an arena bug that a GPU driver would reject fails here too instead of
 //! silently working.
@@ -104,7 +117,7 @@ mod other {
 #[cfg(target_os = "linux")]
 mod linux {
     use std::collections::{BTreeMap, HashMap};
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
     use super::*;
     use crate::driver::rules::Rules;
@@ -116,7 +129,17 @@ mod linux {
         memfd: OwnedFd,
         page: u64,
         options: HostOptions,
+        /// Every created chunk gets a sealed memfd of its own (see the module docs).
+        exportable: bool,
         inner: Mutex<HostState>,
+    }
+
+    /// A chunk with a memfd of its own: exportable, or imported.
+    #[derive(Debug)]
+    struct OwnChunk {
+        fd: OwnedFd,
+        /// Imported from elsewhere (not counted in `allocated_file_bytes`).
+        imported: bool,
     }
 
     #[derive(Debug)]
@@ -126,6 +149,9 @@ mod linux {
         offsets: HashMap<ChunkHandle, (u64, u64)>,
         /// Holes punched by released chunks, by size, for reuse.
         free_offsets: BTreeMap<u64, Vec<u64>>,
+        /// Chunks with a memfd of their own, until their memory is gone
+        /// from this driver (released and unmapped).
+        own: HashMap<ChunkHandle, OwnChunk>,
         file_len: u64,
         next_handle: u64,
     }
@@ -146,6 +172,7 @@ mod linux {
             libc::EBADF => "EBADF".into(),
             libc::ENOSYS => "ENOSYS".into(),
             libc::EOPNOTSUPP => "EOPNOTSUPP".into(),
+            libc::EMFILE => "EMFILE".into(),
             other => format!("errno {other}"),
         }
     }
@@ -190,6 +217,17 @@ mod linux {
         Ok(())
     }
 
+    fn fstat(fd: i32) -> Result<libc::stat> {
+        // SAFETY: `st` is a plain-old-data out-parameter for fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: a descriptor number and a valid pointer to `st`; fstat
+        // only reads the descriptor table (a closed number is EBADF).
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(os_error("fstat", errno()));
+        }
+        Ok(st)
+    }
+
     fn ftruncate(fd: i32, len: u64) -> Result<()> {
         // SAFETY: plain system call on a descriptor this driver owns.
         if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
@@ -214,6 +252,14 @@ mod linux {
             Self::with_options(HostOptions::default())
         }
 
+        /// A host driver whose chunks are exportable: each gets a sealed
+        /// memfd of its own (see the module docs), one descriptor per chunk.
+        pub fn with_exportable_chunks(options: HostOptions) -> Result<HostDriver> {
+            let mut d = Self::with_options(options)?;
+            d.exportable = true;
+            Ok(d)
+        }
+
         /// A host driver with explicit options.
         pub fn with_options(options: HostOptions) -> Result<HostDriver> {
             let name = c"vmm-arena";
@@ -233,10 +279,12 @@ mod linux {
                 memfd,
                 page,
                 options,
+                exportable: false,
                 inner: Mutex::new(HostState {
                     rules: Rules::new(page),
                     offsets: HashMap::new(),
                     free_offsets: BTreeMap::new(),
+                    own: HashMap::new(),
                     file_len: 0,
                     next_handle: 1,
                 }),
@@ -247,15 +295,42 @@ mod linux {
             self.inner.lock().map_err(|_| Error::Internal("host driver lock poisoned".into()))
         }
 
-        /// Bytes of the memfd that hold memory (committed or touched).
+        /// Bytes of the memfd that hold memory (committed or touched), and
+        /// of the chunks with a memfd of their own that this driver created
+        /// and still holds (imported chunks are not counted).
         pub fn allocated_file_bytes(&self) -> Result<u64> {
-            // SAFETY: `st` is a plain-old-data out-parameter for fstat.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            // SAFETY: valid descriptor and a valid pointer to `st`.
-            if unsafe { libc::fstat(self.memfd.as_raw_fd(), &mut st) } != 0 {
-                return Err(os_error("fstat", errno()));
+            let mut total = fstat(self.memfd.as_raw_fd())?.st_blocks as u64 * 512;
+            for c in self.state()?.own.values().filter(|c| !c.imported) {
+                total += fstat(c.fd.as_raw_fd())?.st_blocks as u64 * 512;
             }
-            Ok(st.st_blocks as u64 * 512)
+            Ok(total)
+        }
+
+        /// Chunks holding a descriptor of their own (exportable or imported).
+        pub fn own_descriptors(&self) -> usize {
+            self.state().map(|s| s.own.len()).unwrap_or(0)
+        }
+
+        /// Creates one exportable chunk: a sealed memfd of its own.
+        fn create_own(&self, size: u64) -> Result<OwnedFd> {
+            let name = c"vmm-arena-chunk";
+            // SAFETY: `name` is a valid NUL-terminated string; flags are constants.
+            let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+            if raw < 0 {
+                return Err(os_error("memfd_create", errno()));
+            }
+            // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            ftruncate(fd.as_raw_fd(), size)?;
+            if !self.options.sparse {
+                fallocate(fd.as_raw_fd(), 0, 0, size)?;
+            }
+            let seals = libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+            // SAFETY: plain fcntl on a descriptor owned here.
+            if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+                return Err(os_error("fcntl(F_ADD_SEALS)", errno()));
+            }
+            Ok(fd)
         }
 
         /// Chunks created and not yet released.
@@ -269,6 +344,11 @@ mod linux {
         }
 
         fn punch(&self, s: &mut HostState, handle: ChunkHandle) {
+            // A chunk with its own memfd: closing this driver's descriptor
+            // drops its reference; the memory goes once no process holds it.
+            if s.own.remove(&handle).is_some() {
+                return;
+            }
             if let Some((off, size)) = s.offsets.remove(&handle) {
                 // Best effort: a failed punch leaves the pages allocated but
                 // the offset is still reused, so nothing accumulates.
@@ -346,6 +426,14 @@ mod linux {
         fn create(&self, size: u64) -> Result<ChunkHandle> {
             let mut s = self.state()?;
             s.rules.check_create(size)?;
+            if self.exportable {
+                let fd = self.create_own(size)?;
+                let h = ChunkHandle(s.next_handle);
+                s.next_handle += 1;
+                s.own.insert(h, OwnChunk { fd, imported: false });
+                s.rules.add_chunk(h, size);
+                return Ok(h);
+            }
             let fd = self.memfd.as_raw_fd();
             let reused = s.free_offsets.get_mut(&size).and_then(|v| v.pop());
             let (off, grew) = match reused {
@@ -394,9 +482,12 @@ mod linux {
         fn map(&self, addr: u64, size: u64, chunk: ChunkHandle, offset: u64) -> Result<()> {
             let mut s = self.state()?;
             s.rules.check_map(addr, size, chunk, offset)?;
-            let (base_off, _) = s.offsets[&chunk];
+            let (fd, file_off) = match s.own.get(&chunk) {
+                Some(c) => (c.fd.as_raw_fd(), offset),
+                None => (self.memfd.as_raw_fd(), s.offsets[&chunk].0 + offset),
+            };
             let flags = libc::MAP_SHARED | libc::MAP_FIXED;
-            mmap(addr, size, libc::PROT_NONE, flags, self.memfd.as_raw_fd(), base_off + offset)?;
+            mmap(addr, size, libc::PROT_NONE, flags, fd, file_off)?;
             s.rules.add_mapping(addr, size, chunk, offset);
             Ok(())
         }
@@ -404,10 +495,12 @@ mod linux {
         fn set_access(&self, addr: u64, size: u64) -> Result<()> {
             let mut s = self.state()?;
             s.rules.check_set_access(addr, size)?;
+            let prot = match s.rules.maps_read_only(addr, size) {
+                true => libc::PROT_READ,
+                false => libc::PROT_READ | libc::PROT_WRITE,
+            };
             // SAFETY: `Rules` verified the span is wholly mapped by this driver.
-            if unsafe { libc::mprotect(addr as *mut libc::c_void, size as usize, libc::PROT_READ | libc::PROT_WRITE) }
-                != 0
-            {
+            if unsafe { libc::mprotect(addr as *mut libc::c_void, size as usize, prot) } != 0 {
                 return Err(os_error("mprotect", errno()));
             }
             s.rules.set_access(addr, size);
@@ -440,7 +533,8 @@ mod linux {
 
         fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
             let s = self.state()?;
-            s.rules.resolve("write", addr, src.len() as u64)?;
+            let pieces = s.rules.resolve("write", addr, src.len() as u64)?;
+            s.rules.check_writable("write", &pieces)?;
             // SAFETY: as in `read`: mapped, writable, and kept so by the lock.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), addr as *mut u8, src.len()) };
             Ok(())
@@ -449,11 +543,63 @@ mod linux {
         fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
             let s = self.state()?;
             s.rules.resolve("copy", src, len)?;
-            s.rules.resolve("copy", dst, len)?;
+            let pieces = s.rules.resolve("copy", dst, len)?;
+            s.rules.check_writable("copy", &pieces)?;
             // SAFETY: both spans are mapped and accessible (checked above) and
             // stay so under the lock; `copy` handles overlap safely.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
             Ok(())
+        }
+
+        fn export_chunk(&self, chunk: ChunkHandle) -> Result<OwnedFd> {
+            let s = self.state()?;
+            if s.rules.chunk_size(chunk).is_none() {
+                return Err(Error::invalid(format!("export: chunk {chunk:?} is not live")));
+            }
+            match s.own.get(&chunk) {
+                Some(c) => c.fd.try_clone().map_err(|e| os_error("fcntl(F_DUPFD_CLOEXEC)", e.raw_os_error().unwrap_or(0))),
+                None => Err(Error::Unsupported(
+                    "this chunk lives in the arena's shared memfd and cannot be exported alone: create the arena with exportable chunks".into(),
+                )),
+            }
+        }
+
+        fn import_chunk(&self, fd: BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
+            let mut s = self.state()?;
+            s.rules.check_create(size)?;
+            let raw = fd.as_raw_fd();
+            let st = fstat(raw).map_err(|e| match e {
+                Error::Driver { code, .. } if code == libc::EBADF as i64 => {
+                    Error::invalid(format!("import: descriptor {raw} is not open"))
+                }
+                e => e,
+            })?;
+            if st.st_mode & libc::S_IFMT != libc::S_IFREG || st.st_size as u64 != size {
+                return Err(Error::invalid(format!(
+                    "import: descriptor {raw} is not an exported chunk of {size} bytes (a file of {} bytes)",
+                    st.st_size
+                )));
+            }
+            // SAFETY: plain fcntl on a descriptor the caller lends us.
+            let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
+            let wanted = libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
+            if seals < 0 || seals & wanted != wanted {
+                return Err(Error::invalid(format!(
+                    "import: descriptor {raw} is not sealed against resizing (not an exported chunk)"
+                )));
+            }
+            let fd = fd
+                .try_clone_to_owned()
+                .map_err(|e| os_error("fcntl(F_DUPFD_CLOEXEC)", e.raw_os_error().unwrap_or(0)))?;
+            let h = ChunkHandle(s.next_handle);
+            s.next_handle += 1;
+            s.own.insert(h, OwnChunk { fd, imported: true });
+            if read_only {
+                s.rules.add_read_only_chunk(h, size);
+            } else {
+                s.rules.add_chunk(h, size);
+            }
+            Ok(h)
         }
     }
 

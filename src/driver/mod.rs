@@ -65,11 +65,14 @@ pub enum CallKind {
     Event,
     /// Host buffers for backups: `alloc_host`.
     HostAlloc,
+    /// Sharing with other processes: `export_chunk`, `import_chunk`,
+    /// `dmabuf_fd`.
+    Share,
 }
 
 impl CallKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [CallKind; 11] = [
+    pub const ALL: [CallKind; 12] = [
         CallKind::Reserve,
         CallKind::FreeReservation,
         CallKind::Create,
@@ -81,6 +84,7 @@ impl CallKind {
         CallKind::Data,
         CallKind::Event,
         CallKind::HostAlloc,
+        CallKind::Share,
     ];
 }
 
@@ -173,6 +177,39 @@ pub trait Driver: Send + Sync {
     fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
         HostBuffer::pageable(len)
     }
+
+    /// A new file descriptor for `chunk`, which another process (or this
+    /// one) can pass to [`Driver::import_chunk`]; it gives access to that
+    /// chunk's memory and nothing else. The caller owns it. The chunk must
+    /// have been created exportable (a backend option); otherwise, and on
+    /// backends that cannot share, `Error::Unsupported`.
+    #[cfg(unix)]
+    fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {
+        let _ = chunk;
+        Err(crate::error::Error::Unsupported(format!("the {} backend cannot export chunks", self.name())))
+    }
+
+    /// A chunk handle for the memory behind `fd` (from [`Driver::export_chunk`],
+    /// possibly in another process), of `size` bytes: it maps, and is
+    /// released, like a created chunk; its memory lives until every process
+    /// has released and unmapped it. `fd` is only borrowed (the backend
+    /// duplicates what it keeps). With `read_only`, [`Driver::set_access`]
+    /// on its mappings gives read access only. A descriptor that is closed,
+    /// not an exported chunk, or of another size is `Error::InvalidArgument`.
+    #[cfg(unix)]
+    fn import_chunk(&self, fd: std::os::fd::BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
+        let _ = (fd, size, read_only);
+        Err(crate::error::Error::Unsupported(format!("the {} backend cannot import chunks", self.name())))
+    }
+
+    /// A DMA-BUF file descriptor for the mapped span `addr..addr+size`
+    /// (`cuMemGetHandleForAddressRange`), which RDMA stacks register. GPU
+    /// only: `Error::Unsupported` elsewhere. The caller owns it.
+    #[cfg(unix)]
+    fn dmabuf_fd(&self, addr: u64, size: u64) -> Result<std::os::fd::OwnedFd> {
+        let _ = (addr, size);
+        Err(crate::error::Error::Unsupported(format!("the {} backend has no DMA-BUF handles (GPU only)", self.name())))
+    }
 }
 
 /// Forwards every driver method through a smart pointer.
@@ -235,6 +272,18 @@ macro_rules! forward_driver {
             }
             fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
                 (**self).alloc_host(len)
+            }
+            #[cfg(unix)]
+            fn export_chunk(&self, chunk: ChunkHandle) -> Result<std::os::fd::OwnedFd> {
+                (**self).export_chunk(chunk)
+            }
+            #[cfg(unix)]
+            fn import_chunk(&self, fd: std::os::fd::BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
+                (**self).import_chunk(fd, size, read_only)
+            }
+            #[cfg(unix)]
+            fn dmabuf_fd(&self, addr: u64, size: u64) -> Result<std::os::fd::OwnedFd> {
+                (**self).dmabuf_fd(addr, size)
             }
         }
     };

@@ -23,6 +23,8 @@ struct Chunk {
     /// Released by the caller; memory lives until `mappings` drops to zero.
     released: bool,
     mappings: u64,
+    /// Imported read-only: mappings of it are readable, never writable.
+    read_only: bool,
 }
 
 /// What a backend must do after an unmap: chunks whose memory is now gone.
@@ -110,7 +112,25 @@ impl Rules {
     }
 
     pub fn add_chunk(&mut self, handle: ChunkHandle, size: u64) {
-        self.chunks.insert(handle, Chunk { size, released: false, mappings: 0 });
+        self.chunks.insert(handle, Chunk { size, released: false, mappings: 0, read_only: false });
+    }
+
+    /// A chunk imported read-only: [`Rules::check_writable`] refuses writes to it.
+    pub fn add_read_only_chunk(&mut self, handle: ChunkHandle, size: u64) {
+        self.chunks.insert(handle, Chunk { size, released: false, mappings: 0, read_only: true });
+    }
+
+    /// Whether any chunk mapped in `addr..addr+size` is read-only.
+    pub fn maps_read_only(&self, addr: u64, size: u64) -> bool {
+        self.mappings.range(addr..addr + size).any(|(_, m)| self.chunks.get(&m.chunk).is_some_and(|c| c.read_only))
+    }
+
+    /// Refuses a write to resolved pieces of which one is read-only.
+    pub fn check_writable(&self, call: &'static str, pieces: &[(ChunkHandle, u64, u64)]) -> Result<()> {
+        match pieces.iter().find(|p| self.chunks.get(&p.0).is_some_and(|c| c.read_only)) {
+            Some(p) => Err(rule(call, format!("chunk {:?} is mapped read-only", p.0))),
+            None => Ok(()),
+        }
     }
 
     /// Marks a chunk released; returns true when its memory is gone now

@@ -1,0 +1,581 @@
+//! Sharing allocations with other processes: `export` hands out one file
+//! descriptor per chunk and a layout record, `import` maps such
+//! descriptors into a new allocation of this arena.
+//!
+//! **Export.** Only whole-chunk allocations of a caller can be exported
+//! (a small allocation shares its slab's chunk with others). The arena's
+//! driver must make exportable chunks (`ArenaConfig::exportable`): the
+//! host gives each a sealed memfd of its own, CUDA creates them with the
+//! POSIX file-descriptor handle type. An exported allocation is *pinned*
+//! while any [`Export`] of it is open (dropped: closed), and *ever
+//! exported* until it is freed:
+//! - its chunks never return to the pool, where they would back another
+//!   allocation that the importer could then read: `free` unmaps and
+//!   releases them (the importer's mapping keeps the memory alive), and a
+//!   shrink below the chunks it exported is refused;
+//! - it never sleeps (a wake would give it new chunks the importer does
+//!   not see);
+//! - its chunks are never shared with another allocation of the arena
+//!   (`alloc_shared` from it is refused, and an allocation that already
+//!   shares chunks cannot be exported): the free would release chunks the
+//!   other allocation still maps.
+//!
+//! **Import.** The chunks are mapped into a reservation of their own,
+//! outside the arena's range: an import never moves, never takes part in
+//! compaction, and counts apart (`imported_allocations`, `imported_bytes`),
+//! not in the capacity, which is this arena's own memory. Its id works with
+//! `query`, `read`, `write` (refused when read-only), `pin`/`unpin` (no
+//! effect: it never moves) and `free`, which unmaps it, releases the
+//! handles (closing the descriptors kept) and frees the reservation.
+//! `resize`, `set_tag` and `export` of an import are `InvalidArgument`.
+//!
+//! Import ids are ids of this arena with generation 0, which no slot of
+//! the arena ever issues (slot generations start at 1), so every other
+//! operation already answers them `UnknownAllocation`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
+
+use crate::driver::ChunkHandle;
+use crate::error::{Error, Result};
+use crate::id::IdParts;
+use crate::sync::Ordering;
+use crate::Id;
+
+use super::alloc::Target;
+use super::moves::release_retired_into;
+use super::state::{self, Owner, State};
+use super::{reserve_chunk_aligned, AllocInfo, Arena, Ctx, Inner, Touch};
+
+/// The version of [`ExportLayout`]; an import of another version is refused.
+pub const EXPORT_FORMAT_VERSION: u32 = 1;
+
+/// What an importer needs besides the descriptors, small enough to send in
+/// one message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportLayout {
+    /// [`EXPORT_FORMAT_VERSION`].
+    pub version: u32,
+    /// Bytes per chunk: the importing arena's chunk size must be the same.
+    pub chunk_bytes: u64,
+    /// Chunks, one descriptor each, in address order.
+    pub chunk_count: u64,
+    /// The allocation's size in bytes when it was exported.
+    pub size: u64,
+}
+
+impl ExportLayout {
+    /// Checks the record against `fds` descriptors and a chunk size.
+    pub fn check(&self, fds: usize, chunk_bytes: u64) -> Result<()> {
+        if self.version != EXPORT_FORMAT_VERSION {
+            return Err(Error::invalid(format!(
+                "export layout version {} is not {EXPORT_FORMAT_VERSION}",
+                self.version
+            )));
+        }
+        if self.chunk_bytes != chunk_bytes {
+            return Err(Error::invalid(format!(
+                "exported chunks of {} bytes cannot map into an arena of {chunk_bytes}-byte chunks",
+                self.chunk_bytes
+            )));
+        }
+        if self.chunk_count == 0 || self.chunk_count != fds as u64 {
+            return Err(Error::invalid(format!(
+                "export layout says {} chunks, {fds} descriptors were given",
+                self.chunk_count
+            )));
+        }
+        let span =
+            self.chunk_count.checked_mul(chunk_bytes).ok_or_else(|| Error::invalid("export layout overflows"))?;
+        if self.size == 0 || self.size > span || self.size <= span - chunk_bytes {
+            return Err(Error::invalid(format!(
+                "export layout size {} does not fill {} chunks of {chunk_bytes} bytes",
+                self.size, self.chunk_count
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// An open export of one allocation ([`Arena::export`]): one descriptor per
+/// chunk and the layout. The allocation stays pinned until every export of
+/// it is dropped. The descriptors are this value's: dropping it closes
+/// them (send them first; `SCM_RIGHTS` gives the receiver its own).
+#[derive(Debug)]
+pub struct Export {
+    layout: ExportLayout,
+    fds: Vec<OwnedFd>,
+    _pin: Arc<()>,
+}
+
+impl Export {
+    /// The layout record to send with the descriptors.
+    pub fn layout(&self) -> ExportLayout {
+        self.layout
+    }
+
+    /// The descriptors, one per chunk in address order (owned by the export).
+    pub fn fds(&self) -> &[OwnedFd] {
+        &self.fds
+    }
+
+    /// The descriptors, borrowed, as [`Arena::import`] takes them.
+    pub fn borrowed_fds(&self) -> Vec<BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.fds.iter().map(|f| f.as_fd()).collect()
+    }
+}
+
+/// An allocation that was exported.
+#[derive(Debug)]
+struct Exported {
+    /// Held once here and once by each open [`Export`].
+    pin: Arc<()>,
+    /// The allocation is pinned because exports are open.
+    by_export: bool,
+    /// The caller's own pin, applied when the last export closes.
+    user_pinned: bool,
+    /// Most chunks exported: a shrink below this is refused.
+    pages: u64,
+}
+
+/// An imported allocation.
+#[derive(Debug)]
+struct Import {
+    /// The driver's reservation (base, size) and the chunk-aligned start in it.
+    va: (u64, u64),
+    base: u64,
+    chunks: Vec<ChunkHandle>,
+    size: u64,
+    read_only: bool,
+}
+
+/// The arena's exports and imports (beside `State`, not in it: they are
+/// not address-space bookkeeping, and survive every state copy as is).
+#[derive(Debug, Default)]
+pub(crate) struct Shares {
+    exported: HashMap<u32, Exported>,
+    imports: BTreeMap<u32, Import>,
+    next_import: u32,
+    /// Chunks whose release failed but which must never return to the
+    /// pool (exported or imported): released at drop.
+    leftover: Vec<ChunkHandle>,
+    /// Import reservations whose free failed: freed at drop.
+    leftover_va: Vec<(u64, u64)>,
+}
+
+fn bump(c: &crate::sync::AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Shares {
+    /// Restores the pin of allocations whose exports are all closed.
+    pub(super) fn sweep(&mut self, st: &mut State) {
+        for (&slot, e) in self.exported.iter_mut() {
+            if e.by_export && Arc::strong_count(&e.pin) == 1 {
+                e.by_export = false;
+                st.alloc_mut(slot).pinned = e.user_pinned;
+            }
+        }
+    }
+
+    /// The import `id` names, if it is an import id of this arena.
+    fn import_of(&self, st: &State, id: Id) -> Option<Result<u32>> {
+        let IdParts { small, generation, tag, slot } = id.parts();
+        if small || generation != 0 || tag != st.tag {
+            return None;
+        }
+        Some(match self.imports.contains_key(&slot) {
+            true => Ok(slot),
+            false => Err(Error::UnknownAllocation(id.get())),
+        })
+    }
+
+    pub(super) fn is_exported(&self, slot: u32) -> bool {
+        self.exported.contains_key(&slot)
+    }
+
+    /// `query` of an import.
+    pub(super) fn query(&self, st: &State, id: Id) -> Option<Result<AllocInfo>> {
+        let k = match self.import_of(st, id)? {
+            Ok(k) => k,
+            Err(e) => return Some(Err(e)),
+        };
+        let i = &self.imports[&k];
+        let bytes = i.chunks.len() as u64 * st.chunk;
+        Some(Ok(AllocInfo {
+            ptr: i.base,
+            size: i.size,
+            reserved_bytes: bytes,
+            mapped_bytes: bytes,
+            pinned: true,
+            growable: false,
+            tag: 0,
+            asleep: false,
+        }))
+    }
+
+    /// Address and size of an import, for `read` and `write`.
+    pub(super) fn span(&self, st: &State, id: Id) -> Option<Result<(u64, u64)>> {
+        Some(self.import_of(st, id)?.map(|k| (self.imports[&k].base, self.imports[&k].size)))
+    }
+
+    /// What `resize`, `set_tag` and `export` say to an import, and `resize`
+    /// to a shrink of an exported allocation below its exported chunks.
+    pub(super) fn check_resize(&self, st: &State, id: Id, new_pages: u64) -> Result<()> {
+        if let Some(r) = self.import_of(st, id) {
+            r?;
+            return Err(Error::invalid("an imported allocation cannot be resized"));
+        }
+        if let Ok(Target::Chunks(slot)) = st.resolve(id) {
+            if let Some(e) = self.exported.get(&slot) {
+                if new_pages < e.pages {
+                    return Err(Error::invalid(format!(
+                        "an exported allocation keeps the {} chunks it exported until it is freed \
+                         (another process may map them); it cannot shrink to {new_pages}",
+                        e.pages
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `alloc_shared` from an import (no slot of this arena) or from an
+    /// exported allocation (its free releases its chunks, which a sharer
+    /// would still map).
+    pub(super) fn check_share_source(&self, st: &State, id: Id) -> Result<()> {
+        if let Some(r) = self.import_of(st, id) {
+            r?;
+            return Err(Error::invalid("alloc_shared: an imported allocation's chunks cannot be shared"));
+        }
+        if let Ok(Target::Chunks(slot)) = st.resolve(id) {
+            if self.exported.contains_key(&slot) {
+                return Err(Error::invalid(
+                    "alloc_shared: an exported allocation's chunks cannot be shared (its free releases them)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `set_tag` of an import.
+    pub(super) fn check_tag(&self, st: &State, id: Id) -> Result<()> {
+        match self.import_of(st, id) {
+            Some(r) => {
+                r?;
+                Err(Error::invalid("an imported allocation cannot be tagged (it never sleeps)"))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// `pin` and `unpin`: `Some` when handled here (an import, which never
+    /// moves, or an exported allocation whose exports keep it pinned).
+    pub(super) fn set_pinned(&mut self, st: &mut State, id: Id, pinned: bool) -> Option<Result<()>> {
+        if let Some(r) = self.import_of(st, id) {
+            return Some(r.map(drop));
+        }
+        let Ok(Target::Chunks(slot)) = st.resolve(id) else { return None };
+        let e = self.exported.get_mut(&slot)?;
+        if !e.by_export {
+            return None;
+        }
+        e.user_pinned = pinned;
+        Some(Ok(()))
+    }
+
+    /// Imported allocations and their bytes.
+    pub(super) fn imported(&self, chunk: u64) -> (u64, u64) {
+        let n = self.imports.len() as u64;
+        (n, self.imports.values().map(|i| i.chunks.len() as u64 * chunk).sum())
+    }
+
+    /// Allocations exported and not yet freed.
+    pub(super) fn exported_count(&self) -> u64 {
+        self.exported.len() as u64
+    }
+
+    /// At the arena's drop (after its synchronize): unmaps and releases
+    /// every import, releases the leftovers. Best effort, never panics.
+    pub(super) fn drop_all(&mut self, drv: &dyn crate::driver::Driver, chunk: u64) {
+        for (_, i) in std::mem::take(&mut self.imports) {
+            let _ = drv.unmap(i.base, i.chunks.len() as u64 * chunk);
+            for h in i.chunks {
+                let _ = drv.release(h);
+            }
+            let _ = drv.free_reservation(i.va.0, i.va.1);
+        }
+        for h in self.leftover.drain(..) {
+            let _ = drv.release(h);
+        }
+        for (b, s) in self.leftover_va.drain(..) {
+            let _ = drv.free_reservation(b, s);
+        }
+    }
+}
+
+/// `free` of an import or of an exported allocation; `None` for any other id.
+pub(super) fn free_shared(inner: &mut Inner, ctx: &Ctx<'_>, id: Id) -> Option<Result<()>> {
+    if let Some(r) = inner.shares.import_of(&inner.st, id) {
+        return Some(r.and_then(|k| free_import(inner, ctx, k)));
+    }
+    let Ok(Target::Chunks(slot)) = inner.st.resolve(id) else { return None };
+    if !inner.shares.is_exported(slot) {
+        return None;
+    }
+    Some(free_exported(inner, ctx, slot))
+}
+
+/// Unmaps an import (synchronizing first), then releases its handles and
+/// frees its reservation. A failure up to the unmap leaves it as it was;
+/// after it, a failed release or free is counted in `release_failures`
+/// and retried at drop, and the free succeeds.
+fn free_import(inner: &mut Inner, ctx: &Ctx<'_>, k: u32) -> Result<()> {
+    let chunk = inner.st.chunk;
+    let i = &inner.shares.imports[&k];
+    ctx.drv.synchronize()?;
+    bump(&ctx.counts.syncs);
+    ctx.drv.unmap(i.base, i.chunks.len() as u64 * chunk)?;
+    bump(&ctx.counts.unmaps);
+    let i = inner.shares.imports.remove(&k).expect("listed import");
+    for h in i.chunks {
+        match ctx.drv.release(h) {
+            Ok(()) => bump(&ctx.counts.releases),
+            Err(_) => {
+                inner.shares.leftover.push(h);
+                inner.release_failures += 1;
+            }
+        }
+    }
+    if ctx.drv.free_reservation(i.va.0, i.va.1).is_err() {
+        inner.shares.leftover_va.push(i.va);
+        inner.release_failures += 1;
+    }
+    Ok(())
+}
+
+/// Frees an exported allocation without pooling its chunks: unmaps its
+/// backing (and every retired range, which may alias its chunks) on a copy
+/// of the state, then releases the chunks. A failed unmap leaves everything
+/// as it was; a failed release keeps the chunk out of the pool (retried at
+/// drop) and counts in `release_failures`.
+fn free_exported(inner: &mut Inner, ctx: &Ctx<'_>, slot: u32) -> Result<()> {
+    let st = &mut inner.st;
+    let a = st.alloc(slot).clone();
+    let mut sim = st.clone();
+    let mut tx = ctx.txn(st);
+    let done = (|| {
+        release_retired_into(&mut sim, &mut tx)?;
+        let pages: Vec<u64> = (a.start..a.start + a.backed).collect();
+        for run in state::runs(&pages) {
+            let hs: Vec<_> = run.clone().map(|p| sim.mapped[p as usize].expect("backing page is mapped")).collect();
+            tx.unmap(run.start, hs)?;
+        }
+        Ok::<_, Error>(())
+    })();
+    match done {
+        Ok(()) => tx.commit(),
+        Err(e) => {
+            tx.rollback();
+            return Err(e);
+        }
+    }
+    let doomed: Vec<ChunkHandle> =
+        (a.start..a.start + a.backed).map(|p| sim.mapped[p as usize].take().expect("backing page")).collect();
+    sim.backed_pages -= a.backed;
+    sim.alloc_mut(slot).backed = 0;
+    sim.remove_alloc(slot);
+    *st = sim;
+    inner.shares.exported.remove(&slot);
+    for h in doomed {
+        match ctx.drv.release(h) {
+            Ok(()) => bump(&ctx.counts.releases),
+            Err(_) => {
+                inner.shares.leftover.push(h);
+                inner.release_failures += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Arena {
+    /// Exports an allocation of whole chunks: a descriptor per chunk, owned
+    /// by the returned [`Export`], and its layout. The allocation is pinned
+    /// until every export of it is dropped, and from now until it is freed
+    /// its chunks never go back to the pool (see the module docs).
+    ///
+    /// Retired ranges are released first (they may map its chunks a second
+    /// time). Errors: `InvalidArgument` for a small allocation or an
+    /// import, `Asleep`, `Unsupported` when the driver's chunks are not
+    /// exportable (`ArenaConfig::exportable`), a driver error otherwise; on
+    /// error nothing changed and no descriptor is left open.
+    pub fn export(&self, id: Id) -> Result<Export> {
+        let chunk = self.chunk;
+        self.run(Touch::Nothing, |inner, ctx, _| {
+            if let Some(r) = inner.shares.import_of(&inner.st, id) {
+                r?;
+                return Err(Error::invalid("an imported allocation cannot be exported again"));
+            }
+            let st = &mut inner.st;
+            let slot = match st.resolve(id)? {
+                Target::Chunks(s) if st.alloc(s).owner == Owner::User => s,
+                _ => {
+                    return Err(Error::invalid(
+                        "small allocations share their slab's chunk and cannot be exported; allocate more than half a chunk",
+                    ))
+                }
+            };
+            let a = st.alloc(slot).clone();
+            if a.sleep.is_some() {
+                return Err(Error::Asleep(id.get()));
+            }
+            // A chunk another allocation maps too (alloc_shared) would
+            // outlive this one's free in that allocation, and then return to
+            // the pool while an importer still maps it.
+            let shared = (a.start..a.start + a.backed)
+                .any(|p| st.mapped[p as usize].is_some_and(|h| st.shared.contains_key(&h)));
+            if shared {
+                return Err(Error::invalid(
+                    "an allocation that shares chunks with another (alloc_shared) cannot be exported",
+                ));
+            }
+            let mut sim = st.clone();
+            let mut tx = ctx.txn(st);
+            let done = (|| {
+                release_retired_into(&mut sim, &mut tx)?;
+                let mut fds = Vec::with_capacity(a.backed as usize);
+                for p in a.start..a.start + a.backed {
+                    fds.push(ctx.drv.export_chunk(sim.mapped[p as usize].expect("backing page is mapped"))?);
+                }
+                Ok::<_, Error>(fds)
+            })();
+            let fds = match done {
+                Ok(fds) => {
+                    tx.commit();
+                    *st = sim;
+                    fds
+                }
+                Err(e) => {
+                    tx.rollback();
+                    return Err(e);
+                }
+            };
+            let e = inner.shares.exported.entry(slot).or_insert_with(|| Exported {
+                pin: Arc::new(()),
+                by_export: false,
+                user_pinned: false,
+                pages: 0,
+            });
+            if !e.by_export {
+                e.user_pinned = st.alloc(slot).pinned;
+                e.by_export = true;
+            }
+            e.pages = e.pages.max(a.backed);
+            st.alloc_mut(slot).pinned = true;
+            let layout =
+                ExportLayout { version: EXPORT_FORMAT_VERSION, chunk_bytes: chunk, chunk_count: a.backed, size: a.size };
+            Ok(Export { layout, fds, _pin: Arc::clone(&e.pin) })
+        })
+    }
+
+    /// Maps the chunks behind `fds` (an export's descriptors, from this or
+    /// another process, in order) into a new allocation of `layout.size`
+    /// bytes in a reservation of its own; returns its id and address. The
+    /// descriptors are borrowed: the arena keeps duplicates, closed at
+    /// `free`. With `read_only`, the mapping is readable only (the backend
+    /// enforces it: `write` through the arena is refused, and on the host a
+    /// store through the pointer faults).
+    ///
+    /// `InvalidArgument` for a layout record that does not match (another
+    /// version, another chunk size than this arena's, a count other than
+    /// the descriptors', a size that does not fill the chunks) and for a
+    /// descriptor that is closed or not an exported chunk of that size. All
+    /// or nothing: on error nothing is mapped or kept.
+    pub fn import(&self, layout: &ExportLayout, fds: &[BorrowedFd<'_>], read_only: bool) -> Result<(Id, u64)> {
+        let chunk = self.chunk;
+        layout.check(fds.len(), chunk)?;
+        let total = layout.chunk_count * chunk;
+        self.run(Touch::Nothing, |inner, ctx, _| {
+            let k = inner.shares.next_import;
+            if k == u32::MAX {
+                return Err(Error::invalid("this arena has issued every import id"));
+            }
+            let (base, va) = reserve_chunk_aligned(ctx.drv, total, chunk)?;
+            let mut handles = Vec::with_capacity(fds.len());
+            let mut mapped = 0u64;
+            let done = (|| {
+                for fd in fds {
+                    handles.push(ctx.drv.import_chunk(*fd, chunk, read_only)?);
+                }
+                for (i, &h) in handles.iter().enumerate() {
+                    ctx.drv.map(base + i as u64 * chunk, chunk, h, 0)?;
+                    bump(&ctx.counts.maps);
+                    mapped += 1;
+                }
+                ctx.drv.set_access(base, total)?;
+                bump(&ctx.counts.access_calls);
+                Ok::<_, Error>(())
+            })();
+            if let Err(e) = done {
+                // Nothing touched the new mappings: no synchronize needed.
+                if mapped > 0 && ctx.drv.unmap(base, mapped * chunk).is_ok() {
+                    bump(&ctx.counts.unmaps);
+                }
+                for h in handles {
+                    if ctx.drv.release(h).is_ok() {
+                        bump(&ctx.counts.releases);
+                    }
+                }
+                let _ = ctx.drv.free_reservation(va.0, va.1);
+                return Err(e);
+            }
+            inner.shares.next_import = k + 1;
+            inner.shares.imports.insert(k, Import { va, base, chunks: handles, size: layout.size, read_only });
+            let id = Id::compose(IdParts { small: false, generation: 0, tag: inner.st.tag, slot: k });
+            Ok((id, base))
+        })
+    }
+
+    /// [`Arena::import`] of an [`Export`] of this process.
+    pub fn import_export(&self, export: &Export, read_only: bool) -> Result<(Id, u64)> {
+        self.import(&export.layout(), &export.borrowed_fds(), read_only)
+    }
+
+    /// Whether an imported allocation is read-only (`None` for any other id).
+    pub fn import_is_read_only(&self, id: Id) -> Result<Option<bool>> {
+        let inner = self.lock()?;
+        Ok(match inner.shares.import_of(&inner.st, id) {
+            Some(k) => Some(inner.shares.imports[&k?].read_only),
+            None => None,
+        })
+    }
+
+    /// A DMA-BUF descriptor for an allocation's backed bytes
+    /// (`cuMemGetHandleForAddressRange`), for RDMA stacks to register
+    /// (NIXL, UCX, Mooncake's transfer engine). **GPU only**: the host
+    /// backend answers `Unsupported`. The caller owns the descriptor. An
+    /// RDMA registration must not see the allocation move: pin it first
+    /// (design trap 7); the arena does not pin it for you.
+    pub fn dmabuf_fd(&self, id: Id) -> Result<OwnedFd> {
+        let inner = self.lock()?;
+        let st = &inner.st;
+        let (addr, bytes) = match inner.shares.import_of(st, id) {
+            Some(k) => {
+                let i = &inner.shares.imports[&k?];
+                (i.base, i.chunks.len() as u64 * st.chunk)
+            }
+            None => match st.resolve(id)? {
+                Target::Chunks(s) if st.alloc(s).owner == Owner::User && st.alloc(s).sleep.is_none() => {
+                    let a = st.alloc(s);
+                    (st.addr(a.start), a.backed * st.chunk)
+                }
+                Target::Chunks(s) if st.alloc(s).sleep.is_some() => return Err(Error::Asleep(id.get())),
+                _ => return Err(Error::invalid("a small allocation has no DMA-BUF of its own")),
+            },
+        };
+        self.sh.driver.dmabuf_fd(addr, bytes)
+    }
+}
