@@ -86,15 +86,20 @@ for p in "${programs[@]}"; do
     fi
     log=$work/$name.log
     start=$(date +%s)
-    if "$exe" >"$work/$name.out" 2>"$log" && ! grep -q 'ThreadSanitizer' "$log"; then
+    # A time limit ($VMM_ARENA_TSAN_TIMEOUT_S, default 300 s): a hang fails
+    # with a message instead of eating CI's budget.
+    if timeout --kill-after=10 "${VMM_ARENA_TSAN_TIMEOUT_S:-300}" "$exe" >"$work/$name.out" 2>"$log" &&
+        ! grep -q 'ThreadSanitizer' "$log"; then
         verdict=ok
     else
+        rc=$?
         verdict=FAILED
+        if [ $rc = 124 ] || [ $rc = 137 ]; then verdict="FAILED (timed out after ${VMM_ARENA_TSAN_TIMEOUT_S:-300}s)"; fi
         failed=1
     fi
     secs=$(($(date +%s) - start))
     echo "tsan $name: $verdict in ${secs}s ($(tail -n 1 "$work/$name.out"))"
-    if [ $verdict != ok ]; then
+    if [ "$verdict" != ok ]; then
         head -n 60 "$log"
         tail -n 5 "$work/$name.out"
     fi

@@ -3,7 +3,14 @@
 # ffi/tests/c_programs.rs builds with AddressSanitizer and UBSan), built
 # here WITHOUT sanitizers and run under Valgrind's memcheck:
 #
-#   valgrind --error-exitcode=1 --leak-check=full
+#   valgrind --error-exitcode=1 --leak-check=full --fair-sched=yes
+#
+# --fair-sched=yes: Valgrind runs one thread at a time, and by default lets
+# a thread that releases and retakes a lock without a system call keep
+# running, so test_threads' maintainer loop could starve the workers for
+# over an hour (CI, 2026-12-01). Each program also runs under a time limit
+# ($VMM_ARENA_VALGRIND_TIMEOUT_S, default 300 s) so that a hang fails with
+# a message instead of eating CI's budget.
 #
 # Any invalid read or write, use of uninitialised memory, or leaked block
 # (definite or possible) fails the run, but for the suppressions of
@@ -68,18 +75,21 @@ for p in "${programs[@]}"; do
     start=$(date +%s)
     # --num-callers: deep enough that a suppression's frame (the torch
     # entry points, under the arena's call layers) is in the stack it sees.
-    if valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite,possible \
+    if timeout --kill-after=10 "${VMM_ARENA_VALGRIND_TIMEOUT_S:-300}" \
+        valgrind --fair-sched=yes --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite,possible \
         --num-callers=64 --track-origins=yes --suppressions=scripts/valgrind.supp --log-file="$log" "$exe" >"$work/$name.out" 2>&1; then
         verdict=ok
     else
+        rc=$?
         verdict=FAILED
+        if [ $rc = 124 ] || [ $rc = 137 ]; then verdict="FAILED (timed out after ${VMM_ARENA_VALGRIND_TIMEOUT_S:-300}s)"; fi
         failed=1
     fi
     secs=$(($(date +%s) - start))
     errors=$(sed -n 's/.*ERROR SUMMARY: \([0-9]*\) errors.*/\1/p' "$log" | tail -n 1)
     lost=$(sed -n 's/.*definitely lost: \([0-9,]*\) bytes.*/\1/p' "$log" | tail -n 1)
     echo "valgrind $name: $verdict in ${secs}s (errors: ${errors:-?}, definitely lost: ${lost:-0} bytes; $(tail -n 1 "$work/$name.out"))"
-    if [ $verdict != ok ]; then
+    if [ "$verdict" != ok ]; then
         tail -n 40 "$log"
         tail -n 5 "$work/$name.out"
     fi

@@ -8,7 +8,8 @@
 //! - an alloc, a growth and a free on another thread complete while a
 //!   `maintain` sits inside a slow driver call (a driver whose create or map
 //!   blocks until the test releases it);
-//! - allocations churn on several threads while `maintain` runs;
+//! - allocations churn on several threads while `maintain` runs, and the
+//!   retain watermark holds when a window's allocation is freed mid-round;
 //! - the background worker keeps the targets, reaps stream-ordered frees,
 //!   and stops when the arena is dropped.
 
@@ -340,6 +341,36 @@ fn growth_into_a_window_being_mapped_waits_for_the_map_then_adopts_it() {
     assert_eq!(grow.join().unwrap().unwrap(), g_ptr);
     let s = a.stats().unwrap();
     assert_eq!(s.caller_driver_calls, calls0, "the growth adopted the mapped-ahead chunks");
+    check(&a);
+}
+
+/// Found under Valgrind by ffi/tests/c/test_threads.c: a map round whose
+/// allocation is freed while its driver calls run commits the mapped pages
+/// as cached chunks at free pages, which are pooled; the retain watermark
+/// must hold once `maintain` returns.
+#[test]
+fn a_map_round_whose_allocation_was_freed_keeps_the_retain_watermark() {
+    let d = Gated::new();
+    let cfg = ArenaConfig { retain_bytes: 2 * C, ..config(32, 128) };
+    let a = Arc::new(Arena::with_driver(d.clone(), cfg).unwrap());
+    let (g, _) = a.alloc_growable(2 * C, 16 * C).unwrap();
+    // Two chunks in the pool, so that the next round maps them ahead of g.
+    a.set_prefetch(2 * C, 0).unwrap();
+    a.maintain().unwrap();
+    a.set_prefetch(0, 2 * C).unwrap();
+    d.armed_map.store(true, Ordering::SeqCst);
+    let m = {
+        let a = a.clone();
+        thread::spawn(move || a.maintain())
+    };
+    d.wait_blocked();
+    // g goes while its window is being mapped: its own chunks are pooled
+    // (cached at free pages), within the watermark but for the two in flight.
+    a.free(g).unwrap();
+    d.open();
+    m.join().unwrap().unwrap();
+    let s = a.stats().unwrap();
+    assert!(s.pooled_bytes <= 2 * C, "pool above retain_bytes after maintain: {s:?}");
     check(&a);
 }
 

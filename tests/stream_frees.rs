@@ -380,3 +380,28 @@ fn a_shared_chunk_freed_on_a_stream_stays_with_its_other_holder() {
     a.release_retired().unwrap();
     check(&a);
 }
+
+/// A failed operation changes no allocation, but the frees it reaped (or
+/// waited for) on its way to the out-of-memory are given back down to the
+/// retain watermark, as after any other operation.
+#[test]
+fn an_out_of_memory_that_reaped_stream_frees_keeps_the_retain_watermark() {
+    let d = Arc::new(MockDriver::with_streams(C, 1 << 30));
+    let cfg = ArenaConfig {
+        capacity_bytes: 4 * C,
+        reserve_bytes: 16 * C,
+        chunk_bytes: C,
+        retain_bytes: C,
+        ..Default::default()
+    };
+    let a = Arena::with_driver(d.clone(), cfg).unwrap();
+    let (x, _) = a.alloc(3 * C).unwrap();
+    a.free_on_stream(x, 7).unwrap();
+    assert_eq!(a.stats().unwrap().pending_free_bytes, 3 * C, "pooled, not yet reusable");
+    assert!(matches!(a.alloc(5 * C), Err(Error::OutOfMemory(_))));
+    let s = a.stats().unwrap();
+    assert_eq!(s.event_waits, 1, "nothing else could serve: the oldest event was waited for");
+    assert_eq!(s.pending_free_bytes, 0);
+    assert!(s.pooled_bytes <= C, "pool above retain_bytes after a failed operation: {s:?}");
+    check(&a);
+}

@@ -426,9 +426,10 @@ impl Arena {
     /// Runs `op` under the lock, applies the retain watermark, then reports
     /// its moves to the callback.
     ///
-    /// The watermark applies after every successful operation: frees and
-    /// shrinks add to the pool, and so does any release of retired ranges
-    /// (an alloc, resize or compaction may release them) that empties a slab.
+    /// The watermark applies after every operation, failed ones included:
+    /// frees and shrinks add to the pool, and so does any release of retired
+    /// ranges or completed stream frees (an alloc, resize or compaction may
+    /// release them, and so may the reclaim before an out-of-memory).
     ///
     /// Before `op`, waits while the prefetcher has set aside pages that
     /// `touch` says `op` may need (a map of a few chunks, never a create).
@@ -471,10 +472,17 @@ impl Arena {
                     let (again, progressed) = stream::reclaim(&self.sh, inner, &ctx)?;
                     inner = again;
                     if !progressed {
+                        // The failed attempt changed nothing, but what it
+                        // reclaimed (retired ranges, completed stream frees)
+                        // may have filled the pool past the watermark.
+                        enforce_watermark(&mut inner, &ctx);
                         return Err(e);
                     }
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    enforce_watermark(&mut inner, &ctx);
+                    return Err(e);
+                }
             }
         };
         enforce_watermark(&mut inner, &ctx);

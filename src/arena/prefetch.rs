@@ -155,7 +155,6 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
     inner.st.prefetch_dirty = false;
     let mut progressed = reap(&mut inner.st, &ctx, Poll::All) > 0;
     if progressed {
-        super::pool::enforce_watermark(&mut inner, &ctx);
         sh.round_done.notify_all();
     }
     inner.maintaining = true;
@@ -187,6 +186,10 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
             }
         }
     };
+    // A round's pages commit where they now lie: if their allocation was
+    // freed meanwhile they are cached at free pages, which are pooled, and
+    // may carry the pool past the watermark that the free applied.
+    super::pool::enforce_watermark(&mut inner, &ctx);
     inner.maintaining = false;
     inner.st.note_peak();
     result.map(|()| progressed)

@@ -403,6 +403,10 @@ void test_concurrent_callback_installs() {
       g.reset();
       n.reset();
       arena.release_retired();
+      // Lets the installers at the lock between rounds: a scheduler that
+      // runs one thread at a time (Valgrind's) would otherwise hand the
+      // mover most rounds, and the test would crawl.
+      std::this_thread::yield();
     }
   });
   std::vector<std::thread> installers;
