@@ -386,7 +386,17 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         work.copied_bytes = copied - copied_before;
         copied_before = copied;
 
-        // Between steps: while the GPU computes.
+        // Between steps: while the GPU computes. The next step's admission
+        // will try the queue's front first (arrivals join its tail): the
+        // manager may prepare those admissions now.
+        if running.len() < cfg.max_batch && blocked_at != Some(freed_gen) && !waiting.is_empty() {
+            let front: Vec<(usize, u64, &Request)> = waiting
+                .iter()
+                .take(cfg.max_batch - running.len())
+                .map(|&seq| (seq, requests[seq].prompt + generated[seq] + 1, &requests[seq]))
+                .collect();
+            mgr.prepare_admissions(&front);
+        }
         mgr.between_steps();
         let between = mgr.calls().since(&after_critical);
         work.alloc_between_s = prof.driver_s(&between);
