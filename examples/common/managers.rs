@@ -296,7 +296,9 @@ fn slot_vec<T>(v: &mut Vec<Option<T>>, seq: usize) -> &mut Option<T> {
 ///
 /// Two ways to drive it ([`ArenaMode`]): `Stream` (the `arena` rows) frees
 /// on the engine's stream, keeps prefetch targets with `maintain` between
-/// steps, and grows the whole decode batch with one `resize_many`; `Sync`
+/// steps, prepares the next step's admissions between steps
+/// (`prepare_admissions`, see `prepared.rs`), and grows the whole decode
+/// batch with one `resize_many`; `Sync`
 /// (the `arena-sync` row) is the arena as engines used it before: plain
 /// free, no prefetch, one `resize` per allocation.
 pub struct ArenaMgr {
@@ -320,6 +322,8 @@ pub struct ArenaMgr {
     /// `Stream` mode: the next step's first admissions, prepared between
     /// steps (`prepare_admissions`).
     prepared: PreparedAdmissions,
+    /// Whether `Stream` mode prepares admissions (off only to compare).
+    prepare: bool,
     /// Device synchronizes made by `release_retired` between steps.
     release_syncs: u64,
 }
@@ -423,6 +427,7 @@ impl ArenaMgr {
             prefix: None,
             prefix_state: "off",
             prepared: PreparedAdmissions::default(),
+            prepare: true,
             release_syncs: 0,
         })
     }
@@ -443,6 +448,13 @@ impl ArenaMgr {
             p.stream = (self.mode == ArenaMode::Stream).then_some(ENGINE_STREAM);
         }
         self.prefix_state = if self.prefix.is_some() { "on" } else { "off: 16 tokens are not whole chunks" };
+        self
+    }
+
+    /// Turns the preparation of admissions between steps off (`Stream`
+    /// mode; for comparisons: the outcomes must be the same).
+    pub fn without_prepared_admissions(mut self) -> ArenaMgr {
+        self.prepare = false;
         self
     }
 
@@ -544,7 +556,7 @@ impl KvManager for ArenaMgr {
     }
 
     fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)]) {
-        if self.mode == ArenaMode::Sync {
+        if self.mode == ArenaMode::Sync || !self.prepare {
             return; // `arena-sync`: admission as before, on the critical path
         }
         let left = self.prepared.drain();
