@@ -523,6 +523,15 @@ impl ArenaMgr {
         }
     }
 
+    /// Whether `bytes` more fit in the capacity with no stream free still
+    /// pending (no free of this step): none is pending, or they fit beside
+    /// what is pending (bounded by the request's whole size: its hit and
+    /// evictions only lower the need).
+    fn fits_without_pending(&self, bytes: u64) -> bool {
+        let Ok(s) = self.arena.stats() else { return false };
+        s.pending_free_bytes == 0 || s.mapped_bytes + s.pending_free_bytes + bytes <= s.capacity_bytes
+    }
+
     /// Shared live bytes counting prepared admissions as running.
     fn shared_live_bytes_all(&self) -> u64 {
         self.prefix.as_ref().map_or(0, |p| p.shared_live_bytes())
@@ -562,6 +571,15 @@ impl KvManager for ArenaMgr {
         let left = self.prepared.drain();
         self.give_back(left);
         for &(seq, tokens, q) in front {
+            // Memory freed on the stream in this step is not reusable before
+            // the GPU has finished it: an admission that may need it would
+            // wait on its event here (a drain, which unhides all of this
+            // step's between-steps work). It and those after it are left
+            // to the next step's admission, which finds the event complete.
+            if !self.fits_without_pending(self.bytes_for(tokens)) {
+                self.prepared.deferred += 1;
+                break;
+            }
             let shared_before = self.shared_live_bytes_all();
             let outcome = self.admit_now(seq, tokens, q);
             let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
@@ -723,6 +741,7 @@ impl KvManager for ArenaMgr {
             ("prepared_admission_failures".into(), self.prepared.failed.to_string()),
             ("prepared_admissions_used".into(), self.prepared.used.to_string()),
             ("prepared_admissions_stale".into(), self.prepared.stale.to_string()),
+            ("prepared_admissions_deferred".into(), self.prepared.deferred.to_string()),
             ("release_retired_syncs".into(), self.release_syncs.to_string()),
             ("arena_caller_driver_calls".into(), s.caller_driver_calls.to_string()),
             ("arena_caller_creates".into(), s.caller_creates.to_string()),

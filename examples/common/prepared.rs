@@ -49,6 +49,9 @@ pub struct PreparedAdmissions {
     pub failed: u64,
     pub used: u64,
     pub stale: u64,
+    /// Preparations a manager stopped before a request it chose not to
+    /// prepare (left to admission).
+    pub deferred: u64,
 }
 
 impl PreparedAdmissions {
