@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::fixtures::{check_consistent, fault_arena as arena, pattern, status, read_bytes as read};
+use common::fixtures::{check_consistent, fault_arena as arena, pattern, read_bytes as read, status};
 use common::{fill, read_all, test_backend, Snap, TestBackend, TestDriver};
 use vmm_arena::{Arena, ArenaConfig, Error, Id, Status, ALL_TAGS, SLEEP_BACKUP};
 
