@@ -31,6 +31,7 @@ mod alloc;
 mod batch;
 mod config;
 mod moves;
+mod page_table;
 mod pool;
 mod prefetch;
 #[cfg(unix)]
@@ -613,7 +614,7 @@ impl Drop for Arena {
         for p in &st.pending {
             let _ = self.sh.driver.destroy_event(p.event);
         }
-        let mapped: Vec<u64> = (0..st.pages).filter(|&p| st.mapped[p as usize].is_some()).collect();
+        let mapped: Vec<u64> = st.mapped.mapped().map(|(p, _)| p).collect();
         for run in state::runs(&mapped) {
             let _ = self.sh.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);
         }
