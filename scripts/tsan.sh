@@ -2,6 +2,7 @@
 # The C and C++ thread tests of ffi/tests under ThreadSanitizer:
 #
 #   ffi/tests/c/test_threads.c       eight pthreads on one arena
+#   ffi/tests/c/test_group.c         pthreads sharing one device group
 #   ffi/tests/cpp/test_wrapper.cpp   the C++ wrapper, std::threads included
 #                                    (concurrent set_move_callback among them)
 #
@@ -72,6 +73,7 @@ echo "tsan: sanity check: a known race is reported"
 # name:language:source
 programs=(
     test_threads:c:ffi/tests/c/test_threads.c
+    test_group:c:ffi/tests/c/test_group.c
     test_wrapper:cpp:ffi/tests/cpp/test_wrapper.cpp
 )
 

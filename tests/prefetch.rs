@@ -309,22 +309,28 @@ fn an_alloc_completes_while_maintain_sits_in_a_slow_create() {
     check(&a);
 }
 
-#[test]
-fn growth_into_a_window_being_mapped_waits_for_the_map_then_adopts_it() {
-    let d = Gated::new();
-    let a = Arc::new(Arena::with_driver(d.clone(), config(32, 128)).unwrap());
-    let (g, g_ptr) = a.alloc_growable(C, 16 * C).unwrap();
-    a.set_prefetch(3 * C, 2 * C).unwrap();
-    // Chunks in the pool first, so that the next round maps.
-    a.set_prefetch(3 * C, 0).unwrap();
+/// Puts `pooled` chunks in the pool, then starts a `maintain` that maps
+/// `ahead` of them ahead of the growable allocations, and returns once it
+/// sits inside its first map (the gate holds it until `d.open()`).
+fn maintain_blocked_in_a_map(a: &Arc<Arena>, d: &Gated, pooled: u64, ahead: u64) -> thread::JoinHandle<Result<()>> {
+    a.set_prefetch(pooled * C, 0).unwrap();
     a.maintain().unwrap();
-    a.set_prefetch(0, 2 * C).unwrap();
+    a.set_prefetch(0, ahead * C).unwrap();
     d.armed_map.store(true, Ordering::SeqCst);
     let m = {
         let a = a.clone();
         thread::spawn(move || a.maintain())
     };
     d.wait_blocked();
+    m
+}
+
+#[test]
+fn growth_into_a_window_being_mapped_waits_for_the_map_then_adopts_it() {
+    let d = Gated::new();
+    let a = Arc::new(Arena::with_driver(d.clone(), config(32, 128)).unwrap());
+    let (g, g_ptr) = a.alloc_growable(C, 16 * C).unwrap();
+    let m = maintain_blocked_in_a_map(&a, &d, 3, 2);
     // An allocation elsewhere goes on (it maps at other pages).
     let (x, _) = a.alloc(2 * C).unwrap();
     a.free(x).unwrap();
@@ -354,16 +360,7 @@ fn a_map_round_whose_allocation_was_freed_keeps_the_retain_watermark() {
     let cfg = ArenaConfig { retain_bytes: 2 * C, ..config(32, 128) };
     let a = Arc::new(Arena::with_driver(d.clone(), cfg).unwrap());
     let (g, _) = a.alloc_growable(2 * C, 16 * C).unwrap();
-    // Two chunks in the pool, so that the next round maps them ahead of g.
-    a.set_prefetch(2 * C, 0).unwrap();
-    a.maintain().unwrap();
-    a.set_prefetch(0, 2 * C).unwrap();
-    d.armed_map.store(true, Ordering::SeqCst);
-    let m = {
-        let a = a.clone();
-        thread::spawn(move || a.maintain())
-    };
-    d.wait_blocked();
+    let m = maintain_blocked_in_a_map(&a, &d, 2, 2);
     // g goes while its window is being mapped: its own chunks are pooled
     // (cached at free pages), within the watermark but for the two in flight.
     a.free(g).unwrap();

@@ -222,6 +222,20 @@ struct Case {
     best_effort_after: Option<u64>,
 }
 
+/// Two chunks of `a`'s own, exported.
+fn exported_two_chunks(a: &Arena, _: &Arena) -> (Id, Option<vmm_arena::Export>) {
+    let (x, _) = a.alloc(2 * C).unwrap();
+    (x, Some(a.export(x).unwrap()))
+}
+
+/// Two chunks of the peer's, exported and imported into `a`.
+fn imported_two_chunks(a: &Arena, peer: &Arena) -> (Id, Option<vmm_arena::Export>) {
+    let (x, _) = peer.alloc(2 * C).unwrap();
+    let e = peer.export(x).unwrap();
+    let (y, _) = a.import_export(&e, false).unwrap();
+    (y, Some(e))
+}
+
 fn cases() -> Vec<Case> {
     vec![
         Case {
@@ -251,10 +265,7 @@ fn cases() -> Vec<Case> {
         Case {
             name: "free of an exported allocation",
             faulty_exports: true,
-            setup: |a, _| {
-                let (x, _) = a.alloc(2 * C).unwrap();
-                (x, Some(a.export(x).unwrap()))
-            },
+            setup: exported_two_chunks,
             // sync, unmap; then 2 releases (best effort)
             op: |a, _, x, _| a.free(x),
             best_effort_after: Some(2),
@@ -262,12 +273,7 @@ fn cases() -> Vec<Case> {
         Case {
             name: "free of an import",
             faulty_exports: false,
-            setup: |a, peer| {
-                let (x, _) = peer.alloc(2 * C).unwrap();
-                let e = peer.export(x).unwrap();
-                let (y, _) = a.import_export(&e, false).unwrap();
-                (y, Some(e))
-            },
+            setup: imported_two_chunks,
             // sync, unmap; then 2 releases and the reservation's free (best effort)
             op: |a, _, y, _| a.free(y),
             best_effort_after: Some(2),
@@ -275,22 +281,14 @@ fn cases() -> Vec<Case> {
         Case {
             name: "free_on_stream of an exported allocation (a free: no event)",
             faulty_exports: true,
-            setup: |a, _| {
-                let (x, _) = a.alloc(2 * C).unwrap();
-                (x, Some(a.export(x).unwrap()))
-            },
+            setup: exported_two_chunks,
             op: |a, _, x, _| a.free_on_stream(x, 5),
             best_effort_after: Some(2),
         },
         Case {
             name: "free_on_stream of an import (a free: no event)",
             faulty_exports: false,
-            setup: |a, peer| {
-                let (x, _) = peer.alloc(2 * C).unwrap();
-                let e = peer.export(x).unwrap();
-                let (y, _) = a.import_export(&e, false).unwrap();
-                (y, Some(e))
-            },
+            setup: imported_two_chunks,
             op: |a, _, y, _| a.free_on_stream(y, 5),
             best_effort_after: Some(2),
         },

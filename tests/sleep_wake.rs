@@ -11,36 +11,11 @@
 
 mod common;
 
-use common::{fill, read_all, stamp_bytes, test_backend, Snap, TestBackend, TestDriver};
+use common::fixtures::{check_consistent, fault_arena as arena, pattern, status};
+use common::{fill, read_all, test_backend, Snap, TestBackend};
 use vmm_arena::driver::fault::FaultKind;
 use vmm_arena::driver::CallKind;
-use vmm_arena::{Arena, ArenaConfig, Id, Status, ALL_TAGS, SLEEP_BACKUP};
-
-fn arena(cap: u64, reserve: u64) -> (TestDriver, Arena, u64) {
-    let backend = test_backend();
-    let (d, c) = (backend.driver(), backend.chunk());
-    let cfg = ArenaConfig { capacity_bytes: cap * c, reserve_bytes: reserve * c, chunk_bytes: c, ..Default::default() };
-    let a = Arena::with_driver(d.fault.clone(), cfg).unwrap();
-    (d, a, c)
-}
-
-fn pattern(seed: u64, size: u64) -> Vec<u8> {
-    (0..size).map(|i| stamp_bytes(seed, i / 8)[(i % 8) as usize]).collect()
-}
-
-fn status<T: std::fmt::Debug>(r: vmm_arena::Result<T>) -> Status {
-    r.expect_err("an error").status()
-}
-
-/// The driver holds exactly what the arena says it holds, and maps exactly
-/// the pages its snapshot says are mapped.
-fn check_consistent(a: &Arena, d: &TestDriver) {
-    let snap = Snap::of(a);
-    snap.check_structure(a.va_range());
-    let s = a.stats().unwrap();
-    assert_eq!(d.fault.live_chunks() as u64 * a.chunk_bytes(), s.mapped_bytes + s.pooled_bytes);
-    assert_eq!(d.fault.live_mappings() as u64, snap.mapped_pages());
-}
+use vmm_arena::{Id, Status, ALL_TAGS, SLEEP_BACKUP};
 
 #[test]
 fn wake_restores_the_backup_at_the_same_address() {

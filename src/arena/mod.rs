@@ -31,6 +31,7 @@ mod alloc;
 mod batch;
 mod config;
 mod moves;
+mod page_table;
 mod pool;
 mod prefetch;
 #[cfg(unix)]
@@ -426,10 +427,12 @@ impl Arena {
     /// Runs `op` under the lock, applies the retain watermark, then reports
     /// its moves to the callback.
     ///
-    /// The watermark applies after every operation, failed ones included:
-    /// frees and shrinks add to the pool, and so does any release of retired
-    /// ranges or completed stream frees (an alloc, resize or compaction may
-    /// release them, and so may the reclaim before an out-of-memory).
+    /// The watermark applies after every successful operation (frees and
+    /// shrinks add to the pool, and so does any release of retired ranges
+    /// that empties a slab), and after a failed one that gave completed
+    /// stream frees back to the pool on its way (its reap, or its reclaim
+    /// before an out-of-memory): the failed operation itself changed
+    /// nothing, the frees it completed did.
     ///
     /// Before `op`, waits while the prefetcher has set aside pages that
     /// `touch` says `op` may need (a map of a few chunks, never a create).
@@ -448,11 +451,15 @@ impl Arena {
         let mut inner = self.lock()?;
         let mut events = Vec::new();
         let ctx = self.ctx();
+        // Whether this call gave completed stream frees back to the pool: a
+        // failed call then applies the watermark too (it changed nothing
+        // else, and must not leave the pool past the watermark).
+        let mut reclaimed = false;
         if !inner.st.pending.is_empty() {
             // Frees whose events completed since the last look serve this
             // operation rather than new chunks: a poll (no wait) until the
             // first incomplete one, under a microsecond each.
-            stream::reap(&mut inner.st, &ctx, stream::Poll::UntilIncomplete);
+            reclaimed = stream::reap(&mut inner.st, &ctx, stream::Poll::UntilIncomplete) > 0;
         }
         let out = loop {
             inner = self.sh.wait_out_conflicts(inner, touch)?;
@@ -471,16 +478,18 @@ impl Arena {
                     }
                     let (again, progressed) = stream::reclaim(&self.sh, inner, &ctx)?;
                     inner = again;
+                    reclaimed |= progressed;
                     if !progressed {
-                        // The failed attempt changed nothing, but what it
-                        // reclaimed (retired ranges, completed stream frees)
-                        // may have filled the pool past the watermark.
-                        enforce_watermark(&mut inner, &ctx);
+                        if reclaimed {
+                            enforce_watermark(&mut inner, &ctx);
+                        }
                         return Err(e);
                     }
                 }
                 Err(e) => {
-                    enforce_watermark(&mut inner, &ctx);
+                    if reclaimed {
+                        enforce_watermark(&mut inner, &ctx);
+                    }
                     return Err(e);
                 }
             }
@@ -605,7 +614,7 @@ impl Drop for Arena {
         for p in &st.pending {
             let _ = self.sh.driver.destroy_event(p.event);
         }
-        let mapped: Vec<u64> = (0..st.pages).filter(|&p| st.mapped[p as usize].is_some()).collect();
+        let mapped: Vec<u64> = st.mapped.mapped().map(|(p, _)| p).collect();
         for run in state::runs(&mapped) {
             let _ = self.sh.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);
         }

@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+use super::page_table::PageTable;
 use super::shared::ShareGroups;
 use super::small::SmallTable;
 use super::txn::Txn;
@@ -122,7 +123,8 @@ pub(crate) struct Slot {
     pub alloc: Option<Alloc>,
 }
 
-/// Everything the policy knows. Cloned only on slow paths (compaction).
+/// Everything the policy knows. Plans run on a clone (the page table's
+/// segments are shared until written, see `page_table.rs`).
 #[derive(Clone, Debug)]
 pub(crate) struct State {
     pub chunk: u64,
@@ -132,7 +134,7 @@ pub(crate) struct State {
     pub retain_bytes: u64,
     pub no_implicit_moves: bool,
     /// The chunk mapped at each page (backing, cached or retired), if any.
-    pub mapped: Vec<Option<ChunkHandle>>,
+    pub mapped: PageTable,
     pub free: FreeRanges,
     pub slots: Vec<Slot>,
     pub free_slots: Vec<u32>,
@@ -211,10 +213,11 @@ pub struct MoveEvent {
 impl State {
     /// An empty arena's state: `pages` free pages, nothing held.
     ///
-    /// The page table has one entry per page: a reservation far larger than
-    /// the chunk size (a caller's `reserve_bytes` of terabytes with 4 KiB
-    /// chunks) may need more memory than the process can get, and that is
-    /// `Error::OutOfMemory`, not an abort on a failed allocation.
+    /// The page table holds a pointer per segment of pages until pages are
+    /// mapped (see `page_table.rs`): a reservation whose segment pointers
+    /// the process cannot get (a caller's `reserve_bytes` of petabytes with
+    /// 4 KiB chunks) is `Error::OutOfMemory`, not an abort on a failed
+    /// allocation.
     pub fn new(
         chunk: u64,
         base: u64,
@@ -228,9 +231,7 @@ impl State {
                 "the page table of a reservation of {pages} chunks cannot be allocated (use larger chunks or a smaller reserve)"
             ))
         };
-        let mut mapped = Vec::new();
-        mapped.try_reserve_exact(usize::try_from(pages).map_err(|_| too_big())?).map_err(|_| too_big())?;
-        mapped.resize(pages as usize, None);
+        let mapped = PageTable::new(usize::try_from(pages).map_err(|_| too_big())?).ok_or_else(too_big)?;
         Ok(State {
             chunk,
             base,

@@ -5,6 +5,8 @@
 //! model, fault and concurrency tests have in common.
 #![allow(dead_code)]
 
+pub mod fixtures;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 

@@ -105,3 +105,28 @@ WRAP(vmm_arena_status, vmm_arena_set_prefetch, (vmm_arena * a, uint64_t precreat
 WRAP(vmm_arena_status, vmm_arena_maintain, (vmm_arena * a), (a))
 WRAP(vmm_arena_status, vmm_arena_resize_many,
      (vmm_arena * a, const vmm_arena_id *ids, const uint64_t *sizes, size_t n, uint64_t *out), (a, ids, sizes, n, out))
+
+/* Device groups (test_group.c's threads share one group). */
+WRAP(vmm_arena_status, vmm_arena_group_create,
+     (const vmm_arena_config *c, const int32_t *devices, uint32_t count, uint32_t flags, struct vmm_arena_group **out),
+     (c, devices, count, flags, out))
+WRAP_VOID(vmm_arena_group_destroy, (struct vmm_arena_group * g), (g))
+WRAP(int32_t, vmm_arena_group_last_member, (void), ())
+WRAP(vmm_arena_status, vmm_arena_group_member_count, (struct vmm_arena_group * g, uint32_t *n), (g, n))
+WRAP(vmm_arena_status, vmm_arena_group_alloc,
+     (struct vmm_arena_group * g, uint64_t size, vmm_arena_group_id *id, uint64_t *ptrs, uint32_t n),
+     (g, size, id, ptrs, n))
+WRAP(vmm_arena_status, vmm_arena_group_alloc_growable,
+     (struct vmm_arena_group * g, uint64_t size, uint64_t max, vmm_arena_group_id *id, uint64_t *ptrs, uint32_t n),
+     (g, size, max, id, ptrs, n))
+WRAP(vmm_arena_status, vmm_arena_group_resize,
+     (struct vmm_arena_group * g, vmm_arena_group_id id, uint64_t size, uint64_t *ptrs, uint32_t n),
+     (g, id, size, ptrs, n))
+WRAP(vmm_arena_status, vmm_arena_group_free, (struct vmm_arena_group * g, vmm_arena_group_id id), (g, id))
+WRAP(vmm_arena_status, vmm_arena_group_query,
+     (struct vmm_arena_group * g, vmm_arena_group_id id, uint32_t m, uint64_t *p, uint64_t *size, vmm_arena_id *mid),
+     (g, id, m, p, size, mid))
+WRAP(vmm_arena_status, vmm_arena_group_stats_get, (struct vmm_arena_group * g, uint32_t m, vmm_arena_stats *s),
+     (g, m, s))
+WRAP(vmm_arena_status, vmm_arena_group_snapshot_json,
+     (struct vmm_arena_group * g, char *buf, size_t cap, size_t *len), (g, buf, cap, len))
