@@ -184,6 +184,58 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
     assert_eq!((r.integrity_errors, r.prefix_hit_tokens), (0, 0));
 }
 
+/// The arena's admissions prepared between steps (`prepare_admissions`)
+/// give every request the outcome admission would have given it: the same
+/// hits, failures and preemptions as without preparing, every tag intact,
+/// nothing prepared left unused; and the admissions' chunk maps leave the
+/// critical path.
+#[test]
+fn prepared_admissions_keep_the_outcomes_and_leave_the_critical_path() {
+    let reqs = chain_tree_trace();
+    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
+    let capacity = GIB;
+    let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
+    let go = |prepare: bool| {
+        let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
+        let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
+        let mut m = if prepare { m } else { m.without_prepared_admissions() };
+        let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
+        m.prefix_cache().expect("on").books.check().unwrap();
+        r
+    };
+    let (with, without) = (go(true), go(false));
+    let extra = |r: &RunResult, k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+    println!(
+        "prepared {} (failed {}), critical maps {} vs {}, drains between {} vs {}",
+        extra(&with, "prepared_admissions"),
+        extra(&with, "prepared_admission_failures"),
+        with.critical_calls.map_chunks,
+        without.critical_calls.map_chunks,
+        with.between_steps_drains,
+        without.between_steps_drains
+    );
+    for r in [&with, &without] {
+        assert_eq!((r.integrity_errors, r.completed_requests), (0, 48));
+    }
+    let outcome = |r: &RunResult| {
+        (r.prefix_hit_tokens, r.prompt_tokens, r.preemptions, r.admission_failures, r.growth_failures, r.steps)
+    };
+    assert_eq!(outcome(&with), outcome(&without), "the same outcomes");
+    assert_eq!(extra(&with, "prefix_hits"), extra(&without, "prefix_hits"), "each hit counted once");
+    assert_eq!(extra(&with, "evicted_prefix_units"), extra(&without, "evicted_prefix_units"));
+    assert_eq!(with.peak_distinct_live_bytes, without.peak_distinct_live_bytes, "prepared sharing not counted early");
+    assert_ne!(extra(&with, "prepared_admissions"), "0");
+    assert_eq!(extra(&with, "prepared_admissions_stale"), "0", "the replay admits what it prepared");
+    assert_eq!(extra(&without, "prepared_admissions"), "0");
+    assert!(
+        with.critical_calls.map_chunks < without.critical_calls.map_chunks,
+        "admissions map their chunks between steps"
+    );
+    // (The totals differ a little: chunks land elsewhere, and `maintain`
+    // finds other pages to map ahead.)
+    assert!(with.between_calls.map_chunks > without.between_calls.map_chunks, "moved between steps");
+}
+
 fn run_shape(name: &str, s: KvShape, capacity: u64, requests: &[trace::Request]) -> RunResult {
     let arena = ArenaOptions {
         capacity,

@@ -35,6 +35,7 @@ use vmm_arena::{Arena, ArenaConfig, Error, Id};
 use super::caching::CachingAllocator;
 use super::counted::{is_host_limit, Calls, Counted};
 use super::prefix_cache::ArenaPrefixCache;
+use super::prepared::{Prepared, PreparedAdmissions, Take};
 use super::trace::{Request, HASH_BLOCK_TOKENS};
 
 /// The host backend in sparse mode, counted, capped at `capacity`.
@@ -145,6 +146,21 @@ pub trait KvManager {
     /// (see `timing.rs`). The point where an engine lets the arena unmap the
     /// old addresses of moved allocations.
     fn between_steps(&mut self) {}
+    /// Called between steps, just before [`KvManager::between_steps`] (its
+    /// driver time is counted and hidden as that hook's), with the front of
+    /// the waiting queue that the next step's admission will try first, in
+    /// order (`seq`, `tokens`, request, as [`KvManager::admit`] takes them),
+    /// no more than the batch has room for, and only when admission will be
+    /// tried. Nothing changes the manager between this call and that
+    /// admission (new arrivals join the queue's tail), so a manager may do
+    /// the admissions' memory work now, while the GPU computes, and hand the
+    /// results out from `admit`, as an engine with asynchronous scheduling
+    /// schedules step k+1 while step k runs (vLLM V1's async scheduling).
+    /// It must give each request the outcome `admit` would have given it
+    /// then. The default does nothing: `admit` does the work.
+    fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)]) {
+        let _ = front;
+    }
     /// Called when the GPU has finished the step just charged: events
     /// recorded on the manager's device until now complete (see
     /// `counted.rs`).
@@ -280,7 +296,9 @@ fn slot_vec<T>(v: &mut Vec<Option<T>>, seq: usize) -> &mut Option<T> {
 ///
 /// Two ways to drive it ([`ArenaMode`]): `Stream` (the `arena` rows) frees
 /// on the engine's stream, keeps prefetch targets with `maintain` between
-/// steps, and grows the whole decode batch with one `resize_many`; `Sync`
+/// steps, prepares the next step's admissions between steps
+/// (`prepare_admissions`, see `prepared.rs`), and grows the whole decode
+/// batch with one `resize_many`; `Sync`
 /// (the `arena-sync` row) is the arena as engines used it before: plain
 /// free, no prefetch, one `resize` per allocation.
 pub struct ArenaMgr {
@@ -301,6 +319,13 @@ pub struct ArenaMgr {
     /// allows it; with it, admission, growth and free go through it.
     prefix: Option<ArenaPrefixCache>,
     prefix_state: &'static str,
+    /// `Stream` mode: the next step's first admissions, prepared between
+    /// steps (`prepare_admissions`).
+    prepared: PreparedAdmissions,
+    /// Whether `Stream` mode prepares admissions (off only to compare).
+    prepare: bool,
+    /// Device synchronizes made by `release_retired` between steps.
+    release_syncs: u64,
 }
 
 /// How the engine drives the arena (see [`ArenaMgr`]).
@@ -401,6 +426,9 @@ impl ArenaMgr {
             discard: false,
             prefix: None,
             prefix_state: "off",
+            prepared: PreparedAdmissions::default(),
+            prepare: true,
+            release_syncs: 0,
         })
     }
 
@@ -420,6 +448,13 @@ impl ArenaMgr {
             p.stream = (self.mode == ArenaMode::Stream).then_some(ENGINE_STREAM);
         }
         self.prefix_state = if self.prefix.is_some() { "on" } else { "off: 16 tokens are not whole chunks" };
+        self
+    }
+
+    /// Turns the preparation of admissions between steps off (`Stream`
+    /// mode; for comparisons: the outcomes must be the same).
+    pub fn without_prepared_admissions(mut self) -> ArenaMgr {
+        self.prepare = false;
         self
     }
 
@@ -448,6 +483,60 @@ impl ArenaMgr {
         (tokens * self.shape.bpt()).div_ceil(self.chunk).max(1) * self.chunk
     }
 
+    /// Admission proper (see [`KvManager::admit`]).
+    fn admit_now(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
+        let size = self.bytes_for(tokens);
+        let max = size.max(self.bytes_for(self.shape.max_context));
+        if let Some(p) = self.prefix.as_mut() {
+            let (id, hit) = p.admit(&self.arena, size, max, q, self.discard).map_err(|e| self.fail(e, size))?;
+            *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids: vec![id], cap: size / self.shape.bpt() });
+            return Ok(hit);
+        }
+        let n = self.shape.n_allocs() as usize;
+        let mut ids = Vec::with_capacity(n);
+        for k in 0..n {
+            match self.arena.alloc_growable(size, max) {
+                Ok((id, _)) => ids.push(id),
+                Err(e) => {
+                    let f = self.fail(e, (n - k) as u64 * size);
+                    // Never used by the GPU: freed as the mode frees (on
+                    // the stream its pages become known idle).
+                    for id in ids {
+                        let _ = self.free_one(id);
+                    }
+                    return Err(f);
+                }
+            }
+        }
+        *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids, cap: size / self.shape.bpt() });
+        Ok(0)
+    }
+
+    /// Gives back prepared admissions that were not admitted (never
+    /// expected: the replay prepares exactly what it admits next), last
+    /// first, as frees of requests that ran no step.
+    fn give_back(&mut self, left: Vec<Prepared>) {
+        for p in left.into_iter().rev() {
+            if p.outcome.is_ok() {
+                KvManager::free(self, p.seq);
+            }
+        }
+    }
+
+    /// Whether `bytes` more fit in the capacity with no stream free still
+    /// pending (no free of this step): none is pending, or they fit beside
+    /// what is pending (bounded by the request's whole size: its hit and
+    /// evictions only lower the need).
+    fn fits_without_pending(&self, bytes: u64) -> bool {
+        let Ok(s) = self.arena.stats() else { return false };
+        s.pending_free_bytes == 0 || s.mapped_bytes + s.pending_free_bytes + bytes <= s.capacity_bytes
+    }
+
+    /// Shared live bytes counting prepared admissions as running.
+    fn shared_live_bytes_all(&self) -> u64 {
+        self.prefix.as_ref().map_or(0, |p| p.shared_live_bytes())
+    }
+
     fn fail(&self, e: Error, needed: u64) -> Fail {
         let mapped = self.arena.stats().map(|s| s.mapped_bytes).unwrap_or(0);
         let message = e.to_string();
@@ -467,30 +556,39 @@ impl KvManager for ArenaMgr {
     }
 
     fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
-        let size = self.bytes_for(tokens);
-        let max = size.max(self.bytes_for(self.shape.max_context));
-        if let Some(p) = self.prefix.as_mut() {
-            let (id, hit) = p.admit(&self.arena, size, max, q, self.discard).map_err(|e| self.fail(e, size))?;
-            *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids: vec![id], cap: size / self.shape.bpt() });
-            return Ok(hit);
+        match self.prepared.take(seq, tokens) {
+            Take::Ready(outcome) => return outcome,
+            Take::NotPrepared => {}
+            Take::Stale(left) => self.give_back(left),
         }
-        let n = self.shape.n_allocs() as usize;
-        let mut ids = Vec::with_capacity(n);
-        for k in 0..n {
-            match self.arena.alloc_growable(size, max) {
-                Ok((id, _)) => ids.push(id),
-                Err(e) => {
-                    let f = self.fail(e, (n - k) as u64 * size);
-                    // Never used by the GPU: a plain free is exact.
-                    for id in ids {
-                        let _ = self.arena.free(id);
-                    }
-                    return Err(f);
-                }
+        self.admit_now(seq, tokens, q)
+    }
+
+    fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)]) {
+        if self.mode == ArenaMode::Sync || !self.prepare {
+            return; // `arena-sync`: admission as before, on the critical path
+        }
+        let left = self.prepared.drain();
+        self.give_back(left);
+        for &(seq, tokens, q) in front {
+            // Memory freed on the stream in this step is not reusable before
+            // the GPU has finished it: an admission that may need it would
+            // wait on its event here (a drain, which unhides all of this
+            // step's between-steps work). It and those after it are left
+            // to the next step's admission, which finds the event complete.
+            if !self.fits_without_pending(self.bytes_for(tokens)) {
+                self.prepared.deferred += 1;
+                break;
+            }
+            let shared_before = self.shared_live_bytes_all();
+            let outcome = self.admit_now(seq, tokens, q);
+            let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
+            let failed = outcome.is_err();
+            self.prepared.push(Prepared { seq, tokens, outcome, shared_bytes });
+            if failed {
+                break; // admission stops at the first failure
             }
         }
-        *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids, cap: size / self.shape.bpt() });
-        Ok(0)
     }
 
     fn grow(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
@@ -611,7 +709,10 @@ impl KvManager for ArenaMgr {
     fn between_steps(&mut self) {
         // Old ranges of moved allocations stay mapped (and valid for kernels
         // still using them) until released; between steps nothing uses them.
-        if let Err(e) = self.arena.release_retired() {
+        let syncs_before = self.dev.calls().synchronize;
+        let released = self.arena.release_retired();
+        self.release_syncs += self.dev.calls().synchronize - syncs_before;
+        if let Err(e) = released {
             self.release_errors += 1;
             self.last_release_error = Some(e.to_string());
         }
@@ -636,6 +737,12 @@ impl KvManager for ArenaMgr {
             ("driver_syncs".into(), s.driver_syncs.to_string()),
             ("release_retired_errors".into(), self.release_errors.to_string()),
             ("maintain_errors".into(), self.maintain_errors.to_string()),
+            ("prepared_admissions".into(), self.prepared.prepared.to_string()),
+            ("prepared_admission_failures".into(), self.prepared.failed.to_string()),
+            ("prepared_admissions_used".into(), self.prepared.used.to_string()),
+            ("prepared_admissions_stale".into(), self.prepared.stale.to_string()),
+            ("prepared_admissions_deferred".into(), self.prepared.deferred.to_string()),
+            ("release_retired_syncs".into(), self.release_syncs.to_string()),
             ("arena_caller_driver_calls".into(), s.caller_driver_calls.to_string()),
             ("arena_caller_creates".into(), s.caller_creates.to_string()),
             ("arena_caller_syncs".into(), s.caller_syncs.to_string()),
@@ -658,7 +765,8 @@ impl KvManager for ArenaMgr {
     }
 
     fn shared_live_bytes(&self) -> u64 {
-        self.prefix.as_ref().map_or(0, |p| p.shared_live_bytes())
+        // Prepared admissions are not running yet.
+        self.shared_live_bytes_all() - self.prepared.shared_bytes()
     }
 }
 

@@ -8,6 +8,8 @@
 //! - [`managers`]: KV-cache managers (vmm-arena and the baselines);
 //! - [`prefix_cache`]: the arena manager's prefix cache (hash chains, LRU
 //!   eviction, entries sharing chunks);
+//! - [`prepared`]: admissions prepared between steps (the arena manager's
+//!   asynchronous scheduling);
 //! - [`trace`]: trace files and the synthetic trace;
 //! - [`replay`]: the continuous-batching scheduler;
 //! - [`timing`]: the step-time model (GPU profiles, driver costs);
@@ -20,6 +22,7 @@ pub mod caching;
 pub mod counted;
 pub mod managers;
 pub mod prefix_cache;
+pub mod prepared;
 pub mod replay;
 pub mod scenario;
 pub mod timing;

@@ -674,7 +674,14 @@ impl ArenaPrefixCache {
                 self.books.acquire(id, &hit.units);
                 if let Err(e) = self.grow_to(arena, id, hit_bytes, size, discard) {
                     self.books.abort(id);
-                    let _ = arena.free(id);
+                    // Never used by the GPU; on the stream, its pages are
+                    // known idle once the step ends (a plain free would
+                    // leave its shared pages retired and not known idle:
+                    // releasing them would synchronize).
+                    let _ = match self.stream {
+                        Some(stream) => arena.free_on_stream(id, stream),
+                        None => arena.free(id),
+                    };
                     return Err(e);
                 }
                 id

@@ -24,13 +24,22 @@
 //! 4. a request that has generated all its tokens has every tag verified and
 //!    its KV freed.
 //!
-//! 5. the manager's `between_steps` hook runs while the GPU computes;
+//! 5. while the GPU computes: the manager may prepare the next step's
+//!    admissions (`prepare_admissions`, with the waiting queue's front, at
+//!    most the batch's room, with the token counts step 2 will ask for, and
+//!    only when step 2 will try admission: not while it is blocked), then
+//!    its `between_steps` hook runs. Nothing happens between this and the
+//!    next step's admission but arrivals joining the queue's tail, so a
+//!    prepared admission has the outcome it would have had there (the
+//!    arena rows prepare; vLLM V1's asynchronous scheduling likewise
+//!    schedules step k+1 while step k runs);
 //! 6. the step's time is charged, and the manager learns that the GPU has
 //!    finished it (`gpu_finished_step`: the stream events recorded during
 //!    it complete, see `counted.rs`).
 //!
 //! The driver calls of steps 2 to 4 are the allocator's critical path; those
-//! of step 5 hide under the GPU's time (see `timing.rs` for the rule).
+//! of step 5 (prepared admissions included) hide under the GPU's time,
+//! unless a drain happens there (see `timing.rs` for the rule).
 //!
 //! A step is *warm* when its instantaneous peak of live KV does not exceed
 //! that of an earlier step: the memory it needs has been needed before, so a
@@ -386,7 +395,17 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         work.copied_bytes = copied - copied_before;
         copied_before = copied;
 
-        // Between steps: while the GPU computes.
+        // Between steps: while the GPU computes. The next step's admission
+        // will try the queue's front first (arrivals join its tail): the
+        // manager may prepare those admissions now.
+        if running.len() < cfg.max_batch && blocked_at != Some(freed_gen) && !waiting.is_empty() {
+            let front: Vec<(usize, u64, &Request)> = waiting
+                .iter()
+                .take(cfg.max_batch - running.len())
+                .map(|&seq| (seq, requests[seq].prompt + generated[seq] + 1, &requests[seq]))
+                .collect();
+            mgr.prepare_admissions(&front);
+        }
         mgr.between_steps();
         let between = mgr.calls().since(&after_critical);
         work.alloc_between_s = prof.driver_s(&between);
