@@ -17,7 +17,9 @@ use crate::driver::ChunkHandle;
 /// Pages per segment: 64 KiB of entries, one per 8 GiB of 2 MiB chunks.
 pub(crate) const SEGMENT: usize = 4096;
 
-type Segment = [Option<ChunkHandle>; SEGMENT];
+/// On the heap, always: a segment is 64 KiB, more than some threads' stacks
+/// (loom's coroutines overflowed on an array built in place).
+type Segment = Vec<Option<ChunkHandle>>;
 
 #[derive(Clone, Debug)]
 pub(crate) struct PageTable {
@@ -32,7 +34,7 @@ impl PageTable {
     /// pointers cannot be allocated.
     pub fn new(pages: usize) -> Option<PageTable> {
         let n = pages.div_ceil(SEGMENT);
-        let empty: Arc<Segment> = Arc::new([None; SEGMENT]);
+        let empty: Arc<Segment> = Arc::new(vec![None; SEGMENT]);
         let mut segments = Vec::new();
         segments.try_reserve_exact(n).ok()?;
         segments.resize(n, empty.clone());
