@@ -3,7 +3,7 @@
 //! with later requests by mapping the same physical chunks a second time
 //! (`Arena::alloc_shared`), nothing copied.
 //!
-//! **Rules: those of the `vllm-paged` model** (`managers.rs`, `VllmMgr`), so
+//! **Rules: those of the `vllm-paged` model** (`managers/vllm.rs`, `VllmMgr`), so
 //! that the two compare like for like:
 //! - the unit of caching is vLLM's 16-token block; a hash id (512 tokens,
 //!   chained on its predecessors) caches a prefix of its 32 units;

@@ -1,0 +1,484 @@
+//! The vmm-arena managers: `arena` (stream-ordered frees, prefetch, batch
+//! growth, prepared admissions, the prefix cache), `arena-no-moves` and
+//! `arena-sync` (driven as engines drove it before).
+
+use super::*;
+
+/// vmm-arena: one growable allocation per KV tensor, reserved for the
+/// model's context, grown a chunk at a time (as vAttention maps pages).
+///
+/// Two ways to drive it ([`ArenaMode`]): `Stream` (the `arena` rows) frees
+/// on the engine's stream, keeps prefetch targets with `maintain` between
+/// steps, prepares the next step's admissions between steps
+/// (`prepare_admissions`, see `prepared.rs`), and grows the whole decode
+/// batch with one `resize_many`; `Sync`
+/// (the `arena-sync` row) is the arena as engines used it before: plain
+/// free, no prefetch, one `resize` per allocation.
+pub struct ArenaMgr {
+    name: &'static str,
+    arena: Arena,
+    mode: ArenaMode,
+    dev: Dev,
+    shape: KvShape,
+    chunk: u64,
+    capacity: u64,
+    seqs: Vec<Option<ArenaSeq>>,
+    release_errors: u64,
+    last_release_error: Option<String>,
+    maintain_errors: u64,
+    last_maintain_error: Option<String>,
+    discard: bool,
+    /// The prefix cache (`prefix_cache.rs`), where it is on and the layout
+    /// allows it; with it, admission, growth and free go through it.
+    prefix: Option<ArenaPrefixCache>,
+    prefix_state: &'static str,
+    /// `Stream` mode: the next step's first admissions, prepared between
+    /// steps (`prepare_admissions`).
+    prepared: PreparedAdmissions,
+    /// Whether `Stream` mode prepares admissions (off only to compare).
+    prepare: bool,
+    /// Device synchronizes made by `release_retired` between steps.
+    release_syncs: u64,
+}
+
+/// How the engine drives the arena (see [`ArenaMgr`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArenaMode {
+    Stream,
+    Sync,
+}
+
+/// The stream the engine's kernels run on (the model in `counted.rs` does
+/// not tell streams apart: one engine, one stream).
+pub const ENGINE_STREAM: u64 = 0;
+
+struct ArenaSeq {
+    ids: Vec<Id>,
+    /// Tokens every allocation has room for.
+    cap: u64,
+}
+
+/// The arena's virtual range for a KV workload: the arena's default (4 ×
+/// capacity) or, if more, room for two full batches of reservations. An
+/// engine sizes its range for its batch (address space costs no memory);
+/// with less, the reservations of a full batch exhaust the range although
+/// physical memory is free.
+pub fn arena_reserve(shape: KvShape, capacity: u64, max_batch: usize) -> u64 {
+    const CHUNK: u64 = 2 << 20;
+    let per_request = shape.n_allocs() * (shape.max_context * shape.bpt()).div_ceil(CHUNK) * CHUNK;
+    (capacity / CHUNK * CHUNK).saturating_mul(4).max(2 * max_batch as u64 * per_request)
+}
+
+/// Options of the arena managers.
+#[derive(Clone, Copy, Debug)]
+pub struct ArenaOptions {
+    pub capacity: u64,
+    /// Virtual range (0: the arena's default, 4 × capacity).
+    pub reserve: u64,
+    /// Pooled bytes kept on free (`u64::MAX`: all).
+    pub retain: u64,
+    pub no_implicit_moves: bool,
+    /// `Stream` mode's prefetch targets (`Arena::set_prefetch`): created,
+    /// unmapped chunks kept pooled, and bytes kept mapped past each growable
+    /// allocation's size.
+    pub precreate_bytes: u64,
+    pub map_ahead_bytes: u64,
+}
+
+impl ArenaOptions {
+    /// `capacity` and `reserve`, with the defaults of `kv_serving` for the
+    /// rest: retain everything, implicit moves on, prefetch of
+    /// [`DEFAULT_PRECREATE`] and [`DEFAULT_MAP_AHEAD`].
+    pub fn new(capacity: u64, reserve: u64) -> ArenaOptions {
+        ArenaOptions {
+            capacity,
+            reserve,
+            retain: u64::MAX,
+            no_implicit_moves: false,
+            precreate_bytes: DEFAULT_PRECREATE,
+            map_ahead_bytes: DEFAULT_MAP_AHEAD,
+        }
+    }
+}
+
+/// Default prefetch targets of the `arena` rows: one 2 MiB chunk mapped
+/// ahead of each growing KV tensor (a decode step grows a tensor by at most
+/// one token, so one chunk ahead always covers it), and 4 chunks created
+/// ahead for admissions.
+pub const DEFAULT_MAP_AHEAD: u64 = 2 << 20;
+pub const DEFAULT_PRECREATE: u64 = 8 << 20;
+
+impl ArenaMgr {
+    pub fn new(name: &'static str, shape: KvShape, o: ArenaOptions, mode: ArenaMode) -> Result<ArenaMgr, String> {
+        let dev = new_device(o.capacity)?;
+        let cfg = ArenaConfig {
+            capacity_bytes: o.capacity,
+            reserve_bytes: o.reserve,
+            retain_bytes: o.retain,
+            no_implicit_moves: o.no_implicit_moves,
+            ..ArenaConfig::default()
+        };
+        let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
+        if mode == ArenaMode::Stream {
+            arena.set_prefetch(o.precreate_bytes, o.map_ahead_bytes).map_err(|e| format!("set_prefetch: {e}"))?;
+        }
+        let chunk = arena.chunk_bytes();
+        Ok(ArenaMgr {
+            name,
+            arena,
+            mode,
+            dev,
+            shape,
+            chunk,
+            capacity: o.capacity / chunk * chunk,
+            seqs: Vec::new(),
+            release_errors: 0,
+            last_release_error: None,
+            maintain_errors: 0,
+            last_maintain_error: None,
+            discard: false,
+            prefix: None,
+            prefix_state: "off",
+            prepared: PreparedAdmissions::default(),
+            prepare: true,
+            release_syncs: 0,
+        })
+    }
+
+    /// Turns the prefix cache on (`--prefix-caching on`) where a 16-token
+    /// unit is whole chunks of the token-major layout's one allocation per
+    /// request (see `prefix_cache.rs` for why not otherwise).
+    pub fn with_prefix_cache(mut self, on: bool) -> ArenaMgr {
+        if !on {
+            return self;
+        }
+        if self.shape.layout != Layout::TokenMajor {
+            self.prefix_state = "off: token-major layout only";
+            return self;
+        }
+        self.prefix = ArenaPrefixCache::new(self.chunk, self.shape.bpt());
+        if let Some(p) = self.prefix.as_mut() {
+            p.stream = (self.mode == ArenaMode::Stream).then_some(ENGINE_STREAM);
+        }
+        self.prefix_state = if self.prefix.is_some() { "on" } else { "off: 16 tokens are not whole chunks" };
+        self
+    }
+
+    /// Turns the preparation of admissions between steps off (`Stream`
+    /// mode; for comparisons: the outcomes must be the same).
+    pub fn without_prepared_admissions(mut self) -> ArenaMgr {
+        self.prepare = false;
+        self
+    }
+
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    /// The prefix cache, where it is on.
+    pub fn prefix_cache(&self) -> Option<&ArenaPrefixCache> {
+        self.prefix.as_ref()
+    }
+
+    pub fn device(&self) -> &Dev {
+        &self.dev
+    }
+
+    /// Frees one allocation as the mode says.
+    fn free_one(&self, id: Id) -> vmm_arena::Result<()> {
+        match self.mode {
+            ArenaMode::Stream => self.arena.free_on_stream(id, ENGINE_STREAM),
+            ArenaMode::Sync => self.arena.free(id),
+        }
+    }
+
+    fn bytes_for(&self, tokens: u64) -> u64 {
+        (tokens * self.shape.bpt()).div_ceil(self.chunk).max(1) * self.chunk
+    }
+
+    /// Admission proper (see [`KvManager::admit`]).
+    fn admit_now(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
+        let size = self.bytes_for(tokens);
+        let max = size.max(self.bytes_for(self.shape.max_context));
+        if let Some(p) = self.prefix.as_mut() {
+            let (id, hit) = p.admit(&self.arena, size, max, q, self.discard).map_err(|e| self.fail(e, size))?;
+            *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids: vec![id], cap: size / self.shape.bpt() });
+            return Ok(hit);
+        }
+        let n = self.shape.n_allocs() as usize;
+        let mut ids = Vec::with_capacity(n);
+        for k in 0..n {
+            match self.arena.alloc_growable(size, max) {
+                Ok((id, _)) => ids.push(id),
+                Err(e) => {
+                    let f = self.fail(e, (n - k) as u64 * size);
+                    // Never used by the GPU: freed as the mode frees (on
+                    // the stream its pages become known idle).
+                    for id in ids {
+                        let _ = self.free_one(id);
+                    }
+                    return Err(f);
+                }
+            }
+        }
+        *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids, cap: size / self.shape.bpt() });
+        Ok(0)
+    }
+
+    /// Gives back prepared admissions that were not admitted (never
+    /// expected: the replay prepares exactly what it admits next), last
+    /// first, as frees of requests that ran no step.
+    fn give_back(&mut self, left: Vec<Prepared>) {
+        for p in left.into_iter().rev() {
+            if p.outcome.is_ok() {
+                KvManager::free(self, p.seq);
+            }
+        }
+    }
+
+    /// Whether `bytes` more fit in the capacity with no stream free still
+    /// pending (no free of this step): none is pending, or they fit beside
+    /// what is pending (bounded by the request's whole size: its hit and
+    /// evictions only lower the need).
+    fn fits_without_pending(&self, bytes: u64) -> bool {
+        let Ok(s) = self.arena.stats() else { return false };
+        s.pending_free_bytes == 0 || s.mapped_bytes + s.pending_free_bytes + bytes <= s.capacity_bytes
+    }
+
+    /// Shared live bytes counting prepared admissions as running.
+    fn shared_live_bytes_all(&self) -> u64 {
+        self.prefix.as_ref().map_or(0, |p| p.shared_live_bytes())
+    }
+
+    fn fail(&self, e: Error, needed: u64) -> Fail {
+        let mapped = self.arena.stats().map(|s| s.mapped_bytes).unwrap_or(0);
+        let message = e.to_string();
+        let host_limit = is_host_limit(&e);
+        let fragmentation = !host_limit
+            && match e {
+                Error::OutOfAddressSpace(_) => true,
+                _ => self.capacity.saturating_sub(mapped) >= needed,
+            };
+        Fail { fragmentation, host_limit, message }
+    }
+}
+
+impl KvManager for ArenaMgr {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
+        match self.prepared.take(seq, tokens) {
+            Take::Ready(outcome) => return outcome,
+            Take::NotPrepared => {}
+            Take::Stale(left) => self.give_back(left),
+        }
+        self.admit_now(seq, tokens, q)
+    }
+
+    fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)]) {
+        if self.mode == ArenaMode::Sync || !self.prepare {
+            return; // `arena-sync`: admission as before, on the critical path
+        }
+        let left = self.prepared.drain();
+        self.give_back(left);
+        for &(seq, tokens, q) in front {
+            // Memory freed on the stream in this step is not reusable before
+            // the GPU has finished it: an admission that may need it would
+            // wait on its event here (a drain, which unhides all of this
+            // step's between-steps work). It and those after it are left
+            // to the next step's admission, which finds the event complete.
+            if !self.fits_without_pending(self.bytes_for(tokens)) {
+                self.prepared.deferred += 1;
+                break;
+            }
+            let shared_before = self.shared_live_bytes_all();
+            let outcome = self.admit_now(seq, tokens, q);
+            let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
+            let failed = outcome.is_err();
+            self.prepared.push(Prepared { seq, tokens, outcome, shared_bytes });
+            if failed {
+                break; // admission stops at the first failure
+            }
+        }
+    }
+
+    fn grow(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
+        let s = self.seqs[seq].as_ref().expect("live sequence");
+        if tokens <= s.cap {
+            return Ok(());
+        }
+        let new_size = self.bytes_for(tokens);
+        let old_size = self.bytes_for(s.cap);
+        let ids = s.ids.clone();
+        if let Some(p) = self.prefix.as_mut() {
+            p.grow(&self.arena, ids[0], old_size, new_size, self.discard)
+                .map_err(|e| self.fail(e, new_size - old_size))?;
+            self.seqs[seq].as_mut().expect("live").cap = new_size / self.shape.bpt();
+            return Ok(());
+        }
+        for (k, &id) in ids.iter().enumerate() {
+            if let Err(e) = self.arena.resize(id, new_size) {
+                return Err(self.fail(e, (ids.len() - k) as u64 * (new_size - old_size)));
+            }
+        }
+        self.seqs[seq].as_mut().expect("live").cap = new_size / self.shape.bpt();
+        Ok(())
+    }
+
+    fn grow_batch(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
+        if self.mode == ArenaMode::Sync {
+            return Ok(());
+        }
+        let mut targets: Vec<(Id, u64)> = Vec::new();
+        let mut grown: Vec<(usize, u64)> = Vec::new();
+        let (mut old_total, mut new_total) = (0u64, 0u64);
+        for &(seq, tokens, _) in grows {
+            let s = self.seqs[seq].as_ref().expect("live sequence");
+            if tokens <= s.cap {
+                continue;
+            }
+            let new_size = self.bytes_for(tokens);
+            old_total += s.ids.len() as u64 * self.bytes_for(s.cap);
+            new_total += s.ids.len() as u64 * new_size;
+            targets.extend(s.ids.iter().map(|&id| (id, new_size)));
+            grown.push((seq, new_size / self.shape.bpt()));
+        }
+        if targets.is_empty() {
+            return Ok(());
+        }
+        match self.prefix.as_mut() {
+            // The cache gives up what the batch needs first.
+            Some(p) => p.resize_many(&self.arena, &targets, new_total - old_total, self.discard),
+            None => self.arena.resize_many(&targets).map(|_| ()),
+        }
+        .map_err(|e| self.fail(e, new_total - old_total))?;
+        for (seq, cap) in grown {
+            self.seqs[seq].as_mut().expect("live").cap = cap;
+        }
+        Ok(())
+    }
+
+    fn free(&mut self, seq: usize) {
+        if let Some(s) = self.seqs[seq].take() {
+            if let Some(p) = self.prefix.as_mut() {
+                p.release(&self.arena, s.ids[0], self.discard);
+                return;
+            }
+            for id in s.ids {
+                if self.discard {
+                    if let Ok(q) = self.arena.query(id) {
+                        discard(q.ptr, q.mapped_bytes);
+                    }
+                }
+                self.free_one(id).expect("free of a live allocation");
+            }
+        }
+    }
+
+    fn write_tag(&mut self, seq: usize, t: u64, tag: u64) -> bool {
+        let (a, off) = self.shape.slot(t);
+        let id = self.seqs[seq].as_ref().expect("live").ids[a];
+        self.arena.write(id, off, &tag.to_le_bytes()).is_ok()
+    }
+
+    fn read_tag(&mut self, seq: usize, t: u64) -> Option<u64> {
+        let (a, off) = self.shape.slot(t);
+        let id = self.seqs[seq].as_ref().expect("live").ids[a];
+        let mut b = [0u8; 8];
+        self.arena.read(id, off, &mut b).ok()?;
+        Some(u64::from_le_bytes(b))
+    }
+
+    fn physical_bytes(&self) -> u64 {
+        self.dev.live_bytes()
+    }
+
+    fn peak_physical_bytes(&self) -> u64 {
+        self.dev.peak_bytes()
+    }
+
+    fn calls(&self) -> Calls {
+        self.dev.calls()
+    }
+
+    fn bytes_copied(&self) -> u64 {
+        0
+    }
+
+    fn moves(&self) -> u64 {
+        self.arena.stats().map(|s| s.moves).unwrap_or(0)
+    }
+
+    fn housekeeping(&mut self) {
+        self.discard = self.dev.inner().allocated_file_bytes().unwrap_or(0) > host_budget(self.capacity);
+    }
+
+    fn gpu_finished_step(&mut self) {
+        self.dev.finish_gpu_step();
+    }
+
+    fn between_steps(&mut self) {
+        // Old ranges of moved allocations stay mapped (and valid for kernels
+        // still using them) until released; between steps nothing uses them.
+        let syncs_before = self.dev.calls().synchronize;
+        let released = self.arena.release_retired();
+        self.release_syncs += self.dev.calls().synchronize - syncs_before;
+        if let Err(e) = released {
+            self.release_errors += 1;
+            self.last_release_error = Some(e.to_string());
+        }
+        // While the GPU computes: bring the prefetch targets back.
+        if self.mode == ArenaMode::Stream {
+            if let Err(e) = self.arena.maintain() {
+                self.maintain_errors += 1;
+                self.last_maintain_error = Some(e.to_string());
+            }
+        }
+    }
+
+    fn extra(&self) -> Vec<(String, String)> {
+        let Ok(s) = self.arena.stats() else { return Vec::new() };
+        let mut v: Vec<(String, String)> = vec![
+            ("arena_peak_physical_bytes".into(), s.peak_physical_bytes.to_string()),
+            ("arena_driver_creates".into(), s.driver_creates.to_string()),
+            ("arena_driver_maps".into(), s.driver_maps.to_string()),
+            ("arena_driver_unmaps".into(), s.driver_unmaps.to_string()),
+            ("reserved_va_bytes".into(), s.reserved_va_bytes.to_string()),
+            ("chunk_bytes".into(), s.chunk_bytes.to_string()),
+            ("driver_syncs".into(), s.driver_syncs.to_string()),
+            ("release_retired_errors".into(), self.release_errors.to_string()),
+            ("maintain_errors".into(), self.maintain_errors.to_string()),
+            ("prepared_admissions".into(), self.prepared.prepared.to_string()),
+            ("prepared_admission_failures".into(), self.prepared.failed.to_string()),
+            ("prepared_admissions_used".into(), self.prepared.used.to_string()),
+            ("prepared_admissions_stale".into(), self.prepared.stale.to_string()),
+            ("prepared_admissions_deferred".into(), self.prepared.deferred.to_string()),
+            ("release_retired_syncs".into(), self.release_syncs.to_string()),
+            ("arena_caller_driver_calls".into(), s.caller_driver_calls.to_string()),
+            ("arena_caller_creates".into(), s.caller_creates.to_string()),
+            ("arena_caller_syncs".into(), s.caller_syncs.to_string()),
+            ("arena_maintain_driver_calls".into(), s.maintain_driver_calls.to_string()),
+            ("arena_maintain_failures".into(), s.maintain_failures.to_string()),
+            ("arena_stream_frees".into(), s.stream_frees.to_string()),
+            ("arena_event_polls".into(), s.event_polls.to_string()),
+            ("arena_event_waits".into(), s.event_waits.to_string()),
+            ("arena_pending_free_bytes".into(), s.pending_free_bytes.to_string()),
+            ("arena_prefetched_bytes".into(), s.prefetched_bytes.to_string()),
+            ("arena_final_pooled_bytes".into(), s.pooled_bytes.to_string()),
+            ("arena_final_cached_mapped_bytes".into(), s.cached_mapped_bytes.to_string()),
+            ("arena_mode".into(), format!("{:?}", format!("{:?}", self.mode).to_lowercase())),
+            ("arena_prefix_caching".into(), serde_json::to_string(self.prefix_state).unwrap_or_default()),
+        ];
+        if let Some(p) = &self.prefix {
+            v.extend(p.extra(&self.arena));
+        }
+        v
+    }
+
+    fn shared_live_bytes(&self) -> u64 {
+        // Prepared admissions are not running yet.
+        self.shared_live_bytes_all() - self.prepared.shared_bytes()
+    }
+}
