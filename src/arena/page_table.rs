@@ -38,6 +38,13 @@ impl PageTable {
         let mut segments = Vec::new();
         segments.try_reserve_exact(n).ok()?;
         segments.resize(n, empty.clone());
+        // The last segment holds only the pages past the others: a small
+        // arena's table is one short segment, as cheap to copy on write as
+        // the flat table was (a full one would be 64 KiB a plan).
+        let rest = pages % SEGMENT;
+        if rest != 0 {
+            segments[n - 1] = Arc::new(vec![None; rest]);
+        }
         Some(PageTable { segments, pages, empty })
     }
 
