@@ -764,7 +764,10 @@ impl Harness {
                         if optr { null_mut() } else { &mut p },
                     )
                 });
-                let bad_args = oid || optr || bytes == 0 || bytes % c != 0 || off % c != 0 || max < bytes;
+                // A max_size that overflows when rounded up to the chunk is
+                // an invalid argument too, which precedes an unknown source.
+                let overflows = max.checked_next_multiple_of(c).is_none();
+                let bad_args = oid || optr || bytes == 0 || bytes % c != 0 || off % c != 0 || max < bytes || overflows;
                 // Only allocations of whole chunks (ranges of their own) can be shared.
                 let chunked = live_ranges(&self.snapshot()).contains_key(&src);
                 allowed = match self.live.get(&src) {
@@ -772,8 +775,7 @@ impl Harness {
                     None => vec![UNKNOWN],
                     Some(l) if !chunked || off.checked_add(bytes).map_or(true, |e| e > l.size) => vec![INVALID],
                     Some(l) if l.asleep => vec![ASLEEP],
-                    // INVALID: a max_size that overflows when rounded up.
-                    Some(_) => vec![OK, INVALID, OOAS],
+                    Some(_) => vec![OK, OOAS],
                 };
                 if status == OK {
                     assert_eq!(p % c, 0, "{what}: a share is chunk-aligned");
