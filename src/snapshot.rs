@@ -124,7 +124,7 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         }
     }
     s.push_str("],\"stats\":{");
-    let fields: [(&str, u64); 36] = [
+    let fields: [(&str, u64); 37] = [
         ("live_allocations", stats.live_allocations),
         ("live_bytes", stats.live_bytes),
         ("mapped_bytes", stats.mapped_bytes),
@@ -155,6 +155,7 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         ("caller_syncs", stats.caller_syncs),
         ("maintain_driver_calls", stats.maintain_driver_calls),
         ("stream_frees", stats.stream_frees),
+        ("stream_shrinks", stats.stream_shrinks),
         ("event_polls", stats.event_polls),
         ("event_waits", stats.event_waits),
         ("pending_free_bytes", stats.pending_free_bytes),

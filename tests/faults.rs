@@ -521,6 +521,20 @@ fn cases() -> Vec<Case> {
             expect: Expect::Atomic,
         },
         Case {
+            // Its calls: the event record, then the unmap of the shared pages.
+            name: "resize_on_stream: shrink of a growable sharer (unmaps its shared pages)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let src = alloc(a, 3 * c);
+                let (sh, _) = a.alloc_shared(src, 0, 3 * c, 4 * c).unwrap();
+                vec![src, sh]
+            },
+            op: |a, ids, c| a.resize_on_stream(ids[1], c, 3).map(|_| ()),
+            expect: Expect::Atomic,
+        },
+        Case {
             name: "free of a chunk's last holder (retain 0: its retired aliases and the chunk go)",
             cap: 8,
             reserve: 16,

@@ -590,8 +590,9 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
 /// The prefix cache applied to an arena manager: one growable allocation
 /// per request (the token-major layout), whose first chunks may be a cached
 /// prefix shared with others. Every allocation the books name is an arena
-/// allocation; entries are shrunk to their cached units (resize) and freed
-/// when nothing of their own is cached any more.
+/// allocation; entries are shrunk to their cached units (`resize`, or
+/// `resize_on_stream` where frees are on the stream) and freed when
+/// nothing of their own is cached any more.
 pub struct ArenaPrefixCache {
     pub books: PrefixCache<Id>,
     /// Frees are ordered on this stream (`free_on_stream`), as the
@@ -834,7 +835,13 @@ impl ArenaPrefixCache {
             }
         }
         let done = match r {
-            Release::Keep(n) => arena.resize(id, n as u64 * self.unit_bytes).map(|_| ()),
+            // On the stream, the dropped chunks become known idle once the
+            // step's work has completed: taking them for another address
+            // then needs no synchronize.
+            Release::Keep(n) => match self.stream {
+                Some(stream) => arena.resize_on_stream(id, n as u64 * self.unit_bytes, stream).map(|_| ()),
+                None => arena.resize(id, n as u64 * self.unit_bytes).map(|_| ()),
+            },
             Release::Free(_) => match self.stream {
                 Some(stream) => arena.free_on_stream(id, stream),
                 None => arena.free(id),

@@ -262,7 +262,7 @@ fn reserve_chunk_aligned(driver: &dyn Driver, size: u64, chunk: u64) -> Result<(
     Ok((raw.div_ceil(chunk) * chunk, (raw, total)))
 }
 
-fn pages_for(bytes: u64, chunk: u64, what: &str) -> Result<u64> {
+pub(super) fn pages_for(bytes: u64, chunk: u64, what: &str) -> Result<u64> {
     if bytes == 0 {
         return Err(Error::invalid(format!("{what} is 0")));
     }

@@ -323,7 +323,7 @@ pub(super) fn forget_retired(st: &mut State) {
     for (s, l) in ranges {
         for p in s..s + l {
             st.mapped[p as usize] = None;
-            st.idle.remove(&p);
+            st.forget_idle(p);
         }
         st.free.insert(s, l);
     }
@@ -358,7 +358,7 @@ pub(super) fn forget_retired_pages(st: &mut State, pages: &[u64]) {
             }
         }
         st.retired_pages -= 1;
-        st.idle.remove(&p);
+        st.forget_idle(p);
         st.mapped[p as usize] = None;
         st.free.insert(p, 1);
     }

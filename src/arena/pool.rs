@@ -95,7 +95,7 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     forget_retired_pages(st, &retired_pages);
     for &p in &cached_pages {
         st.cached.remove(&p);
-        st.idle.remove(&p);
+        st.forget_idle(p);
         st.mapped[p as usize] = None;
     }
     st.pool.truncate(st.pool.len() - from_pool.len());

@@ -338,7 +338,7 @@ fn set_aside_idle(st: &mut State, pages: &[u64]) -> Vec<(u64, ChunkHandle)> {
         .iter()
         .map(|&p| {
             st.cached.remove(&p);
-            st.idle.remove(&p);
+            st.forget_idle(p);
             st.set_aside.insert(p);
             (p, st.mapped[p as usize].expect("cached page is mapped"))
         })

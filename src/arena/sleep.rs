@@ -174,6 +174,7 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
     }
     // Nothing cached or retired is left to be idle.
     sim.idle.clear();
+    sim.pending_idle.clear();
     doomed.append(&mut sim.pool);
     *st = sim;
     for h in doomed {

@@ -115,6 +115,11 @@ pub(crate) enum Held {
     Chunks(u32),
     /// An object of this slab, kept taken (no small slot names it).
     Small { slab: u32, index: u32 },
+    /// Pages a stream-ordered shrink dropped (`first..first + count`):
+    /// nothing is held from reuse, but those of them still listed in
+    /// `State::pending_idle` with this entry's event become idle when it
+    /// completes.
+    Pages { first: u64, count: u64 },
 }
 
 #[derive(Clone, Debug)]
@@ -170,6 +175,12 @@ pub(crate) struct State {
     /// Unmapping them needs no device synchronize. Always a subset of
     /// `cached` and of the retired ranges' pages.
     pub idle: BTreeSet<u64>,
+    /// Cached and retired pages a stream-ordered shrink left
+    /// (`Arena::resize_on_stream`), and the event that will make them
+    /// idle once it completes. A page leaves this map whenever it leaves
+    /// `idle` would ([`State::forget_idle`]): it backs an allocation
+    /// again, or is unmapped.
+    pub pending_idle: BTreeMap<u64, u64>,
     /// The allocation (slot) each retired range was left by, by start
     /// page: its stream-ordered free covers that range too.
     pub retired_owner: BTreeMap<u64, u32>,
@@ -260,6 +271,7 @@ impl State {
             backup_bytes: 0,
             pending: VecDeque::new(),
             idle: BTreeSet::new(),
+            pending_idle: BTreeMap::new(),
             retired_owner: BTreeMap::new(),
             inflight_pages: 0,
             set_aside: BTreeSet::new(),
@@ -292,6 +304,18 @@ impl State {
     }
 
     /// Chunks an operation may still obtain: pooled ones and new ones up to the cap.
+    /// Whether the page lies in a retired range.
+    pub fn is_retired(&self, p: u64) -> bool {
+        self.retired.range(..=p).next_back().is_some_and(|(&s, &l)| p < s + l)
+    }
+
+    /// The page stops being idle, or about to become idle: it backs an
+    /// allocation again or is unmapped (new work may use its chunk).
+    pub fn forget_idle(&mut self, p: u64) {
+        self.idle.remove(&p);
+        self.pending_idle.remove(&p);
+    }
+
     pub fn obtainable_pages(&self) -> u64 {
         self.pooled_pages() + self.cap_pages.saturating_sub(self.held_pages())
     }
@@ -654,7 +678,7 @@ impl Plan {
     pub fn apply(self, st: &mut State) {
         for &p in &self.unmap {
             st.cached.remove(&p);
-            st.idle.remove(&p);
+            st.forget_idle(p);
             st.mapped[p as usize] = None;
         }
         let keep = st.pool.len() - self.take_pool;
@@ -663,7 +687,7 @@ impl Plan {
         st.pool.extend(self.fresh.iter().copied());
         for &p in &self.adopt {
             st.cached.remove(&p);
-            st.idle.remove(&p);
+            st.forget_idle(p);
         }
         for &(p, h) in &self.mapped {
             st.mapped[p as usize] = Some(h);

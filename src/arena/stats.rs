@@ -83,6 +83,9 @@ pub struct Stats {
     /// Frees ordered on a stream (an event recorded by
     /// [`Arena::free_on_stream`](super::Arena::free_on_stream)).
     pub stream_frees: u64,
+    /// Shrinks ordered on a stream (an event recorded by
+    /// [`Arena::resize_on_stream`](super::Arena::resize_on_stream)).
+    pub stream_shrinks: u64,
     /// Polls of such events (`cuEventQuery`; they never block).
     pub event_polls: u64,
     /// Blocking waits on such events (`cuEventSynchronize`), made only when
@@ -191,6 +194,7 @@ impl Arena {
             caller_syncs: load(&fg.syncs),
             maintain_driver_calls: bg.vmm_calls(),
             stream_frees: both(|c| &c.event_records),
+            stream_shrinks: both(|c| &c.shrink_events),
             event_polls: both(|c| &c.event_queries),
             event_waits: both(|c| &c.event_waits),
             pending_free_bytes: pending * c,

@@ -32,7 +32,8 @@ use crate::error::Result;
 use crate::sync::MutexGuard;
 use crate::Id;
 
-use super::alloc::{free_now, sync_slab_pin, Target};
+use super::alloc::{free_now, resize_target, sync_slab_pin, Target};
+use super::pages_for;
 use super::state::{Held, Owner, Pending, State};
 use super::txn::bump;
 use super::{Arena, Ctx, Inner, Shared, Touch};
@@ -87,6 +88,79 @@ impl Arena {
     }
 }
 
+impl Arena {
+    /// Resizes like [`Arena::resize`]; a shrink is also ordered after the
+    /// work queued so far on `stream` (a `CUstream`; 0 is the legacy
+    /// default stream). The dropped part is given up as `resize` gives it
+    /// up (growth of this allocation may take it back at once; another
+    /// address may take its chunks after a device synchronize, as for any
+    /// cached chunk), and once that work has completed the arena knows it
+    /// idle: another address takes its chunks, and the pool or the driver
+    /// gets them back, without a synchronize. That is what a caller that
+    /// shrinks often (a prefix cache evicting the tails of its entries)
+    /// needs so as never to drain the device.
+    ///
+    /// The arena records an event on `stream` only for a shrink that
+    /// leaves pages behind; growth, an unchanged size, a small allocation,
+    /// an exported allocation or an import, and a backend without
+    /// asynchronous streams (the host) resize exactly as `resize` does.
+    /// Errors: as `resize`; a failure to record the event is
+    /// `Error::Driver` and changes nothing.
+    pub fn resize_on_stream(&self, id: Id, new_size: u64, stream: u64) -> Result<u64> {
+        let np = pages_for(new_size, self.chunk, "new_size")?;
+        self.run(Touch::Nothing, |inner, ctx, events| {
+            #[cfg(unix)]
+            inner.shares.check_resize(&inner.st, id, np)?;
+            let target = inner.st.resolve(id)?;
+            // The pages a shrink of whole chunks leaves behind, if any.
+            let dropped = match target {
+                Target::Chunks(slot) => {
+                    let a = inner.st.alloc(slot);
+                    #[cfg(unix)]
+                    let exported = inner.shares.is_exported(slot);
+                    #[cfg(not(unix))]
+                    let exported = false;
+                    (a.sleep.is_none() && np < a.backed && !exported).then(|| (a.start + np, a.backed - np))
+                }
+                Target::Small(_) => None,
+            };
+            // Recorded first: a failed record changes nothing.
+            let event = match dropped {
+                Some(_) => ctx.drv.record_event(stream)?,
+                None => None,
+            };
+            let st = &mut inner.st;
+            let mut tx = ctx.txn(st);
+            match resize_target(st, ctx, &mut tx, target, id, np, new_size, events) {
+                Ok(ptr) => {
+                    tx.commit();
+                    if let (Some(event), Some((first, count))) = (event, dropped) {
+                        bump(&ctx.counts.shrink_events);
+                        // Pages another holder still maps were unmapped
+                        // (growable) or retired; the rest are cached.
+                        for p in first..first + count {
+                            if st.cached.contains(&p) || st.is_retired(p) {
+                                st.pending_idle.insert(p, event);
+                            }
+                        }
+                        st.pending.push_back(Pending { event, what: Held::Pages { first, count }, waited: false });
+                        reap(st, ctx, Poll::UntilIncomplete);
+                    }
+                    Ok(ptr)
+                }
+                Err(e) => {
+                    tx.rollback();
+                    if let Some(event) = event {
+                        // A failed destroy leaks one event, nothing of the arena's.
+                        let _ = ctx.drv.destroy_event(event);
+                    }
+                    Err(e)
+                }
+            }
+        })
+    }
+}
+
 /// The bookkeeping of a stream-ordered free: `target` stops being named by
 /// its id but keeps its memory until `event` completes.
 fn hold(st: &mut State, target: Target, event: u64) {
@@ -131,7 +205,8 @@ pub(super) fn pending_chunks(st: &State) -> u64 {
 }
 
 /// Polls pending events and gives back the memory of completed frees.
-/// Returns how many completed. A failed poll counts as "not complete yet"
+/// Returns how many frees completed (completed shrinks, which only make
+/// known idle what was reusable already, are not counted). A failed poll counts as "not complete yet"
 /// (the event is polled again later; nothing is lost).
 pub(super) fn reap(st: &mut State, ctx: &Ctx<'_>, poll: Poll) -> usize {
     let mut done = 0;
@@ -147,7 +222,8 @@ pub(super) fn reap(st: &mut State, ctx: &Ctx<'_>, poll: Poll) -> usize {
         if ctx.drv.event_complete(p.event).unwrap_or(false) {
             st.pending.remove(i);
             complete(st, ctx, p);
-            done += 1;
+            // A shrink's pages were reusable already: only frees count.
+            done += !matches!(p.what, Held::Pages { .. }) as usize;
         } else if poll == Poll::UntilIncomplete {
             break;
         } else {
@@ -182,6 +258,16 @@ fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
                 st.remove_alloc(empty_slab);
             }
         }
+        Held::Pages { first, count } => {
+            // Only the pages still as the shrink left them (see
+            // `State::forget_idle`).
+            for page in first..first + count {
+                if st.pending_idle.get(&page) == Some(&p.event) {
+                    st.pending_idle.remove(&page);
+                    st.idle.insert(page);
+                }
+            }
+        }
     }
     st.prefetch_dirty = true;
 }
@@ -202,7 +288,12 @@ pub(super) fn reclaim<'a>(
         sh.round_done.notify_all();
         return Ok((inner, true));
     }
-    let Some(i) = inner.st.pending.iter().position(|p| !p.waited) else {
+    // A shrink's event frees nothing: never worth a wait.
+    let frees = |p: &Pending| !matches!(p.what, Held::Pages { .. });
+    if !inner.st.pending.iter().any(frees) {
+        return Ok((inner, false));
+    }
+    let Some(i) = inner.st.pending.iter().position(|p| !p.waited && frees(p)) else {
         // Every one is being waited for by another thread: wait for it to reap.
         let inner = sh.wait_round(inner)?;
         return Ok((inner, true));

@@ -22,8 +22,10 @@ pub(crate) struct Counters {
     pub unmaps: AtomicU64,
     pub access_calls: AtomicU64,
     pub syncs: AtomicU64,
-    /// Stream events recorded (`cuEventRecord`).
+    /// Stream events recorded (`cuEventRecord`) by stream-ordered frees.
     pub event_records: AtomicU64,
+    /// Stream events recorded by stream-ordered shrinks.
+    pub shrink_events: AtomicU64,
     /// Event polls (`cuEventQuery`).
     pub event_queries: AtomicU64,
     /// Blocking event waits (`cuEventSynchronize`).

@@ -614,12 +614,13 @@ impl Snap {
 }
 
 /// The stats that count driver calls, besides the `driver_*` ones.
-pub const CALL_COUNTERS: [&str; 7] = [
+pub const CALL_COUNTERS: [&str; 8] = [
     "caller_driver_calls",
     "caller_creates",
     "caller_syncs",
     "maintain_driver_calls",
     "stream_frees",
+    "stream_shrinks",
     "event_polls",
     "event_waits",
 ];
@@ -638,6 +639,7 @@ pub fn stats_sans_driver(s: Stats) -> Stats {
         caller_syncs: 0,
         maintain_driver_calls: 0,
         stream_frees: 0,
+        stream_shrinks: 0,
         event_polls: 0,
         event_waits: 0,
         ..s
