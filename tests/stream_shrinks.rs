@@ -64,10 +64,17 @@ fn steal_after(on_stream: bool, before_steal: impl FnOnce(&MockDriver, &Arena, v
 #[test]
 fn a_stream_shrinks_pages_are_stolen_without_a_synchronize_once_its_event_completes() {
     let complete = |d: &MockDriver, a: &Arena, _| {
+        assert_eq!(a.stats().unwrap().idle_cached_bytes, 0);
         d.complete_all_events();
         a.maintain().unwrap(); // polls: the page is idle now
     };
     assert_eq!(steal_after(true, complete), 0, "known idle: no synchronize");
+    let idle_after = |d: &MockDriver, a: &Arena, _| {
+        d.complete_all_events();
+        a.maintain().unwrap();
+        assert_eq!(a.stats().unwrap().idle_cached_bytes, C, "the dropped page is known idle");
+    };
+    assert_eq!(steal_after(true, idle_after), 0);
     assert_eq!(steal_after(false, complete), 1, "a plain shrink: a synchronize first, as before");
     assert_eq!(steal_after(true, |_, _, _| {}), 1, "before the event: as a plain shrink");
 }
