@@ -197,7 +197,10 @@ fn prepared_admissions_keep_the_outcomes_and_leave_the_critical_path() {
     let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
     let go = |prepare: bool| {
         let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
-        let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
+        let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream)
+            .unwrap()
+            .with_prefix_cache(true)
+            .without_staged_admissions();
         let mut m = if prepare { m } else { m.without_prepared_admissions() };
         let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
         m.prefix_cache().expect("on").books.check().unwrap();
@@ -234,6 +237,51 @@ fn prepared_admissions_keep_the_outcomes_and_leave_the_critical_path() {
     // (The totals differ a little: chunks land elsewhere, and `maintain`
     // finds other pages to map ahead.)
     assert!(with.between_calls.map_chunks > without.between_calls.map_chunks, "moved between steps");
+}
+
+/// Admissions mapped over several steps (staging, the `arena` row's
+/// default): every request completes with every tag intact and its prefix
+/// hits counted once; staged admissions happen, their driver work stays
+/// off the critical path (fewer chunk maps there than when each admission
+/// is prepared whole in the step before it), and the between-steps work
+/// never drains the GPU for want of idle chunks.
+#[test]
+fn staged_admissions_keep_every_tag_and_leave_the_critical_path() {
+    let reqs = chain_tree_trace();
+    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
+    let capacity = GIB;
+    let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
+    let go = |stage: bool| {
+        let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
+        let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
+        let mut m = if stage { m } else { m.without_staged_admissions() };
+        let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
+        m.prefix_cache().expect("on").books.check().unwrap();
+        r
+    };
+    let (staged, whole) = (go(true), go(false));
+    let extra = |r: &RunResult, k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+    println!(
+        "staged {} (waits {}, given up {}), critical maps {} vs {}, drains between {} vs {}, waiting for KV {}",
+        extra(&staged, "staged_admissions"),
+        extra(&staged, "staged_admission_waits"),
+        extra(&staged, "staged_admissions_given_up"),
+        staged.critical_calls.map_chunks,
+        whole.critical_calls.map_chunks,
+        staged.between_steps_drains,
+        whole.between_steps_drains,
+        staged.admissions_waiting_for_kv,
+    );
+    for r in [&staged, &whole] {
+        assert_eq!((r.integrity_errors, r.completed_requests, r.rejected_requests), (0, 48, 0));
+    }
+    assert_eq!(extra(&staged, "staging"), "true");
+    assert_eq!(extra(&whole, "staging"), "false");
+    assert_ne!(extra(&staged, "staged_admissions"), "0");
+    assert_eq!(extra(&staged, "prefix_cache_errors"), "0");
+    assert!(staged.prefix_hit_tokens > 0, "hits still found");
+    assert!(staged.critical_calls.map_chunks <= whole.critical_calls.map_chunks, "off the critical path");
+    assert_eq!(staged.between_calls.synchronize, 0, "staging takes only idle chunks: no synchronize between steps");
 }
 
 fn run_shape(name: &str, s: KvShape, capacity: u64, requests: &[trace::Request]) -> RunResult {

@@ -206,6 +206,14 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
     /// first `full_blocks` of `hash_ids` naming full blocks, as vLLM looks
     /// it up (`VllmMgr::lookup`), and a holder mapping all of it.
     pub fn lookup(&mut self, prompt: u64, hash_ids: &[u64], full_blocks: usize) -> Hit<K> {
+        let (hit, mismatch) = self.find(prompt, hash_ids, full_blocks);
+        self.stats.source_mismatches += mismatch as u64;
+        hit
+    }
+
+    /// [`lookup`](Self::lookup) without counting: the hit, and whether the
+    /// source's own units disagreed (the hit was cut there).
+    pub fn find(&self, prompt: u64, hash_ids: &[u64], full_blocks: usize) -> (Hit<K>, bool) {
         let max_units = (prompt.saturating_sub(1) / self.unit_tokens) as usize;
         let mut units: Vec<u32> = Vec::new();
         for &h in &hash_ids[..full_blocks] {
@@ -216,15 +224,13 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
                 break;
             }
         }
-        let Some(&last) = units.last() else { return Hit { units, source: None } };
+        let Some(&last) = units.last() else { return (Hit { units, source: None }, false) };
         let source = self.unit(last).origin;
         let mapped = &self.holders[&source].units;
         let agree = units.iter().zip(mapped).take_while(|(a, b)| a == b).count();
-        if agree < units.len() {
-            self.stats.source_mismatches += 1;
-            units.truncate(agree);
-        }
-        Hit { source: (!units.is_empty()).then_some(source), units }
+        let mismatch = agree < units.len();
+        units.truncate(agree);
+        (Hit { source: (!units.is_empty()).then_some(source), units }, mismatch)
     }
 
     /// Registers the running request `k`, which maps `hit` (from
@@ -660,14 +666,36 @@ impl ArenaPrefixCache {
         q: &Request,
         discard: bool,
     ) -> Result<(Id, u64), Error> {
+        let (id, hit) = self.begin(arena, size, max, q, discard, u64::MAX)?;
+        self.finish(arena, id, q);
+        Ok((id, hit))
+    }
+
+    /// The first part of [`admit`](Self::admit), for an admission mapped
+    /// over several steps: maps the longest cached prefix and grows past
+    /// it by at most `now` bytes (at least one chunk where nothing is
+    /// cached), up to `size`. The books hold the hit from now on; the
+    /// request's own units are cached by [`finish`](Self::finish), in the
+    /// step that computes them, or the admission is given up with
+    /// [`give_up`](Self::give_up).
+    pub fn begin(
+        &mut self,
+        arena: &Arena,
+        size: u64,
+        max: u64,
+        q: &Request,
+        discard: bool,
+        now: u64,
+    ) -> Result<(Id, u64), Error> {
         self.make_va_room(arena, max, discard);
         let full = q.full_hash_blocks() as usize;
         let hit = self.books.lookup(q.prompt, &q.hash_ids, full);
         let hit_bytes = hit.units.len() as u64 * self.unit_bytes;
-        if let Some(id) = self.take_over(arena, &hit.units, size, discard) {
-            self.books.cache_own(id, &q.hash_ids, full);
-            self.note_peaks(arena);
-            return Ok((id, hit_bytes / self.unit_bytes * self.books.unit_tokens()));
+        let hit_tokens = hit_bytes / self.unit_bytes * self.books.unit_tokens();
+        let whole = size;
+        let size = size.min(hit_bytes.saturating_add(now.max(if hit_bytes == 0 { self.unit_bytes } else { 0 })));
+        if let Some(id) = self.take_over(arena, &hit.units, whole, size, discard) {
+            return Ok((id, hit_tokens));
         }
         let id = match hit.source {
             Some(src) => {
@@ -700,15 +728,56 @@ impl ArenaPrefixCache {
                 id
             }
         };
-        self.books.cache_own(id, &q.hash_ids, full);
+        Ok((id, hit_tokens))
+    }
+
+    /// The admission begun by [`begin`](Self::begin) runs (its prompt is
+    /// computed in this step): its own units are cached.
+    pub fn finish(&mut self, arena: &Arena, id: Id, q: &Request) {
+        self.books.cache_own(id, &q.hash_ids, q.full_hash_blocks() as usize);
         self.note_peaks(arena);
         self.peak_entries = self.peak_entries.max(self.books.entries());
-        Ok((id, hit_bytes / self.unit_bytes * self.books.unit_tokens()))
+    }
+
+    /// Gives up an admission begun by [`begin`](Self::begin) and never
+    /// run: the hit goes back to the queue where it was, and the
+    /// allocation (never used by the GPU) is freed, on the stream unless
+    /// `now` asks for its memory at once (a plain free: stealing it then
+    /// synchronizes, but nothing waits for an event).
+    pub fn give_up(&mut self, arena: &Arena, id: Id, now: bool) {
+        self.books.abort(id);
+        let done = match self.stream {
+            Some(stream) if !now => arena.free_on_stream(id, stream),
+            _ => arena.free(id),
+        };
+        if let Err(e) = done {
+            self.errors += 1;
+            self.last_error = Some(e.to_string());
+        }
+    }
+
+    /// Bytes of the longest cached prefix `q` would map now (nothing is
+    /// counted or changed).
+    pub fn hit_bytes(&self, q: &Request) -> u64 {
+        let (hit, _) = self.books.find(q.prompt, &q.hash_ids, q.full_hash_blocks() as usize);
+        hit.units.len() as u64 * self.unit_bytes
+    }
+
+    /// Evicts cached units now so that `bytes` more fit later: on the
+    /// stream, their chunks are known idle once this step's work has
+    /// completed (an admission mapped over several steps takes them then,
+    /// without a synchronize). Evicts nothing unless the queue holds
+    /// enough (as [`admit`](Self::admit)'s own eviction).
+    pub fn evict_ahead(&mut self, arena: &Arena, bytes: u64, discard: bool) {
+        self.make_room(arena, bytes, discard);
     }
 
     /// Where this admission must evict, gives it an entry's allocation that
     /// already maps its hit ([`PrefixCache::take_over`]), resized to `size`.
-    fn take_over(&mut self, arena: &Arena, hit: &[u32], size: u64, discard: bool) -> Option<Id> {
+    /// `size` is the admission's whole size (what the eviction is for);
+    /// the allocation grows now to `now_size`, or to what the entry
+    /// already maps up to `size` if that is more (no driver call).
+    fn take_over(&mut self, arena: &Arena, hit: &[u32], size: u64, now_size: u64, discard: bool) -> Option<Id> {
         let s = arena.stats().ok()?;
         let need = (size - hit.len() as u64 * self.unit_bytes).saturating_sub(s.capacity_bytes - s.mapped_bytes);
         let (id, others) = self.books.take_over(hit, need.div_ceil(self.unit_bytes))?;
@@ -722,7 +791,7 @@ impl ArenaPrefixCache {
         self.take_overs += 1;
         let backed = arena.query(id).map_or(0, |i| i.mapped_bytes);
         self.reused_bytes += backed.min(size).saturating_sub(hit.len() as u64 * self.unit_bytes);
-        match self.grow_to(arena, id, backed, size, discard) {
+        match self.grow_to(arena, id, backed, now_size.max(backed.min(size)), discard) {
             Ok(()) => Some(id),
             Err(_) => {
                 // It goes back to being an entry of its hit (or is freed):

@@ -88,6 +88,11 @@ impl PreparedAdmissions {
         self.queue.drain(..).collect()
     }
 
+    /// Whether the next prepared admission is `admit(seq, tokens)`'s.
+    pub fn front_is(&self, seq: usize, tokens: u64) -> bool {
+        self.queue.front().is_some_and(|p| p.seq == seq && p.tokens == tokens)
+    }
+
     /// Shared bytes of the prepared admissions not handed out yet.
     pub fn shared_bytes(&self) -> u64 {
         self.queue.iter().map(|p| p.shared_bytes).sum()

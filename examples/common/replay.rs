@@ -11,7 +11,10 @@
 //!    does not fit even into an empty batch can never run and is rejected),
 //!    and is not tried again until some KV has been freed (an engine does
 //!    not probe a full device every step; this also keeps the models' retry
-//!    paths from being charged for probes);
+//!    paths from being charged for probes); while requests run, admission
+//!    also stops, without a failure, at a request whose manager has not
+//!    finished mapping its KV (`admission_ready`: the arena row maps an
+//!    admission over several steps, within what their GPU time hides);
 //! 3. every running request appends one token: the manager grows its KV
 //!    (first all of them at once where it has a batch form, `grow_batch`;
 //!    then, or where that fails, one by one) and
@@ -27,7 +30,8 @@
 //! 5. while the GPU computes: the manager may prepare the next step's
 //!    admissions (`prepare_admissions`, with the waiting queue's front, at
 //!    most the batch's room, with the token counts step 2 will ask for, and
-//!    only when step 2 will try admission: not while it is blocked), then
+//!    only when step 2 will try admission: not while it is blocked; with
+//!    the step's GPU time, the between-steps time it can hide), then
 //!    its `between_steps` hook runs. Nothing happens between this and the
 //!    next step's admission but arrivals joining the queue's tail, so a
 //!    prepared admission has the outcome it would have had there (the
@@ -60,7 +64,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::counted::Calls;
-use super::managers::{Fail, KvManager};
+use super::managers::{Fail, KvManager, StepBudget};
 use super::timing::{Profile, StepWork};
 use super::trace::{Request, HASH_BLOCK_TOKENS};
 use super::util::mix64;
@@ -133,6 +137,10 @@ pub struct RunResult {
     /// Drains (synchronizes, blocking event waits) between steps (the step
     /// hides none of its between-steps driver time then).
     pub between_steps_drains: u64,
+    /// Steps whose admission stopped because the front request's KV was
+    /// not mapped yet (`KvManager::admission_ready`).
+    #[serde(default)]
+    pub admissions_waiting_for_kv: u64,
     /// Chunk creations on the critical path, in all steps and in warm steps
     /// (see the module docs).
     pub critical_path_creates: u64,
@@ -294,6 +302,10 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
             let Some(&seq) = waiting.front() else { break };
             let q = &requests[seq];
             let stored = q.prompt + generated[seq];
+            if !running.is_empty() && !mgr.admission_ready(seq, stored + 1) {
+                r.admissions_waiting_for_kv += 1;
+                break;
+            }
             match mgr.admit(seq, stored + 1, q) {
                 Ok(hit) => {
                     waiting.pop_front();
@@ -404,7 +416,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                 .take(cfg.max_batch - running.len())
                 .map(|&seq| (seq, requests[seq].prompt + generated[seq] + 1, &requests[seq]))
                 .collect();
-            mgr.prepare_admissions(&front);
+            mgr.prepare_admissions(&front, &StepBudget { gpu_s: prof.gpu_s(&work), profile: prof });
         }
         mgr.between_steps();
         let between = mgr.calls().since(&after_critical);

@@ -278,11 +278,14 @@ pub struct StepTime {
 }
 
 impl Profile {
+    /// The GPU time of a step's work.
+    pub fn gpu_s(&self, w: &StepWork) -> f64 {
+        self.prefill_s(w.prefill_tokens) + self.decode_s(w.decode_kv_bytes, w.decoding) + self.copy_s(w.copied_bytes)
+    }
+
     /// The step-time rule of the module documentation.
     pub fn step(&self, w: &StepWork) -> StepTime {
-        let gpu_s = self.prefill_s(w.prefill_tokens)
-            + self.decode_s(w.decode_kv_bytes, w.decoding)
-            + self.copy_s(w.copied_bytes);
+        let gpu_s = self.gpu_s(w);
         let drained = w.critical_syncs + w.critical_blocking_waits > 0;
         let base = if drained { gpu_s + self.cpu_step_s } else { gpu_s.max(self.cpu_step_s) };
         let hidden = if w.between_drains > 0 { 0.0 } else { w.alloc_between_s.min(gpu_s) };

@@ -39,7 +39,60 @@ pub struct ArenaMgr {
     prepare: bool,
     /// Device synchronizes made by `release_retired` between steps.
     release_syncs: u64,
+    /// Whether `Stream` mode maps admissions over several steps, within
+    /// what each step's GPU time hides (see `prepare_admissions`).
+    stage: bool,
+    /// The admission being mapped so, if any.
+    staged: Option<Staged>,
+    stage_stats: StageStats,
+    /// The queue's front that admission waits for, and for how many steps.
+    front_wait: (usize, u64, u64),
 }
+
+/// An admission whose allocation is being mapped over several steps: it
+/// holds its hit and part of its chunks, and is handed out by `admit` once
+/// its whole size is mapped.
+struct Staged {
+    seq: usize,
+    tokens: u64,
+    id: Id,
+    size: u64,
+    /// Bytes mapped so far.
+    backed: u64,
+    hit: u64,
+    /// Bytes its hit added to the running requests' sharing.
+    shared_bytes: u64,
+}
+
+/// Counts of staged admissions, for the report.
+#[derive(Clone, Copy, Debug, Default)]
+struct StageStats {
+    /// Admissions begun over several steps, and the steps they waited.
+    begun: u64,
+    waits: u64,
+    /// Given up: their request was no longer the front, or a running
+    /// request's growth needed their memory.
+    given_up: u64,
+    /// Finished on the critical path (nothing ran to hide under).
+    finished_critical: u64,
+    /// Steps whose staging stopped for want of chunks that another address
+    /// can take without a synchronize (it evicted ahead instead).
+    short_of_idle: u64,
+}
+
+/// Of a step's GPU time, the share staged admissions may fill with driver
+/// work (the rest is left to `maintain` and `release_retired`).
+const STAGE_SHARE: f64 = 0.8;
+
+/// Steps admission waits for a staged admission before finishing its
+/// mapping on the critical path.
+fn max_stage_wait() -> u64 {
+    std::env::var("XP_WAIT").ok().and_then(|v| v.parse().ok()).unwrap_or(2)
+}
+
+/// Chunks mapped per slice of a staged admission's growth: the budget is
+/// checked after each slice, so a step overshoots it by at most one.
+const STAGE_SLICE_CHUNKS: u64 = 16;
 
 /// How the engine drives the arena (see [`ArenaMgr`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +195,10 @@ impl ArenaMgr {
             prepared: PreparedAdmissions::default(),
             prepare: true,
             release_syncs: 0,
+            stage: true,
+            staged: None,
+            stage_stats: StageStats::default(),
+            front_wait: (usize::MAX, 0, 0),
         })
     }
 
@@ -168,6 +225,14 @@ impl ArenaMgr {
     /// mode; for comparisons: the outcomes must be the same).
     pub fn without_prepared_admissions(mut self) -> ArenaMgr {
         self.prepare = false;
+        self
+    }
+
+    /// Turns the mapping of admissions over several steps off (`Stream`
+    /// mode: each admission is prepared whole in the step before it, as
+    /// [`KvManager::prepare_admissions`] would have it, for comparisons).
+    pub fn without_staged_admissions(mut self) -> ArenaMgr {
+        self.stage = false;
         self
     }
 
@@ -245,66 +310,167 @@ impl ArenaMgr {
         s.pending_free_bytes == 0 || s.mapped_bytes + s.pending_free_bytes + bytes <= s.capacity_bytes
     }
 
-    /// Shared live bytes counting prepared admissions as running.
-    fn shared_live_bytes_all(&self) -> u64 {
-        self.prefix.as_ref().map_or(0, |p| p.shared_live_bytes())
+    /// Whether admissions are mapped over several steps (`Stream` mode,
+    /// preparation and staging on, one allocation per request).
+    fn staging(&self) -> bool {
+        self.mode == ArenaMode::Stream && self.prepare && self.stage && self.shape.n_allocs() == 1
     }
 
-    fn fail(&self, e: Error, needed: u64) -> Fail {
-        let mapped = self.arena.stats().map(|s| s.mapped_bytes).unwrap_or(0);
-        let message = e.to_string();
-        let host_limit = is_host_limit(&e);
-        let fragmentation = !host_limit
-            && match e {
-                Error::OutOfAddressSpace(_) => true,
-                _ => self.capacity.saturating_sub(mapped) >= needed,
-            };
-        Fail { fragmentation, host_limit, message }
-    }
-}
-
-impl KvManager for ArenaMgr {
-    fn name(&self) -> &'static str {
-        self.name
+    /// Chunks another address can take now without a device synchronize
+    /// or an event wait: unmapped pooled chunks, cached chunks known idle,
+    /// and free capacity (new chunks) where no cached chunk needs a
+    /// synchronize (the arena takes those before creating).
+    fn idle_bytes(&self) -> u64 {
+        let Ok(s) = self.arena.stats() else { return 0 };
+        let room = s.capacity_bytes.saturating_sub(s.mapped_bytes + s.pooled_bytes);
+        let room = if s.cached_mapped_bytes == s.idle_cached_bytes { room } else { 0 };
+        s.unmapped_pooled_bytes + s.idle_cached_bytes + room
     }
 
-    fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
-        match self.prepared.take(seq, tokens) {
-            Take::Ready(outcome) => return outcome,
-            Take::NotPrepared => {}
-            Take::Stale(left) => self.give_back(left),
+    /// Begins a staged admission of `size` bytes, mapping at most `now`
+    /// bytes past its hit: the allocation and its prefix hit.
+    fn stage_begin(&mut self, size: u64, now: u64, q: &Request) -> Result<(Id, u64), Fail> {
+        let max = size.max(self.bytes_for(self.shape.max_context));
+        match self.prefix.as_mut() {
+            Some(p) => p.begin(&self.arena, size, max, q, self.discard, now).map_err(|e| self.fail(e, size)),
+            None => {
+                let first = size.min(now.max(self.chunk));
+                self.arena.alloc_growable(first, max).map(|(id, _)| (id, 0)).map_err(|e| self.fail(e, size))
+            }
         }
-        self.admit_now(seq, tokens, q)
     }
 
-    fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)]) {
-        if self.mode == ArenaMode::Sync || !self.prepare {
-            return; // `arena-sync`: admission as before, on the critical path
+    /// Grows the staged allocation to `new_size` bytes.
+    fn stage_grow(&mut self, new_size: u64) -> Result<(), Fail> {
+        let s = self.staged.as_ref().expect("a staged admission");
+        let (id, backed) = (s.id, s.backed);
+        let done = match self.prefix.as_mut() {
+            Some(p) => p.grow(&self.arena, id, backed, new_size, self.discard),
+            None => self.arena.resize(id, new_size).map(|_| ()),
+        };
+        done.map_err(|e| self.fail(e, new_size - backed))?;
+        self.staged.as_mut().expect("staged").backed = new_size;
+        Ok(())
+    }
+
+    /// The staged admission is fully mapped and admitted: it runs.
+    fn stage_finish(&mut self, q: &Request) -> (usize, Result<u64, Fail>, u64) {
+        let s = self.staged.take().expect("a staged admission");
+        if let Some(p) = self.prefix.as_mut() {
+            p.finish(&self.arena, s.id, q);
         }
-        let left = self.prepared.drain();
-        self.give_back(left);
+        *slot_vec(&mut self.seqs, s.seq) = Some(ArenaSeq { ids: vec![s.id], cap: s.size / self.shape.bpt() });
+        (s.seq, Ok(s.hit), s.shared_bytes)
+    }
+
+    /// Gives the staged admission up (never run by the GPU): its hit goes
+    /// back to the cache's queue, its allocation is freed; `now` when its
+    /// memory is needed at once (a plain free), else on the stream.
+    fn stage_give_up(&mut self, now: bool) {
+        let Some(s) = self.staged.take() else { return };
+        self.stage_stats.given_up += 1;
+        match self.prefix.as_mut() {
+            Some(p) => p.give_up(&self.arena, s.id, now),
+            None => {
+                let _ = if now { self.arena.free(s.id) } else { self.free_one(s.id) };
+            }
+        }
+    }
+
+    /// Stops a staging step for want of idle chunks: evicts what the
+    /// admission still needs now (and the running requests' growth
+    /// reserve), so that those chunks are idle next step.
+    fn stage_short(&mut self, bytes: u64) {
+        self.stage_stats.short_of_idle += 1;
+        let reserve = self.growth_reserve();
+        if let Some(p) = self.prefix.as_mut() {
+            p.evict_ahead(&self.arena, bytes + reserve, self.discard);
+        }
+    }
+
+    /// Idle chunks staging leaves to the running requests' growth: a
+    /// request crosses into a new chunk every 16 tokens at 128 KiB a token,
+    /// so about an eighth of the batch in a step, with some slack. Without
+    /// it, staging would take every idle chunk and growth would synchronize
+    /// to steal one.
+    fn growth_reserve(&self) -> u64 {
+        let running = self.seqs.iter().filter(|s| s.is_some()).count() as u64;
+        (running.div_ceil(8) + 4) * self.chunk
+    }
+
+    /// `prepare_admissions` with staging: the front's admissions, in order,
+    /// each mapped only with chunks another address can take without a
+    /// synchronize or an event wait, and only while the driver time spent
+    /// stays within [`STAGE_SHARE`] of the step's GPU time. One that is not
+    /// fully mapped stays staged (its chunks kept) and goes on in the next
+    /// step; admission waits for it (`admission_ready`).
+    fn prepare_staged(&mut self, front: &[(usize, u64, &Request)], budget: &StepBudget<'_>) {
+        let start = self.dev.calls();
+        let limit = STAGE_SHARE * budget.gpu_s;
+        let spent = |m: &ArenaMgr| budget.profile.driver_s(&m.dev.calls().since(&start));
         for &(seq, tokens, q) in front {
-            // Memory freed on the stream in this step is not reusable before
-            // the GPU has finished it: an admission that may need it would
-            // wait on its event here (a drain, which unhides all of this
-            // step's between-steps work). It and those after it are left
-            // to the next step's admission, which finds the event complete.
-            if !self.fits_without_pending(self.bytes_for(tokens)) {
-                self.prepared.deferred += 1;
-                break;
+            if self.staged.as_ref().is_some_and(|s| (s.seq, s.tokens) != (seq, tokens)) {
+                self.stage_give_up(false);
             }
-            let shared_before = self.shared_live_bytes_all();
-            let outcome = self.admit_now(seq, tokens, q);
-            let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
-            let failed = outcome.is_err();
-            self.prepared.push(Prepared { seq, tokens, outcome, shared_bytes });
-            if failed {
-                break; // admission stops at the first failure
+            let size = self.bytes_for(tokens);
+            if self.staged.is_none() {
+                if spent(self) >= limit {
+                    return;
+                }
+                let idle = self.idle_bytes().saturating_sub(self.growth_reserve());
+                let hit = self.prefix.as_ref().map_or(0, |p| p.hit_bytes(q));
+                if idle < self.chunk && hit == 0 {
+                    self.stage_short(size);
+                    return;
+                }
+                // With no idle chunk, only the hit is mapped now (it needs
+                // no new chunk), which keeps it from eviction.
+                let now = idle.min(STAGE_SLICE_CHUNKS * self.chunk) / self.chunk * self.chunk;
+                let shared_before = self.shared_live_bytes_all();
+                match self.stage_begin(size, now, q) {
+                    Ok((id, hit)) => {
+                        let backed = self.arena.query(id).map_or(0, |i| i.mapped_bytes).min(size);
+                        let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
+                        self.staged = Some(Staged { seq, tokens, id, size, backed, hit, shared_bytes });
+                        self.stage_stats.begun += 1;
+                    }
+                    Err(f) => {
+                        self.prepared.push(Prepared { seq, tokens, outcome: Err(f), shared_bytes: 0 });
+                        return;
+                    }
+                }
+            }
+            loop {
+                let s = self.staged.as_ref().expect("staged above");
+                if s.backed >= s.size {
+                    let (seq, outcome, shared_bytes) = self.stage_finish(q);
+                    self.prepared.push(Prepared { seq, tokens, outcome, shared_bytes });
+                    break;
+                }
+                let left = s.size - s.backed;
+                if spent(self) >= limit {
+                    self.stage_stats.waits += 1;
+                    return;
+                }
+                let idle = self.idle_bytes().saturating_sub(self.growth_reserve());
+                if idle < self.chunk {
+                    self.stage_stats.waits += 1;
+                    self.stage_short(left);
+                    return;
+                }
+                let more = idle.min(STAGE_SLICE_CHUNKS * self.chunk).min(left) / self.chunk * self.chunk;
+                let next = self.staged.as_ref().expect("staged").backed + more.max(self.chunk).min(left);
+                if let Err(f) = self.stage_grow(next) {
+                    self.stage_give_up(false);
+                    self.prepared.push(Prepared { seq, tokens, outcome: Err(f), shared_bytes: 0 });
+                    return;
+                }
             }
         }
     }
 
-    fn grow(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
+    /// One growth (see [`KvManager::grow`]).
+    fn grow_once(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
         let s = self.seqs[seq].as_ref().expect("live sequence");
         if tokens <= s.cap {
             return Ok(());
@@ -327,7 +493,9 @@ impl KvManager for ArenaMgr {
         Ok(())
     }
 
-    fn grow_batch(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
+
+    /// One batch growth (see [`KvManager::grow_batch`]).
+    fn grow_batch_once(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
         if self.mode == ArenaMode::Sync {
             return Ok(());
         }
@@ -358,6 +526,116 @@ impl KvManager for ArenaMgr {
             self.seqs[seq].as_mut().expect("live").cap = cap;
         }
         Ok(())
+    }
+
+    /// Shared live bytes counting prepared admissions as running.
+    fn shared_live_bytes_all(&self) -> u64 {
+        self.prefix.as_ref().map_or(0, |p| p.shared_live_bytes())
+    }
+
+    fn fail(&self, e: Error, needed: u64) -> Fail {
+        let mapped = self.arena.stats().map(|s| s.mapped_bytes).unwrap_or(0);
+        let message = e.to_string();
+        let host_limit = is_host_limit(&e);
+        let fragmentation = !host_limit
+            && match e {
+                Error::OutOfAddressSpace(_) => true,
+                _ => self.capacity.saturating_sub(mapped) >= needed,
+            };
+        Fail { fragmentation, host_limit, message }
+    }
+}
+
+impl KvManager for ArenaMgr {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn admit(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
+        match self.prepared.take(seq, tokens) {
+            Take::Ready(outcome) => return outcome,
+            Take::NotPrepared => {}
+            Take::Stale(left) => self.give_back(left),
+        }
+        if self.staged.as_ref().is_some_and(|s| (s.seq, s.tokens) == (seq, tokens)) {
+            // Nothing runs (the replay admits without asking then), or it
+            // waited long enough (`admission_ready`): the
+            // rest of its mapping is done now, on the critical path.
+            let size = self.staged.as_ref().expect("staged").size;
+            if let Err(f) = self.stage_grow(size) {
+                self.stage_give_up(false);
+                return Err(f);
+            }
+            self.stage_stats.finished_critical += 1;
+            return self.stage_finish(q).1;
+        }
+        self.stage_give_up(false);
+        self.admit_now(seq, tokens, q)
+    }
+
+    fn admission_ready(&mut self, seq: usize, tokens: u64) -> bool {
+        if !self.staging() || self.prepared.front_is(seq, tokens) {
+            return true;
+        }
+        // Waiting holds up the whole queue behind it: after a few steps
+        // the rest is mapped on the critical path instead.
+        let (s, t, n) = self.front_wait;
+        let n = if (s, t) == (seq, tokens) { n + 1 } else { 1 };
+        self.front_wait = (seq, tokens, n);
+        n > max_stage_wait()
+    }
+
+    fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)], budget: &StepBudget<'_>) {
+        if self.mode == ArenaMode::Sync || !self.prepare {
+            return; // `arena-sync`: admission as before, on the critical path
+        }
+        let left = self.prepared.drain();
+        self.give_back(left);
+        if self.staging() {
+            self.prepare_staged(front, budget);
+            return;
+        }
+        for &(seq, tokens, q) in front {
+            // Memory freed on the stream in this step is not reusable before
+            // the GPU has finished it: an admission that may need it would
+            // wait on its event here (a drain, which unhides all of this
+            // step's between-steps work). It and those after it are left
+            // to the next step's admission, which finds the event complete.
+            if !self.fits_without_pending(self.bytes_for(tokens)) {
+                self.prepared.deferred += 1;
+                break;
+            }
+            let shared_before = self.shared_live_bytes_all();
+            let outcome = self.admit_now(seq, tokens, q);
+            let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
+            let failed = outcome.is_err();
+            self.prepared.push(Prepared { seq, tokens, outcome, shared_bytes });
+            if failed {
+                break; // admission stops at the first failure
+            }
+        }
+    }
+
+    fn grow(&mut self, seq: usize, tokens: u64, stored: u64) -> Result<(), Fail> {
+        match self.grow_once(seq, tokens, stored) {
+            // A running request comes before one not admitted yet: the
+            // staged admission gives its memory up, and growth tries again.
+            Err(_) if self.staged.is_some() => {
+                self.stage_give_up(true);
+                self.grow_once(seq, tokens, stored)
+            }
+            r => r,
+        }
+    }
+
+    fn grow_batch(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
+        match self.grow_batch_once(grows) {
+            Err(_) if self.staged.is_some() => {
+                self.stage_give_up(true);
+                self.grow_batch_once(grows)
+            }
+            r => r,
+        }
     }
 
     fn free(&mut self, seq: usize) {
@@ -455,6 +733,12 @@ impl KvManager for ArenaMgr {
             ("prepared_admissions_used".into(), self.prepared.used.to_string()),
             ("prepared_admissions_stale".into(), self.prepared.stale.to_string()),
             ("prepared_admissions_deferred".into(), self.prepared.deferred.to_string()),
+            ("staged_admissions".into(), self.stage_stats.begun.to_string()),
+            ("staged_admission_waits".into(), self.stage_stats.waits.to_string()),
+            ("staged_admissions_given_up".into(), self.stage_stats.given_up.to_string()),
+            ("staged_admissions_finished_critical".into(), self.stage_stats.finished_critical.to_string()),
+            ("staging_short_of_idle_chunks".into(), self.stage_stats.short_of_idle.to_string()),
+            ("staging".into(), self.staging().to_string()),
             ("release_retired_syncs".into(), self.release_syncs.to_string()),
             ("arena_caller_driver_calls".into(), s.caller_driver_calls.to_string()),
             ("arena_caller_creates".into(), s.caller_creates.to_string()),
@@ -478,7 +762,8 @@ impl KvManager for ArenaMgr {
     }
 
     fn shared_live_bytes(&self) -> u64 {
-        // Prepared admissions are not running yet.
-        self.shared_live_bytes_all() - self.prepared.shared_bytes()
+        // Prepared and staged admissions are not running yet.
+        let staged = self.staged.as_ref().map_or(0, |s| s.shared_bytes);
+        self.shared_live_bytes_all() - self.prepared.shared_bytes() - staged
     }
 }

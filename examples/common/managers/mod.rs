@@ -94,6 +94,14 @@ impl KvShape {
     }
 }
 
+/// What the step being computed leaves for between-steps work: its GPU
+/// time, and the prices of driver calls (the profile's).
+#[derive(Clone, Copy, Debug)]
+pub struct StepBudget<'a> {
+    pub gpu_s: f64,
+    pub profile: &'a super::timing::Profile,
+}
+
 /// A failed allocation or growth.
 #[derive(Clone, Debug)]
 pub struct Fail {
@@ -157,9 +165,24 @@ pub trait KvManager {
     /// results out from `admit`, as an engine with asynchronous scheduling
     /// schedules step k+1 while step k runs (vLLM V1's async scheduling).
     /// It must give each request the outcome `admit` would have given it
-    /// then. The default does nothing: `admit` does the work.
-    fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)]) {
-        let _ = front;
+    /// then, unless it asks the replay to wait ([`KvManager::admission_ready`]).
+    /// `budget` is the GPU time of the step being computed and the prices
+    /// of driver calls: the between-steps time the step can hide. The
+    /// default does nothing: `admit` does the work.
+    fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)], budget: &StepBudget<'_>) {
+        let _ = (front, budget);
+    }
+    /// Asked before each admission while requests run: whether the
+    /// request's KV is ready to be admitted now. A manager that maps an
+    /// admission's memory over several steps, within what each step's GPU
+    /// time hides (`prepare_admissions`), answers no until it is mapped;
+    /// admission then stops for this step (the queue stays in order), as
+    /// an engine waits for a request's KV before scheduling it. Nothing
+    /// waits when no request runs (there is no GPU time to hide under).
+    /// The default: always ready.
+    fn admission_ready(&mut self, seq: usize, tokens: u64) -> bool {
+        let _ = (seq, tokens);
+        true
     }
     /// Called when the GPU has finished the step just charged: events
     /// recorded on the manager's device until now complete (see
@@ -300,9 +323,10 @@ pub use torch::*;
 pub use vllm::*;
 
 /// Every manager name the replay knows, in report order.
-pub const ALL_MANAGERS: [&str; 8] = [
+pub const ALL_MANAGERS: [&str; 9] = [
     "arena",
     "arena-no-moves",
+    "arena-unstaged",
     "arena-sync",
     "pytorch-caching",
     "pytorch-expandable",
@@ -338,6 +362,11 @@ pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvMa
                 ArenaMode::Stream,
             )?
             .with_prefix_cache(o.prefix_caching),
+        ),
+        "arena-unstaged" => Box::new(
+            ArenaMgr::new("arena-unstaged", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Stream)?
+                .with_prefix_cache(o.prefix_caching)
+                .without_staged_admissions(),
         ),
         "arena-sync" => Box::new(
             ArenaMgr::new("arena-sync", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Sync)?
