@@ -102,6 +102,9 @@ pub(crate) struct Pending {
     /// The event recorded on the freeing stream (owned: destroyed when
     /// the entry goes).
     pub event: u64,
+    /// The stream it was recorded on: events of one stream complete in
+    /// the order they were recorded.
+    pub stream: u64,
     pub what: Held,
     /// A thread waits for the event outside the lock (`stream::reclaim`):
     /// only that thread may destroy it and reap the entry.

@@ -46,6 +46,13 @@ pub struct Stats {
     pub chunk_bytes: u64,
     /// Pooled chunks mapped at a free address, ready to serve without a driver call.
     pub cached_mapped_bytes: u64,
+    /// Of those, the chunks known idle (see `Arena::free_on_stream` and
+    /// `Arena::resize_on_stream`): another address takes them without a
+    /// device synchronize. The others need one first.
+    pub idle_cached_bytes: u64,
+    /// Pooled chunks mapped nowhere (created ahead, or given up by an
+    /// unmap), ready for any address with a map.
+    pub unmapped_pooled_bytes: u64,
     /// Chunk give-backs (watermark or drop) that failed and were kept pooled.
     pub release_failures: u64,
     /// Times the virtual reservation had to be retried smaller at creation.
@@ -180,6 +187,8 @@ impl Arena {
             driver_syncs: both(|c| &c.syncs),
             chunk_bytes: c,
             cached_mapped_bytes: st.cached.len() as u64 * c,
+            idle_cached_bytes: idle_cached_pages(st) * c,
+            unmapped_pooled_bytes: st.pool.len() as u64 * c,
             release_failures: inner.release_failures,
             reserve_fallbacks: self.reserve_fallbacks,
             bytes_copied: st.bytes_copied,
@@ -210,4 +219,12 @@ impl Arena {
         let inner = self.lock()?;
         Ok(crate::snapshot::to_json(&inner.st, &self.stats_of(&inner), self.sh.driver.name()))
     }
+}
+
+/// Cached pages known idle: `State::idle` holds cached pages and idle
+/// pages of retired ranges (few: retired ranges are released between
+/// steps), so this costs the retired ranges, not the idle set.
+fn idle_cached_pages(st: &super::state::State) -> u64 {
+    let retired_idle: usize = st.retired.iter().map(|(&s, &l)| st.idle.range(s..s + l).count()).sum();
+    st.idle.len() as u64 - retired_idle as u64
 }

@@ -81,7 +81,7 @@ impl Arena {
                 return Ok(());
             };
             bump(&ctx.counts.event_records);
-            hold(&mut inner.st, target, event);
+            hold(&mut inner.st, target, event, stream);
             reap(&mut inner.st, ctx, Poll::UntilIncomplete);
             Ok(())
         })
@@ -143,7 +143,12 @@ impl Arena {
                                 st.pending_idle.insert(p, event);
                             }
                         }
-                        st.pending.push_back(Pending { event, what: Held::Pages { first, count }, waited: false });
+                        st.pending.push_back(Pending {
+                            event,
+                            stream,
+                            what: Held::Pages { first, count },
+                            waited: false,
+                        });
                         reap(st, ctx, Poll::UntilIncomplete);
                     }
                     Ok(ptr)
@@ -163,7 +168,7 @@ impl Arena {
 
 /// The bookkeeping of a stream-ordered free: `target` stops being named by
 /// its id but keeps its memory until `event` completes.
-fn hold(st: &mut State, target: Target, event: u64) {
+fn hold(st: &mut State, target: Target, event: u64, stream: u64) {
     let what = match target {
         Target::Chunks(slot) => {
             let a = st.alloc(slot).clone();
@@ -185,7 +190,7 @@ fn hold(st: &mut State, target: Target, event: u64) {
             Held::Small { slab, index }
         }
     };
-    st.pending.push_back(Pending { event, what, waited: false });
+    st.pending.push_back(Pending { event, stream, what, waited: false });
     st.prefetch_dirty = true;
 }
 
@@ -211,10 +216,17 @@ pub(super) fn pending_chunks(st: &State) -> u64 {
 pub(super) fn reap(st: &mut State, ctx: &Ctx<'_>, poll: Poll) -> usize {
     let mut done = 0;
     let mut i = 0;
+    // Streams with an incomplete event: their later events are not
+    // complete either (a stream completes its events in order), so they
+    // are not polled. A caller that shrinks often on one stream leaves
+    // many events pending: each poll costs one query per stream, not one
+    // per event.
+    let mut incomplete: Vec<u64> = Vec::new();
     while i < st.pending.len() {
         let p = st.pending[i];
-        if p.waited {
-            // Another thread waits on it outside the lock and reaps it.
+        if p.waited || incomplete.contains(&p.stream) {
+            // Another thread waits on it outside the lock and reaps it,
+            // or an earlier event of its stream is not complete.
             i += 1;
             continue;
         }
@@ -227,6 +239,7 @@ pub(super) fn reap(st: &mut State, ctx: &Ctx<'_>, poll: Poll) -> usize {
         } else if poll == Poll::UntilIncomplete {
             break;
         } else {
+            incomplete.push(p.stream);
             i += 1;
         }
     }

@@ -603,6 +603,8 @@ impl Snap {
         assert_eq!(s["backup_bytes"], asleep.iter().map(|r| r.backup_bytes).sum::<u64>(), "backup_bytes");
         let cached: u64 = self.ranges.iter().map(|r| r.pooled_mapped_bytes).sum();
         assert_eq!(s["cached_mapped_bytes"], cached);
+        assert!(s["idle_cached_bytes"] <= cached, "idle cached chunks are cached");
+        assert_eq!(s["unmapped_pooled_bytes"], self.pooled_unmapped_chunks * c, "unmapped_pooled_bytes");
         assert_eq!(
             s["pooled_bytes"],
             cached + (self.pooled_unmapped_chunks + self.inflight_chunks + idle_slabs) * c + s["pending_free_bytes"],
