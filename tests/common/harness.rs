@@ -1266,11 +1266,17 @@ impl Harness {
             };
             self.views.push((e.id, e.old_ptr, len));
         }
-        let may_release =
-            matches!(
-                what,
-                "alloc" | "alloc_shared" | "resize" | "resize_on_stream" | "compact" | "release_retired" | "sleep" | "teardown"
-            );
+        let may_release = matches!(
+            what,
+            "alloc"
+                | "alloc_shared"
+                | "resize"
+                | "resize_on_stream"
+                | "compact"
+                | "release_retired"
+                | "sleep"
+                | "teardown"
+        );
         let mut kept = Vec::new();
         for (id, old_ptr, len) in std::mem::take(&mut self.views) {
             let Some(m) = self.live.get(&id) else { continue };
