@@ -80,6 +80,7 @@ fn ops_corpus_replays_against_the_model() {
     let max_ops = std::env::var("VMM_ARENA_FUZZ_MAX_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(ops::MAX_OPS);
     let mut ops = 0;
     let mut sharing = 0;
+    let mut on_stream = 0;
     for f in &files {
         let data = std::fs::read(f).unwrap();
         let decoded = ops::decode(&data).1;
@@ -90,11 +91,20 @@ fn ops_corpus_replays_against_the_model() {
             _ => false,
         };
         sharing += usize::from(decoded.iter().take(max_ops).any(shares));
+        let resizes_on_stream = |op: &ops::Op| match op {
+            ops::Op::ResizeOnStream(..) => true,
+            ops::Op::Faulty(_, _, inner) => matches!(**inner, ops::Op::ResizeOnStream(..)),
+            _ => false,
+        };
+        on_stream += usize::from(decoded.iter().take(max_ops).any(resizes_on_stream));
         if let Err(p) = std::panic::catch_unwind(|| ops::run_limited(&data, max_ops)) {
             eprintln!("corpus input {} fails", f.display());
             std::panic::resume_unwind(p);
         }
     }
-    println!("replayed {} inputs, {ops} operations; {sharing} inputs call alloc_shared", files.len());
+    println!(
+        "replayed {} inputs, {ops} operations; {sharing} inputs call alloc_shared, {on_stream} resize_on_stream",
+        files.len()
+    );
     println!("outcomes: {:?}", ops::OUTCOMES.lock().unwrap());
 }

@@ -31,6 +31,8 @@
 //! - `compact` reports as moved allocations exactly the moves it made;
 //! - the move callback's events chain each moved allocation from its old
 //!   address to its new one, and their count is the `moves` stat's increase;
+//! - `resize_on_stream` resizes exactly as `resize` (its model) on the
+//!   host and on the mock, and its `stream_shrinks` stays 0 there;
 //! - sharing (`alloc_shared`): reference counts in the model, a shared
 //!   chunk counted once, the bytes checked through every holder after
 //!   every operation (moves and compaction included), sleep and wake
@@ -102,6 +104,8 @@ fn plain_op(c: u64) -> impl Strategy<Value = Op> {
         6 => (any::<usize>(), size(c, 16)).prop_map(|(i, s)| Op::Resize(i, s)),
         3 => (any::<usize>(), 1..=c / 2).prop_map(|(i, s)| Op::Resize(i, s)),
         1 => (any::<usize>(), size(c, 40)).prop_map(|(i, s)| Op::Resize(i, s)),
+        3 => (any::<usize>(), size(c, 16), 0..4u64).prop_map(|(i, s, st)| Op::ResizeOnStream(i, s, st)),
+        1 => (any::<usize>(), 1..=c / 2, 0..4u64).prop_map(|(i, s, st)| Op::ResizeOnStream(i, s, st)),
         2 => any::<usize>().prop_map(Op::Pin),
         2 => any::<usize>().prop_map(Op::Unpin),
         1 => Just(Op::Compact),
@@ -205,6 +209,7 @@ fn outcomes_are_reached() {
         "resize in place",
         "resize pinned",
         "resize out of address space",
+        "resize_on_stream shrank whole chunks",
         "alloc_shared ok",
         "alloc_shared invalid",
         "free of a sharer",

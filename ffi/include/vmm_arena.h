@@ -600,6 +600,31 @@ enum vmm_arena_status vmm_arena_resize(struct vmm_arena *arena,
                                        uint64_t *out_ptr);
 
 /**
+ * Resizes like vmm_arena_resize (the same arguments, checks, statuses and
+ * precedence); a shrink is also ordered after the work queued so far on
+ * stream (a CUstream; 0 = the legacy default stream). The dropped chunks are
+ * given up as vmm_arena_resize gives them up, and once that work has
+ * completed the arena knows them idle: another address takes them, and the
+ * pool or the driver gets them back, without a device-wide synchronization
+ * (for a caller that shrinks often, e.g. a prefix cache evicting the tails
+ * of its entries). An event is recorded only for a shrink that leaves whole
+ * chunks behind; growth, an unchanged chunk count, a small allocation, an
+ * exported allocation or an import, and the host backend (no asynchronous
+ * streams) resize exactly as vmm_arena_resize. A failure to record the event
+ * is VMM_ARENA_ERR_DRIVER and changes nothing. An addition of this project
+ * (in neither abi/vmm_arena.h nor abi/vmm_arena_next.h).
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_ptr` is NULL or writable; `stream`
+ * is 0 or a CUstream of the arena's device context (the driver checks it).
+ */
+enum vmm_arena_status vmm_arena_resize_on_stream(struct vmm_arena *arena,
+                                                 vmm_arena_id id,
+                                                 uint64_t new_size,
+                                                 uint64_t stream,
+                                                 uint64_t *out_ptr);
+
+/**
  * Current address and size (either out-parameter may be NULL).
  *
  * # Safety

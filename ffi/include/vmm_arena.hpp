@@ -270,6 +270,21 @@ class Allocation {
     if (s != VMM_ARENA_OK) return detail::failure<uint64_t>(s);
     return p;
   }
+  /* Resizes like resize(); a shrink is also ordered after the work queued
+     so far on `stream` (a CUstream, 0: the legacy default stream), so that
+     the chunks it drops are reused or given back without a device
+     synchronize once that work is done: see vmm_arena_resize_on_stream. */
+  uint64_t resize_on_stream(uint64_t new_size, uint64_t stream) {
+    uint64_t p = 0;
+    detail::check(vmm_arena_resize_on_stream(arena_, id_, new_size, stream, &p));
+    return p;
+  }
+  Result<uint64_t> try_resize_on_stream(uint64_t new_size, uint64_t stream) noexcept {
+    uint64_t p = 0;
+    vmm_arena_status s = vmm_arena_resize_on_stream(arena_, id_, new_size, stream, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<uint64_t>(s);
+    return p;
+  }
   void pin() { detail::check(vmm_arena_pin(arena_, id_)); }
   void unpin() { detail::check(vmm_arena_unpin(arena_, id_)); }
   /* The tag Arena::sleep and Arena::wake select by; InvalidArgument for a

@@ -611,6 +611,42 @@ pub unsafe extern "C" fn vmm_arena_resize(
     })
 }
 
+/// Resizes like vmm_arena_resize (the same arguments, checks, statuses and
+/// precedence); a shrink is also ordered after the work queued so far on
+/// stream (a CUstream; 0 = the legacy default stream). The dropped chunks are
+/// given up as vmm_arena_resize gives them up, and once that work has
+/// completed the arena knows them idle: another address takes them, and the
+/// pool or the driver gets them back, without a device-wide synchronization
+/// (for a caller that shrinks often, e.g. a prefix cache evicting the tails
+/// of its entries). An event is recorded only for a shrink that leaves whole
+/// chunks behind; growth, an unchanged chunk count, a small allocation, an
+/// exported allocation or an import, and the host backend (no asynchronous
+/// streams) resize exactly as vmm_arena_resize. A failure to record the event
+/// is VMM_ARENA_ERR_DRIVER and changes nothing. An addition of this project
+/// (in neither abi/vmm_arena.h nor abi/vmm_arena_next.h).
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_ptr` is NULL or writable; `stream`
+/// is 0 or a CUstream of the arena's device context (the driver checks it).
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_resize_on_stream(
+    arena: *mut vmm_arena,
+    id: vmm_arena_id,
+    new_size: u64,
+    stream: u64,
+    out_ptr: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_resize_on_stream", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let optr = required(out_ptr, "out_ptr")?;
+        let ptr = h.live()?.resize_on_stream(id_arg(id), new_size, stream).map_err(with_raw_id(id))?;
+        // SAFETY: a checked out-parameter, writable per this function's contract.
+        unsafe { put(optr, ptr) };
+        Ok(())
+    })
+}
+
 /// Current address and size (either out-parameter may be NULL).
 ///
 /// # Safety

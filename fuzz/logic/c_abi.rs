@@ -28,7 +28,9 @@
 //!   `vmm_arena_alloc_shared` returns what its argument rules and their
 //!   precedence say (allocations that may share chunks form a family: a
 //!   write through one forgets what the model knew of the others' bytes;
-//!   the core's model checks shared bytes);
+//!   the core's model checks shared bytes); `vmm_arena_resize_on_stream`
+//!   has resize's model (on the host backend, which has no asynchronous
+//!   streams, it is resize), and the snapshot's `stream_shrinks` stays 0;
 //! - a call whose injected failure fired returns it and leaves the stats and
 //!   the snapshot as they were (but `trim`, documented to keep what it
 //!   released);
@@ -323,7 +325,10 @@ impl Harness {
             let (chunks, _) = self.driver_objects();
             assert_eq!(chunks * self.chunk, s.mapped_bytes + s.pooled_bytes, "{what}: driver chunks vs held memory");
         }
-        let ranges = live_ranges(&self.snapshot());
+        let snap = self.snapshot();
+        // The host backend records no event: resize_on_stream is resize.
+        assert_eq!(json_u64(&snap, "stream_shrinks"), 0, "{what}: a stream shrink on the host");
+        let ranges = live_ranges(&snap);
         for l in self.live.values() {
             // Small allocations live in slabs, not in ranges of their own.
             let (tag, asleep) = ranges.get(&l.id).copied().unwrap_or((0, false));
@@ -354,6 +359,47 @@ impl Harness {
         self.live.insert(id, Live { id, ptr, size, pinned: false, tag: None, sleep_tag: 0, asleep: false, family: id });
     }
 
+    /// vmm_arena_resize, or vmm_arena_resize_on_stream on `stream`: one
+    /// model for both, since on the host backend (no asynchronous streams)
+    /// the latter resizes exactly as the former. Returns the status and
+    /// the statuses allowed.
+    fn resize(&mut self, b: &mut Bytes<'_>, stream: Option<u64>) -> (u32, Vec<u32>) {
+        let what = if stream.is_some() { "resize_on_stream" } else { "resize" };
+        let id = self.pick_id(b);
+        let size = self.pick_size(b);
+        let bad = b.below(16) == 0;
+        let mut p = 0xA5A5u64;
+        let out = if bad { null_mut() } else { &mut p as *mut u64 };
+        // SAFETY: live handle; the out-parameter is ours or NULL.
+        let status = st(unsafe {
+            match stream {
+                None => ffi::vmm_arena_resize(self.a, id, size, out),
+                Some(s) => ffi::vmm_arena_resize_on_stream(self.a, id, size, s, out),
+            }
+        });
+        // The size is checked first: 0, or overflowing when rounded up.
+        let bad_size = size == 0 || size.checked_add(self.chunk - 1).is_none();
+        let allowed = match (bad, self.live.get(&id)) {
+            (true, _) => vec![INVALID],
+            (false, None) => vec![UNKNOWN, INVALID],
+            (false, Some(_)) if size == 0 => vec![INVALID],
+            (false, Some(l)) if l.asleep => vec![if bad_size { INVALID } else { ASLEEP }],
+            (false, Some(l)) if l.pinned => vec![OK, INVALID, OOM, OOAS, PINNED],
+            (false, Some(_)) => vec![OK, INVALID, OOM, OOAS],
+        };
+        if status == OK {
+            // The address follows from the move events (checked below).
+            let l = self.live.get_mut(&id).unwrap();
+            l.size = size;
+            if let Some(t) = l.tag.take() {
+                self.resized = Some((id, t, p));
+            }
+        } else {
+            assert_eq!(p, 0xA5A5, "{what}: out-parameter written on failure");
+        }
+        (status, allowed)
+    }
+
     /// One call; returns false when the input asked to stop.
     fn step(&mut self, b: &mut Bytes<'_>) {
         let a = self.a;
@@ -362,10 +408,14 @@ impl Harness {
         let injected0 = if self.faulty { self.calls().1 } else { 0 };
         let null_sometimes = |b: &mut Bytes<'_>| b.below(16) == 0;
         // One byte picks the call: modulo 29, but 0xF8..=0xFF pick
-        // alloc_shared (added later: older inputs decode as they did,
-        // except where such a byte picks a call).
+        // alloc_shared and 0xF0..=0xF7 resize_on_stream (added later: older
+        // inputs decode as they did, except where such a byte picks a call).
         let sel = b.u8();
-        let kind = if sel >= 0xF8 { 29 } else { sel as u64 % 29 };
+        let kind = match sel {
+            0xF8.. => 29,
+            0xF0.. => 30,
+            _ => sel as u64 % 29,
+        };
         let mut trim = false;
         let what: &str;
         let status: u32;
@@ -424,32 +474,16 @@ impl Harness {
             }
             9..=11 => {
                 what = "resize";
-                let id = self.pick_id(b);
-                let size = self.pick_size(b);
-                let bad = null_sometimes(b);
-                let mut p = 0xA5A5u64;
-                // SAFETY: live handle; the out-parameter is ours or NULL.
-                status = st(unsafe { ffi::vmm_arena_resize(a, id, size, if bad { null_mut() } else { &mut p }) });
-                // The size is checked first: 0, or overflowing when rounded up.
-                let bad_size = size == 0 || size.checked_add(self.chunk - 1).is_none();
-                allowed = match (bad, self.live.get(&id)) {
-                    (true, _) => vec![INVALID],
-                    (false, None) => vec![UNKNOWN, INVALID],
-                    (false, Some(_)) if size == 0 => vec![INVALID],
-                    (false, Some(l)) if l.asleep => vec![if bad_size { INVALID } else { ASLEEP }],
-                    (false, Some(l)) if l.pinned => vec![OK, INVALID, OOM, OOAS, PINNED],
-                    (false, Some(_)) => vec![OK, INVALID, OOM, OOAS],
+                (status, allowed) = self.resize(b, None);
+            }
+            30 => {
+                what = "resize_on_stream";
+                let stream = match b.below(4) {
+                    0 => 0,
+                    1 => 1 + b.below(8),
+                    _ => b.u64(),
                 };
-                if status == OK {
-                    // The address follows from the move events (checked below).
-                    let l = self.live.get_mut(&id).unwrap();
-                    l.size = size;
-                    if let Some(t) = l.tag.take() {
-                        self.resized = Some((id, t, p));
-                    }
-                } else {
-                    assert_eq!(p, 0xA5A5, "{what}: out-parameter written on failure");
-                }
+                (status, allowed) = self.resize(b, Some(stream));
             }
             12 => {
                 what = "query";
@@ -655,6 +689,7 @@ impl Harness {
                         st(ffi::vmm_arena_sleep(null_mut(), b.u32(), b.u32())),
                         st(ffi::vmm_arena_wake(null_mut(), b.u32())),
                         st(ffi::vmm_arena_alloc_shared(null_mut(), b.u64(), 0, 1, 1, &mut x, &mut y)),
+                        st(ffi::vmm_arena_resize_on_stream(null_mut(), 1, 1, 0, &mut x)),
                         st(vmm_arena_testing_driver_calls(null_mut(), &mut x, &mut y)),
                     ]
                 };

@@ -6,6 +6,11 @@
 //! injected driver failures (`Op::Faulty`). Both include this file with
 //! `#[path]`, beside `tests/common/mod.rs` (as `super::common`'s sibling).
 //!
+//! `resize_on_stream` has `resize`'s model: neither the host nor the mock
+//! (its streams off) records an event, so it must resize exactly as
+//! `resize` there, and `stream_shrinks` stays 0; on a GPU the stat counts
+//! its shrinks of whole chunks.
+//!
 //! After each operation (see [`Harness::check`]):
 //! - the snapshot's ranges tile the reserved range and agree with the
 //!   stats and with the model (live allocations and bytes; mapped bytes as
@@ -78,6 +83,11 @@ pub enum Op {
     },
     Free(usize),
     Resize(usize, u64),
+    /// `resize_on_stream` on the stream given: the model is `Resize`'s.
+    /// Neither the host nor the mock (without streams) records an event,
+    /// so `stream_shrinks` stays 0 there; on a GPU it counts the shrinks
+    /// that drop whole chunks.
+    ResizeOnStream(usize, u64, u64),
     Pin(usize),
     Unpin(usize),
     Compact,
@@ -223,6 +233,8 @@ pub struct Harness {
     watermark_failed: bool,
     /// The current operation's give-back failed (an injected failure absorbed).
     absorbed_now: bool,
+    /// The `stream_shrinks` the arena must count: 0 but on a GPU.
+    stream_shrinks: u64,
 }
 
 /// Whether an operation's injected failure fired, and how it ended.
@@ -283,6 +295,7 @@ impl Harness {
             fault: None,
             watermark_failed: false,
             absorbed_now: false,
+            stream_shrinks: 0,
         };
         h.check("initial", &[]);
         h
@@ -587,11 +600,17 @@ impl Harness {
         }
     }
 
-    fn resize(&mut self, id: Id, new_size: u64) {
+    /// `resize`, or `resize_on_stream` on `stream`: the same model.
+    fn resize(&mut self, id: Id, new_size: u64, stream: Option<u64>) {
+        let what = if stream.is_some() { "resize_on_stream" } else { "resize" };
+        let call = move |a: &Arena| match stream {
+            None => a.resize(id, new_size),
+            Some(s) => a.resize_on_stream(id, new_size, s),
+        };
         let m = &self.live[&id];
         if m.asleep {
             // Refused before any driver call: a planned failure cannot fire.
-            assert_eq!(self.arena.resize(id, new_size), Err(Error::Asleep(id.get())), "resize of a sleeper");
+            assert_eq!(call(&self.arena), Err(Error::Asleep(id.get())), "{what} of a sleeper");
             count("resize asleep");
             return self.check("failed resize", &[]);
         }
@@ -626,7 +645,7 @@ impl Harness {
             (g.must_move(), np.saturating_sub(backed), np, false)
         };
         self.resized = Some((id, old_size));
-        let (r, f) = self.call("resize", false, |a| a.resize(id, new_size));
+        let (r, f) = self.call(what, false, call);
         if let Faulted::RolledBack = f {
             self.resized = None;
             return;
@@ -653,6 +672,13 @@ impl Harness {
                     assert_eq!(ptr, old_ptr, "a pinned allocation grows in place or not at all");
                 }
                 let np = self.pages(new_size);
+                // Only a GPU records an event: for a shrink of whole chunks.
+                if stream.is_some() && self.backend == Backend::Cuda && !small && np < self.pages(old_size) {
+                    self.stream_shrinks += 1;
+                }
+                if stream.is_some() && !small && np < self.pages(old_size) {
+                    count("resize_on_stream shrank whole chunks");
+                }
                 let still_small = small && (to_small || !needs_move);
                 let m = self.live.get_mut(&id).unwrap();
                 m.size = new_size;
@@ -685,7 +711,7 @@ impl Harness {
                 let others_may_move = growth.map_or(needs_move, |g| !g.stays);
                 let moved = if others_may_move { moved } else { vec![] };
                 self.ran_ok();
-                self.check("resize", &moved);
+                self.check(what, &moved);
             }
             Err(e) => {
                 count(match e.status() {
@@ -758,7 +784,12 @@ impl Harness {
             }
             &Op::Resize(i, size) => {
                 if let Some(id) = self.nth(i) {
-                    self.resize(id, size);
+                    self.resize(id, size, None);
+                }
+            }
+            &Op::ResizeOnStream(i, size, stream) => {
+                if let Some(id) = self.nth(i) {
+                    self.resize(id, size, Some(stream));
                 }
             }
             &Op::Pin(i) | &Op::Unpin(i) => {
@@ -1073,6 +1104,9 @@ impl Harness {
         assert_eq!(s["capacity_bytes"], self.cfg.cap_pages * c);
         assert_eq!(s["live_allocations"], self.live.len() as u64, "{what}: live_allocations");
         assert_eq!(s["live_bytes"], self.live.values().map(|m| m.size).sum::<u64>(), "{what}: live_bytes");
+        // resize_on_stream records an event only on a GPU (the host has no
+        // asynchronous streams, the mock's are off here): else it is resize.
+        assert_eq!(s["stream_shrinks"], self.stream_shrinks, "{what}: stream_shrinks");
         // Reference counts: awake holders of each model chunk.
         let mut refs: BTreeMap<u64, u64> = BTreeMap::new();
         for m in self.live.values().filter(|m| !m.asleep) {
@@ -1232,8 +1266,17 @@ impl Harness {
             };
             self.views.push((e.id, e.old_ptr, len));
         }
-        let may_release =
-            matches!(what, "alloc" | "alloc_shared" | "resize" | "compact" | "release_retired" | "sleep" | "teardown");
+        let may_release = matches!(
+            what,
+            "alloc"
+                | "alloc_shared"
+                | "resize"
+                | "resize_on_stream"
+                | "compact"
+                | "release_retired"
+                | "sleep"
+                | "teardown"
+        );
         let mut kept = Vec::new();
         for (id, old_ptr, len) in std::mem::take(&mut self.views) {
             let Some(m) = self.live.get(&id) else { continue };

@@ -23,7 +23,8 @@ vmm_arena_status vmm_arena_testing_create_faulty(const vmm_arena_config *config,
 vmm_arena_status vmm_arena_testing_fail_nth(vmm_arena *arena, uint32_t call_kind, uint64_t n, uint32_t fault);
 vmm_arena_status vmm_arena_testing_driver_objects(vmm_arena *arena, uint64_t *chunks, uint64_t *mappings);
 vmm_arena_status vmm_arena_testing_panic(vmm_arena *arena);
-enum { CALL_ANY = 0, CALL_CREATE = 3, CALL_MAP = 5, CALL_UNMAP = 7, CALL_HOST_ALLOC = 11 };
+vmm_arena_status vmm_arena_testing_driver_calls(vmm_arena *arena, uint64_t *calls, uint64_t *injected);
+enum { CALL_ANY = 0, CALL_CREATE = 3, CALL_MAP = 5, CALL_UNMAP = 7, CALL_EVENT = 10, CALL_HOST_ALLOC = 11 };
 enum { FAULT_OOM = 0, FAULT_DRIVER = 1 };
 
 #define K ((uint64_t)64 << 10) /* the chunk size of the test arenas */
@@ -1382,6 +1383,232 @@ static void test_stream_free_and_prefetch(void) {
   vmm_arena_destroy(a);
   vmm_arena_destroy(NULL);
 }
+
+/* The snapshot's "stats" object to the end (every counter; no addresses). */
+static void snapshot_stats(vmm_arena *a, char *out, size_t cap) {
+  static char buf[1 << 16];
+  size_t len = 0;
+  OK(vmm_arena_snapshot_json(a, buf, sizeof buf, &len));
+  CHECK(len <= sizeof buf);
+  const char *at = strstr(buf, "\"stats\"");
+  CHECK(at != NULL && strlen(at) < cap);
+  strcpy(out, at);
+}
+
+/* A number at the snapshot's top level ("key":value). */
+static uint64_t snapshot_top(vmm_arena *a, const char *key) {
+  static char buf[1 << 16];
+  size_t len = 0;
+  OK(vmm_arena_snapshot_json(a, buf, sizeof buf, &len));
+  char pat[96];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *at = strstr(buf, pat);
+  CHECK(at != NULL);
+  return strtoull(at + strlen(pat), NULL, 10);
+}
+
+/* Out-parameters for resize_bad: a valid one, NULL, or misaligned. */
+enum { OUT_VALID, OUT_NULL, OUT_MISALIGNED };
+
+/* vmm_arena_resize and vmm_arena_resize_on_stream with the same bad
+ * arguments: both fail with the same status, neither writes its
+ * out-parameter, and the last error names the call. Returns the status. */
+static vmm_arena_status resize_bad(vmm_arena *a, vmm_arena_id id, uint64_t size, int out) {
+  uint64_t cells[3] = {0x6666, 0x6666, 0x6666};
+  uint64_t *o = out == OUT_NULL ? NULL : out == OUT_MISALIGNED ? (uint64_t *)(void *)((char *)cells + 1) : &cells[0];
+  vmm_arena_status plain = vmm_arena_resize(a, id, size, o);
+  CHECK(plain != VMM_ARENA_OK);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_resize") != NULL);
+  vmm_arena_status on_stream = vmm_arena_resize_on_stream(a, id, size, 3, o);
+  EXPECT(on_stream, plain);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_resize_on_stream") != NULL);
+  CHECK(cells[0] == 0x6666 && cells[1] == 0x6666 && cells[2] == 0x6666);
+  return on_stream;
+}
+
+/* vmm_arena_resize_on_stream (the project header's): its statuses and
+ * precedence are vmm_arena_resize's; on the host backend (no asynchronous
+ * streams) it resizes exactly as vmm_arena_resize, which two arenas driven
+ * alike, one by each, show; a failed event record changes nothing. */
+static void test_resize_on_stream(void) {
+  const vmm_arena_status INV = VMM_ARENA_ERR_INVALID_ARGUMENT;
+  const vmm_arena_status UNKNOWN = VMM_ARENA_ERR_UNKNOWN_ALLOCATION;
+  uint64_t q = 0x6666;
+  EXPECT(vmm_arena_resize_on_stream(NULL, 1, K, 0, &q), INV);
+  CHECK(strstr(vmm_arena_last_error(), "arena is NULL") != NULL);
+  EXPECT(resize_bad(NULL, 1, K, OUT_VALID), INV);
+  EXPECT(resize_bad(NULL, 1, 0, OUT_NULL), INV);
+  CHECK(q == 0x6666);
+
+  /* Bad arguments and their precedence, as in test_bad_arguments. */
+  vmm_arena *a = make(16, 64, 0);
+  vmm_arena_id v, x, y, w;
+  uint64_t pv, px, py, pw;
+  OK(vmm_arena_alloc(a, K, &v, &pv));
+  EXPECT(resize_bad(a, v, K, OUT_NULL), INV);
+  CHECK(strstr(vmm_arena_last_error(), "out_ptr is NULL") != NULL);
+  EXPECT(resize_bad(a, v, K, OUT_MISALIGNED), INV);
+  CHECK(strstr(vmm_arena_last_error(), "out_ptr is not aligned") != NULL);
+  EXPECT(resize_bad(a, v, 0, OUT_VALID), INV);
+  EXPECT(resize_bad(a, v, UINT64_MAX, OUT_VALID), INV);
+  EXPECT(resize_bad(a, v, UINT64_MAX - K + 2, OUT_VALID), INV); /* overflows when rounded up */
+  EXPECT(resize_bad(a, v, UINT64_MAX - K + 1, OUT_VALID), VMM_ARENA_ERR_OUT_OF_MEMORY); /* just does not */
+  EXPECT(resize_bad(a, v, 17 * K, OUT_VALID), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  const vmm_arena_id made_up[] = {0, 12345, UINT64_MAX, v + (1ull << 32), 1ull << 32, v + 1, v ^ 0xFFFF0000ull};
+  for (size_t i = 0; i < sizeof made_up / sizeof made_up[0]; i++) {
+    EXPECT(resize_bad(a, made_up[i], K, OUT_VALID), UNKNOWN);
+    EXPECT(resize_bad(a, made_up[i], 100 * K, OUT_VALID), UNKNOWN); /* not OOM */
+  }
+  EXPECT(resize_bad(a, 0xDEAD, K, OUT_VALID), UNKNOWN);
+  CHECK(strstr(vmm_arena_last_error(), "0xdead") != NULL); /* the id as the caller spelled it */
+  OK(vmm_arena_free(a, v));
+  EXPECT(resize_bad(a, v, 2 * K, OUT_VALID), UNKNOWN); /* freed */
+  EXPECT(resize_bad(a, v, 0, OUT_VALID), INV);         /* stale id, size 0 */
+  EXPECT(resize_bad(a, 0, 0, OUT_VALID), INV);         /* id 0, size 0 */
+  EXPECT(resize_bad(a, v, UINT64_MAX, OUT_VALID), INV); /* stale id, overflow */
+  EXPECT(resize_bad(a, v, K, OUT_NULL), INV);           /* stale id, NULL out */
+  EXPECT(resize_bad(a, v, K, OUT_MISALIGNED), INV);     /* stale id, misaligned out */
+  OK(vmm_arena_alloc(a, K, &x, &px));
+  OK(vmm_arena_alloc(a, K, &y, &py));
+  CHECK(py == px + K);
+  OK(vmm_arena_pin(a, x));
+  OK(vmm_arena_pin(a, y));
+  EXPECT(resize_bad(a, x, 0, OUT_VALID), INV);
+  EXPECT(resize_bad(a, x, 100 * K, OUT_VALID), VMM_ARENA_ERR_PINNED); /* not OOM */
+  EXPECT(resize_bad(a, x, 2 * K, OUT_VALID), VMM_ARENA_ERR_PINNED);
+  CHECK(ptr_of(a, x) == px);
+  OK(vmm_arena_unpin(a, y));
+  OK(vmm_arena_resize_on_stream(a, x, 2 * K, 0, &q)); /* pinned x grows where it stands */
+  CHECK(q == px && ptr_of(a, y) != py);
+  OK(vmm_arena_resize_on_stream(a, x, K, 0, &q)); /* and shrinks there */
+  CHECK(q == px);
+  OK(vmm_arena_unpin(a, x));
+  EXPECT(resize_bad(a, x, 100 * K, OUT_VALID), VMM_ARENA_ERR_OUT_OF_MEMORY);
+  /* Asleep: ASLEEP after the argument checks. */
+  OK(vmm_arena_alloc(a, 2 * K, &w, &pw));
+  OK(vmm_arena_set_tag(a, w, 2));
+  OK(vmm_arena_sleep(a, 2, 0));
+  EXPECT(resize_bad(a, w, 0, OUT_VALID), INV);
+  EXPECT(resize_bad(a, w, 3 * K, OUT_NULL), INV);
+  EXPECT(resize_bad(a, w, K, OUT_VALID), VMM_ARENA_ERR_ASLEEP); /* a shrink too */
+  EXPECT(resize_bad(a, w, 3 * K, OUT_VALID), VMM_ARENA_ERR_ASLEEP);
+  OK(vmm_arena_wake(a, 2));
+  CHECK(stats_of(a).live_allocations == 3 && snapshot_stat(a, "stream_shrinks") == 0);
+  vmm_arena_destroy(a);
+
+  /* Two arenas driven alike: r by vmm_arena_resize, s by
+   * vmm_arena_resize_on_stream (on various streams). Every step gives the
+   * same offset from each arena's base, the same stats and snapshot
+   * counters, the same moves, and keeps the bytes. */
+  vmm_arena *r = make(32, 128, 0), *s = make(32, 128, 0);
+  moves_t mr, ms;
+  memset(&mr, 0, sizeof mr);
+  memset(&ms, 0, sizeof ms);
+  OK(vmm_arena_set_move_callback(r, record_move, &mr));
+  OK(vmm_arena_set_move_callback(s, record_move, &ms));
+  const uint64_t base_r = snapshot_top(r, "base"), base_s = snapshot_top(s, "base");
+  vmm_arena_id gr, gs, nr, ns, sr, ss;
+  uint64_t p, pr, ps;
+  OK(vmm_arena_alloc_growable(r, K + 100, 4 * K, &gr, &pr));
+  OK(vmm_arena_alloc_growable(s, K + 100, 4 * K, &gs, &ps));
+  CHECK(pr - base_r == ps - base_s);
+  fill(pr, K + 100, 51);
+  fill(ps, K + 100, 51);
+  /* Each step: which allocation, its new size, the stream for s, and the
+   * bytes that must be kept (the old size, or the new one if smaller). */
+  struct {
+    int which; /* 0: the growable, 1: the small one */
+    uint64_t size, stream, kept;
+  } steps[] = {
+      {0, 3 * K + 5, 0, K + 100},    /* growth within the reservation: in place */
+      {0, K / 2, 1, K / 2},          /* a shrink of whole chunks: in place */
+      {0, K / 3, UINT64_MAX, K / 3}, /* an unchanged chunk count */
+      {0, 4 * K, 0, K / 3},          /* growth back into the cached chunks */
+      {0, 7 * K, 2, 4 * K},          /* beyond the reservation, neighbours after it: a move */
+      {0, 2 * K + 1, 0, 2 * K + 1},  /* a shrink after the move */
+      {1, 200, 5, 100},              /* small, within its class */
+      {1, 5000, 0, 200},             /* small, another class */
+      {1, 3 * K, 0, 5000},           /* small to whole chunks */
+      {1, 2 * K, 9, 2 * K},          /* that one shrinks by a chunk */
+      {1, 100, 0, 100},              /* and becomes small again */
+  };
+  OK(vmm_arena_alloc(r, 100, &sr, &p));
+  fill(p, 100, 52);
+  OK(vmm_arena_alloc(s, 100, &ss, &p));
+  fill(p, 100, 52);
+  for (size_t i = 0; i < sizeof steps / sizeof steps[0]; i++) {
+    if (i == 4) { /* another neighbour for g, in the same place in both */
+      uint64_t pn;
+      OK(vmm_arena_alloc(r, K, &nr, &pn));
+      OK(vmm_arena_alloc(s, K, &ns, &p));
+      CHECK(pn - base_r == p - base_s);
+    }
+    vmm_arena_id idr = steps[i].which ? sr : gr, ids = steps[i].which ? ss : gs;
+    uint32_t seed = steps[i].which ? 52 : 51;
+    uint64_t qr = 0, qs = 0;
+    OK(vmm_arena_resize(r, idr, steps[i].size, &qr));
+    OK(vmm_arena_resize_on_stream(s, ids, steps[i].size, steps[i].stream, &qs));
+    CHECK(qr - base_r == qs - base_s);
+    CHECK(qs == ptr_of(s, ids));
+    CHECK(intact(qr, steps[i].kept, seed) && intact(qs, steps[i].kept, seed));
+    fill(qr, steps[i].size, seed);
+    fill(qs, steps[i].size, seed);
+    if (steps[i].which == 0) pr = qr, ps = qs;
+    vmm_arena_stats str = stats_of(r), sts = stats_of(s);
+    CHECK(memcmp(&str, &sts, sizeof str) == 0);
+    static char json_r[1 << 13], json_s[1 << 13];
+    snapshot_stats(r, json_r, sizeof json_r);
+    snapshot_stats(s, json_s, sizeof json_s);
+    CHECK(strcmp(json_r, json_s) == 0);
+    CHECK(mr.count == ms.count);
+  }
+  int g_moved = 0;
+  for (int i = 0; i < ms.count && i < 256; i++) g_moved |= ms.id[i] == gs;
+  CHECK(g_moved && stats_of(s).moves >= 1);
+  CHECK(snapshot_stat(s, "stream_shrinks") == 0 && snapshot_stat(s, "pending_free_bytes") == 0);
+  OK(vmm_arena_free(s, gs));
+  OK(vmm_arena_free(s, ns));
+  OK(vmm_arena_free(s, ss));
+  CHECK(stats_of(s).live_allocations == 0);
+  OK(vmm_arena_set_move_callback(r, NULL, NULL));
+  OK(vmm_arena_set_move_callback(s, NULL, NULL));
+  vmm_arena_destroy(r);
+  vmm_arena_destroy(s);
+
+  /* A failed event record: DRIVER, and nothing changed. Growth and small
+   * allocations record none (the planned failure does not fire). */
+  vmm_arena_config c = host_config(8, 32, 0);
+  OK(vmm_arena_testing_create_faulty(&c, &a));
+  vmm_arena_id g, t;
+  uint64_t pg, pt, calls, injected0, injected;
+  OK(vmm_arena_alloc_growable(a, 3 * K, 4 * K, &g, &pg));
+  OK(vmm_arena_alloc(a, 300, &t, &pt));
+  fill(pg, 3 * K, 53);
+  OK(vmm_arena_testing_driver_calls(a, &calls, &injected0));
+  OK(vmm_arena_testing_fail_nth(a, CALL_EVENT, 1, FAULT_DRIVER));
+  OK(vmm_arena_resize_on_stream(a, g, 4 * K, 4, &q)); /* growth */
+  CHECK(q == pg && intact(pg, 3 * K, 53));
+  OK(vmm_arena_resize_on_stream(a, t, 100, 4, &q)); /* small */
+  OK(vmm_arena_resize_on_stream(a, g, 3 * K + 1, 4, &q)); /* the same chunks */
+  OK(vmm_arena_testing_driver_calls(a, &calls, &injected));
+  CHECK(injected == injected0);
+  vmm_arena_stats before = stats_of(a);
+  uint64_t size = 0;
+  q = 0x6666;
+  EXPECT(vmm_arena_resize_on_stream(a, g, K, 4, &q), VMM_ARENA_ERR_DRIVER);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_resize_on_stream") != NULL);
+  OK(vmm_arena_testing_driver_calls(a, &calls, &injected));
+  CHECK(injected == injected0 + 1 && q == 0x6666);
+  vmm_arena_stats after = stats_of(a);
+  CHECK(memcmp(&before, &after, sizeof before) == 0);
+  OK(vmm_arena_query(a, g, &q, &size));
+  CHECK(q == pg && size == 3 * K + 1 && intact(pg, 3 * K, 53));
+  OK(vmm_arena_resize_on_stream(a, g, K, 4, &q)); /* the plan is spent: it shrinks */
+  CHECK(q == pg && intact(pg, K, 53) && stats_of(a).mapped_bytes == 2 * K);
+  OK(vmm_arena_free(a, g));
+  OK(vmm_arena_free(a, t));
+  vmm_arena_destroy(a);
+}
 #endif
 
 int main(void) {
@@ -1409,6 +1636,7 @@ int main(void) {
 #endif
 #ifdef VMM_ARENA_FLAG_BACKGROUND
       {"stream_free_and_prefetch", test_stream_free_and_prefetch},
+      {"resize_on_stream", test_resize_on_stream},
 #endif
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {

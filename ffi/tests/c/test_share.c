@@ -121,6 +121,7 @@ static void test_in_one_process(void) {
   OK(vmm_arena_stats_get(im, &s));
   CHECK(s.live_allocations == 0 && s.mapped_bytes == 0);
   EXPECT(vmm_arena_resize(im, y, K, &ptr), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_resize_on_stream(im, y, K, 0, &ptr), VMM_ARENA_ERR_INVALID_ARGUMENT); /* as resize */
 
   /* Pinned while open: growth past the neighbour is refused. */
   vmm_arena_id nb = 0;
@@ -129,6 +130,10 @@ static void test_in_one_process(void) {
   OK(vmm_arena_pin(ex, nb));
   EXPECT(vmm_arena_resize(ex, x, 6 * K, &ptr), VMM_ARENA_ERR_PINNED);
   EXPECT(vmm_arena_resize(ex, x, K, &ptr), VMM_ARENA_ERR_INVALID_ARGUMENT); /* below its exported chunks */
+  EXPECT(vmm_arena_resize_on_stream(ex, x, 6 * K, 1, &ptr), VMM_ARENA_ERR_PINNED);
+  EXPECT(vmm_arena_resize_on_stream(ex, x, K, 1, &ptr), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  OK(vmm_arena_query(ex, x, NULL, &size));
+  CHECK(size == SIZE && same(xp, 100, 1)); /* unchanged (the importer wrote at 100) */
   vmm_arena_export_close(e);
   vmm_arena_export_close(NULL);
 

@@ -323,6 +323,40 @@ void test_prefetch_stream_free_resize_many() {
 #endif
 }
 
+void test_resize_on_stream() {
+  vmm::Arena arena(small(8, 32));
+  vmm::Allocation g = arena.alloc_growable(K, 4 * K);
+  vmm::Allocation n = arena.alloc(K);
+  uint64_t p0 = g.ptr();
+  CHECK(n.ptr() == p0 + 4 * K);
+  fill(p0, K, 9);
+  CHECK(g.resize_on_stream(3 * K, 0) == p0);  // growth within the reservation
+  CHECK(g.size() == 3 * K && intact(p0, K, 9) && arena.stats().mapped_bytes == 4 * K);
+  CHECK(g.resize_on_stream(K / 2, 7) == p0);  // a shrink of whole chunks, on stream 7
+  CHECK(g.size() == K / 2 && intact(p0, K / 2, 9) && arena.stats().mapped_bytes == 2 * K);
+  CHECK(std::string(arena.snapshot_json()).find("\"stream_shrinks\":0,") != std::string::npos);  // host
+  uint64_t p1 = g.resize_on_stream(6 * K, 0);  // beyond the reservation: moves
+  CHECK(p1 != p0 && g.ptr() == p1 && intact(p1, K / 2, 9) && arena.stats().moves == 1);
+  // Errors: as resize's, thrown or returned.
+  CHECK(thrown_status([&] { g.resize_on_stream(0, 0); }) == vmm::Status::InvalidArgument);
+  CHECK(thrown_status([&] { g.resize_on_stream(100 * K, 0); }) == vmm::Status::OutOfMemory);
+  auto t = g.try_resize_on_stream(100 * K, 3);
+  CHECK(!t && t.status() == vmm::Status::OutOfMemory);
+  CHECK(t.message().find("vmm_arena_resize_on_stream") != std::string::npos);
+  CHECK(g.try_resize_on_stream(UINT64_MAX, 0).status() == vmm::Status::InvalidArgument);
+  auto ok = g.try_resize_on_stream(2 * K, 3);
+  CHECK(ok.ok() && *ok == p1 && g.size() == 2 * K);
+  vmm::Allocation bogus = vmm::Allocation::adopt(arena.get(), 0x123456789ull);
+  CHECK(thrown_status([&] { bogus.resize_on_stream(K, 0); }) == vmm::Status::UnknownAllocation);
+  CHECK(bogus.try_resize_on_stream(K, 0).status() == vmm::Status::UnknownAllocation);
+  bogus.reset();
+  g.set_tag(1);
+  arena.sleep(1, VMM_ARENA_SLEEP_BACKUP);
+  CHECK(thrown_status([&] { g.resize_on_stream(K, 0); }) == vmm::Status::Asleep);
+  arena.wake(1);
+  CHECK(g.resize_on_stream(K, 0) == p1 && intact(p1, K / 2, 9));
+}
+
 void test_alloc_shared() {
   vmm::Arena arena(small(8, 32));
   vmm::Allocation prefix = arena.alloc(3 * K);
@@ -457,6 +491,8 @@ int main() {
   test_sleep_wake();
   std::printf("test_wrapper: prefetch_stream_free_resize_many\n");
   test_prefetch_stream_free_resize_many();
+  std::printf("test_wrapper: resize_on_stream\n");
+  test_resize_on_stream();
   std::printf("test_wrapper: alloc_shared\n");
   test_alloc_shared();
   std::printf("test_wrapper: threads\n");
