@@ -11,7 +11,8 @@
  *
  * This file interposes every function of vmm_arena.h (the program's
  * definitions win over the shared library's; the real ones are found with
- * dlsym(RTLD_NEXT)) and runs each call under one process-wide recursive
+ * dlsym(RTLD_NEXT); ffi/tests/tsan_shim.rs fails when one has no wrapper
+ * here) and runs each call under one process-wide recursive
  * pthread mutex, which TSan does see. That is exactly the ordering the
  * arena lock gives, and more: calls on different arenas are ordered too,
  * which can only hide races between code that touches two arenas, none of
@@ -85,6 +86,9 @@ WRAP(vmm_arena_status, vmm_arena_alloc, (vmm_arena * a, uint64_t size, vmm_arena
      (a, size, id, p))
 WRAP(vmm_arena_status, vmm_arena_alloc_growable,
      (vmm_arena * a, uint64_t size, uint64_t max, vmm_arena_id *id, uint64_t *p), (a, size, max, id, p))
+WRAP(vmm_arena_status, vmm_arena_alloc_shared,
+     (vmm_arena * a, vmm_arena_id src, uint64_t offset, uint64_t bytes, uint64_t max, vmm_arena_id *id, uint64_t *p),
+     (a, src, offset, bytes, max, id, p))
 WRAP(vmm_arena_status, vmm_arena_free, (vmm_arena * a, vmm_arena_id id), (a, id))
 WRAP(vmm_arena_status, vmm_arena_resize, (vmm_arena * a, vmm_arena_id id, uint64_t size, uint64_t *p),
      (a, id, size, p))
@@ -94,6 +98,9 @@ WRAP(vmm_arena_status, vmm_arena_query, (vmm_arena * a, vmm_arena_id id, uint64_
      (a, id, p, size))
 WRAP(vmm_arena_status, vmm_arena_pin, (vmm_arena * a, vmm_arena_id id), (a, id))
 WRAP(vmm_arena_status, vmm_arena_unpin, (vmm_arena * a, vmm_arena_id id), (a, id))
+WRAP(vmm_arena_status, vmm_arena_set_tag, (vmm_arena * a, vmm_arena_id id, uint32_t tag), (a, id, tag))
+WRAP(vmm_arena_status, vmm_arena_sleep, (vmm_arena * a, uint32_t tag, uint32_t flags), (a, tag, flags))
+WRAP(vmm_arena_status, vmm_arena_wake, (vmm_arena * a, uint32_t tag), (a, tag))
 WRAP(vmm_arena_status, vmm_arena_compact, (vmm_arena * a, vmm_arena_compact_report *r), (a, r))
 WRAP(vmm_arena_status, vmm_arena_release_retired, (vmm_arena * a), (a))
 WRAP(vmm_arena_status, vmm_arena_trim, (vmm_arena * a, uint64_t keep, uint64_t *out), (a, keep, out))
@@ -132,3 +139,18 @@ WRAP(vmm_arena_status, vmm_arena_group_stats_get, (struct vmm_arena_group * g, u
      (g, m, s))
 WRAP(vmm_arena_status, vmm_arena_group_snapshot_json,
      (struct vmm_arena_group * g, char *buf, size_t cap, size_t *len), (g, buf, cap, len))
+
+/* Export and import (closing an export drops its pin, which the arena reads). */
+WRAP(vmm_arena_status, vmm_arena_export_open, (vmm_arena * a, vmm_arena_id id, vmm_arena_export **out), (a, id, out))
+WRAP(vmm_arena_status, vmm_arena_export_layout_get, (const vmm_arena_export *h, vmm_arena_export_layout *l), (h, l))
+WRAP(vmm_arena_status, vmm_arena_export_fds, (const vmm_arena_export *h, int32_t *fds, size_t cap, size_t *n),
+     (h, fds, cap, n))
+WRAP_VOID(vmm_arena_export_close, (vmm_arena_export * h), (h))
+WRAP(vmm_arena_status, vmm_arena_import,
+     (vmm_arena * a, const vmm_arena_export_layout *l, const int32_t *fds, size_t count, uint32_t flags,
+      vmm_arena_id *id, uint64_t *p),
+     (a, l, fds, count, flags, id, p))
+WRAP(vmm_arena_status, vmm_arena_export_dmabuf, (vmm_arena * a, vmm_arena_id id, int32_t *fd), (a, id, fd))
+WRAP(vmm_arena_status, vmm_arena_sharing_stats,
+     (vmm_arena * a, uint64_t *imported, uint64_t *imported_bytes, uint64_t *exported),
+     (a, imported, imported_bytes, exported))
