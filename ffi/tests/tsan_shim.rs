@@ -58,5 +58,8 @@ fn the_tsan_shim_wraps_every_exported_function() {
         "tests/tsan/serialize_calls.c does not wrap {unwrapped:?}: add a WRAP/WRAP_VOID line for each"
     );
     let unknown: Vec<_> = wrapped.difference(&exported).collect();
-    assert!(unknown.is_empty(), "tests/tsan/serialize_calls.c wraps {unknown:?}, which include/vmm_arena.h does not export");
+    assert!(
+        unknown.is_empty(),
+        "tests/tsan/serialize_calls.c wraps {unknown:?}, which include/vmm_arena.h does not export"
+    );
 }
