@@ -417,8 +417,25 @@ impl ArenaMgr {
                 if spent(self) >= limit {
                     return;
                 }
-                let idle = self.idle_bytes().saturating_sub(self.growth_reserve());
                 let hit = self.prefix.as_ref().map_or(0, |p| p.hit_bytes(q));
+                // Staging takes only memory admission could take now: one
+                // that cannot fit whole fails, as admission would (and
+                // admission is blocked until memory is freed), instead of
+                // holding memory the running requests' growth needs.
+                let available = match self.prefix.as_ref() {
+                    Some(p) => p.available_bytes(&self.arena),
+                    None => self.arena.stats().map_or(0, |s| s.capacity_bytes.saturating_sub(s.mapped_bytes)),
+                };
+                if available < (size - hit.min(size)) + self.growth_reserve() {
+                    let f = Fail {
+                        fragmentation: false,
+                        host_limit: false,
+                        message: format!("{size} bytes do not fit: {available} available"),
+                    };
+                    self.prepared.push(Prepared { seq, tokens, outcome: Err(f), shared_bytes: 0 });
+                    return;
+                }
+                let idle = self.idle_bytes().saturating_sub(self.growth_reserve());
                 if idle < self.chunk && hit == 0 {
                     self.stage_short(size);
                     return;
@@ -492,7 +509,6 @@ impl ArenaMgr {
         self.seqs[seq].as_mut().expect("live").cap = new_size / self.shape.bpt();
         Ok(())
     }
-
 
     /// One batch growth (see [`KvManager::grow_batch`]).
     fn grow_batch_once(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {

@@ -364,9 +364,14 @@ pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvMa
             .with_prefix_cache(o.prefix_caching),
         ),
         "arena-unstaged" => Box::new(
-            ArenaMgr::new("arena-unstaged", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Stream)?
-                .with_prefix_cache(o.prefix_caching)
-                .without_staged_admissions(),
+            ArenaMgr::new(
+                "arena-unstaged",
+                shape,
+                ArenaOptions { no_implicit_moves: false, ..arena },
+                ArenaMode::Stream,
+            )?
+            .with_prefix_cache(o.prefix_caching)
+            .without_staged_admissions(),
         ),
         "arena-sync" => Box::new(
             ArenaMgr::new("arena-sync", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Sync)?
