@@ -197,10 +197,7 @@ fn prepared_admissions_keep_the_outcomes_and_leave_the_critical_path() {
     let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
     let go = |prepare: bool| {
         let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
-        let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream)
-            .unwrap()
-            .with_prefix_cache(true)
-            .without_staged_admissions();
+        let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
         let mut m = if prepare { m } else { m.without_prepared_admissions() };
         let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
         m.prefix_cache().expect("on").books.check().unwrap();
@@ -239,12 +236,12 @@ fn prepared_admissions_keep_the_outcomes_and_leave_the_critical_path() {
     assert!(with.between_calls.map_chunks > without.between_calls.map_chunks, "moved between steps");
 }
 
-/// Admissions mapped over several steps (staging, the `arena` row's
-/// default): every request completes with every tag intact and its prefix
+/// Admissions mapped over several steps (staging, the `arena-staged`
+/// row): every request completes with every tag intact and its prefix
 /// hits counted once; staged admissions happen, their driver work stays
 /// off the critical path (fewer chunk maps there than when each admission
 /// is prepared whole in the step before it), and the between-steps work
-/// never drains the GPU for want of idle chunks.
+/// drains the GPU less often.
 #[test]
 fn staged_admissions_keep_every_tag_and_leave_the_critical_path() {
     let reqs = chain_tree_trace();
@@ -254,7 +251,7 @@ fn staged_admissions_keep_every_tag_and_leave_the_critical_path() {
     let go = |stage: bool| {
         let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
         let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
-        let mut m = if stage { m } else { m.without_staged_admissions() };
+        let mut m = if stage { m.with_staged_admissions() } else { m };
         let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
         m.prefix_cache().expect("on").books.check().unwrap();
         r
@@ -281,7 +278,9 @@ fn staged_admissions_keep_every_tag_and_leave_the_critical_path() {
     assert_eq!(extra(&staged, "prefix_cache_errors"), "0");
     assert!(staged.prefix_hit_tokens > 0, "hits still found");
     assert!(staged.critical_calls.map_chunks <= whole.critical_calls.map_chunks, "off the critical path");
-    assert_eq!(staged.between_calls.synchronize, 0, "staging takes only idle chunks: no synchronize between steps");
+    // Staging takes idle chunks only; what still drains between steps is
+    // the rest (a prefix hit mapped over cached chunks, `release_retired`).
+    assert!(staged.between_steps_drains < whole.between_steps_drains, "fewer drains between steps");
 }
 
 fn run_shape(name: &str, s: KvShape, capacity: u64, requests: &[trace::Request]) -> RunResult {

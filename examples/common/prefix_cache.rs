@@ -756,14 +756,6 @@ impl ArenaPrefixCache {
         }
     }
 
-    /// Bytes an admission could have now: free capacity (cached and
-    /// pooled chunks, and frees pending on the stream, included) and the
-    /// units the queue could evict.
-    pub fn available_bytes(&self, arena: &Arena) -> u64 {
-        let free = arena.stats().map_or(0, |s| s.capacity_bytes.saturating_sub(s.mapped_bytes));
-        free + self.books.queued_units() * self.unit_bytes
-    }
-
     /// Bytes of the longest cached prefix `q` would map now (nothing is
     /// counted or changed).
     pub fn hit_bytes(&self, q: &Request) -> u64 {

@@ -1,6 +1,8 @@
-//! The vmm-arena managers: `arena` (stream-ordered frees, prefetch, batch
-//! growth, prepared admissions, the prefix cache), `arena-no-moves` and
-//! `arena-sync` (driven as engines drove it before).
+//! The vmm-arena managers: `arena` (stream-ordered frees and shrinks,
+//! prefetch, batch growth, prepared admissions, the prefix cache),
+//! `arena-staged` (the same, admissions mapped over several steps: an
+//! experiment), `arena-no-moves` and `arena-sync` (driven as engines drove
+//! it before).
 
 use super::*;
 
@@ -85,10 +87,11 @@ struct StageStats {
 const STAGE_SHARE: f64 = 0.8;
 
 /// Steps admission waits for a staged admission before finishing its
-/// mapping on the critical path.
-fn max_stage_wait() -> u64 {
-    std::env::var("XP_WAIT").ok().and_then(|v| v.parse().ok()).unwrap_or(2)
-}
+/// mapping on the critical path. Waiting holds up the whole queue: with
+/// no bound, the Mooncake replay at 32 GiB fell to 0.43x vLLM's tokens/s
+/// (515,451 steps instead of 43,225); one step measured best (see
+/// BENCHMARKS.md).
+const MAX_STAGE_WAIT: u64 = 1;
 
 /// Chunks mapped per slice of a staged admission's growth: the budget is
 /// checked after each slice, so a step overshoots it by at most one.
@@ -195,7 +198,7 @@ impl ArenaMgr {
             prepared: PreparedAdmissions::default(),
             prepare: true,
             release_syncs: 0,
-            stage: true,
+            stage: false,
             staged: None,
             stage_stats: StageStats::default(),
             front_wait: (usize::MAX, 0, 0),
@@ -228,11 +231,11 @@ impl ArenaMgr {
         self
     }
 
-    /// Turns the mapping of admissions over several steps off (`Stream`
-    /// mode: each admission is prepared whole in the step before it, as
-    /// [`KvManager::prepare_admissions`] would have it, for comparisons).
-    pub fn without_staged_admissions(mut self) -> ArenaMgr {
-        self.stage = false;
+    /// Turns the mapping of admissions over several steps on (`Stream`
+    /// mode, the `arena-staged` row; see DESIGN.md, "Staged admissions").
+    /// Off, each admission is prepared whole in the step before it.
+    pub fn with_staged_admissions(mut self) -> ArenaMgr {
+        self.stage = true;
         self
     }
 
@@ -418,23 +421,6 @@ impl ArenaMgr {
                     return;
                 }
                 let hit = self.prefix.as_ref().map_or(0, |p| p.hit_bytes(q));
-                // Staging takes only memory admission could take now: one
-                // that cannot fit whole fails, as admission would (and
-                // admission is blocked until memory is freed), instead of
-                // holding memory the running requests' growth needs.
-                let available = match self.prefix.as_ref() {
-                    Some(p) => p.available_bytes(&self.arena),
-                    None => self.arena.stats().map_or(0, |s| s.capacity_bytes.saturating_sub(s.mapped_bytes)),
-                };
-                if available < (size - hit.min(size)) + self.growth_reserve() {
-                    let f = Fail {
-                        fragmentation: false,
-                        host_limit: false,
-                        message: format!("{size} bytes do not fit: {available} available"),
-                    };
-                    self.prepared.push(Prepared { seq, tokens, outcome: Err(f), shared_bytes: 0 });
-                    return;
-                }
                 let idle = self.idle_bytes().saturating_sub(self.growth_reserve());
                 if idle < self.chunk && hit == 0 {
                     self.stage_short(size);
@@ -598,7 +584,7 @@ impl KvManager for ArenaMgr {
         let (s, t, n) = self.front_wait;
         let n = if (s, t) == (seq, tokens) { n + 1 } else { 1 };
         self.front_wait = (seq, tokens, n);
-        n > max_stage_wait()
+        n > MAX_STAGE_WAIT
     }
 
     fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)], budget: &StepBudget<'_>) {

@@ -326,7 +326,7 @@ pub use vllm::*;
 pub const ALL_MANAGERS: [&str; 9] = [
     "arena",
     "arena-no-moves",
-    "arena-unstaged",
+    "arena-staged",
     "arena-sync",
     "pytorch-caching",
     "pytorch-expandable",
@@ -363,15 +363,15 @@ pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvMa
             )?
             .with_prefix_cache(o.prefix_caching),
         ),
-        "arena-unstaged" => Box::new(
+        "arena-staged" => Box::new(
             ArenaMgr::new(
-                "arena-unstaged",
+                "arena-staged",
                 shape,
                 ArenaOptions { no_implicit_moves: false, ..arena },
                 ArenaMode::Stream,
             )?
             .with_prefix_cache(o.prefix_caching)
-            .without_staged_admissions(),
+            .with_staged_admissions(),
         ),
         "arena-sync" => Box::new(
             ArenaMgr::new("arena-sync", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Sync)?
