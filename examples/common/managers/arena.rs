@@ -671,16 +671,8 @@ impl KvManager for ArenaMgr {
         Some(u64::from_le_bytes(b))
     }
 
-    fn physical_bytes(&self) -> u64 {
-        self.dev.live_bytes()
-    }
-
-    fn peak_physical_bytes(&self) -> u64 {
-        self.dev.peak_bytes()
-    }
-
-    fn calls(&self) -> Calls {
-        self.dev.calls()
+    fn counting_device(&self) -> Option<&Dev> {
+        Some(&self.dev)
     }
 
     fn bytes_copied(&self) -> u64 {

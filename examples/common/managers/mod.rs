@@ -144,9 +144,22 @@ pub trait KvManager {
     /// Reads token `t`'s tag back.
     fn read_tag(&mut self, seq: usize, t: u64) -> Option<u64>;
     /// Physical memory held now.
-    fn physical_bytes(&self) -> u64;
-    fn peak_physical_bytes(&self) -> u64;
-    fn calls(&self) -> Calls;
+    /// The counting device a manager of one device runs on: the next three
+    /// read it. A manager without one (or with several) implements them.
+    fn counting_device(&self) -> Option<&Dev> {
+        None
+    }
+    fn physical_bytes(&self) -> u64 {
+        self.counting_device().expect("a manager without one counting device implements physical_bytes").live_bytes()
+    }
+    fn peak_physical_bytes(&self) -> u64 {
+        self.counting_device()
+            .expect("a manager without one counting device implements peak_physical_bytes")
+            .peak_bytes()
+    }
+    fn calls(&self) -> Calls {
+        self.counting_device().expect("a manager without one counting device implements calls").calls()
+    }
     fn bytes_copied(&self) -> u64;
     fn moves(&self) -> u64;
     /// Called after the scheduler has prepared a step, while the GPU
