@@ -485,3 +485,19 @@ fn prefetch_moves_driver_work_between_steps() {
     assert_eq!(r.peak_physical_bytes, 14 * mib);
     assert_eq!((r.critical_path_creates, r.critical_path_creates_warm), (1, 0));
 }
+
+/// The driver table BENCHMARKS.md's sensitivity rows use (the design
+/// brief's second published table) loads, and overrides exactly the
+/// driver prices.
+#[test]
+fn the_committed_second_driver_table_loads() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/kv_serving/profiles/second-driver-table.json");
+    let text = std::fs::read_to_string(path).unwrap();
+    let base = Profile::h200();
+    let p = Profile::with_overrides(&base, &text).unwrap();
+    assert_eq!((p.create_s, p.map_s, p.set_access_s, p.unmap_s), (7.6e-6, 1.05e-6, 20.8e-6, 11.5e-6));
+    assert_eq!(
+        (p.hbm_bytes_per_s, p.peak_flops, p.cpu_step_s),
+        (base.hbm_bytes_per_s, base.peak_flops, base.cpu_step_s)
+    );
+}

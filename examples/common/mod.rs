@@ -7,7 +7,8 @@
 //!   expandable segments);
 //! - [`managers`]: KV-cache managers (vmm-arena and the baselines);
 //! - [`prefix_cache`]: the arena manager's prefix cache (hash chains, LRU
-//!   eviction, entries sharing chunks);
+//!   eviction, entries sharing chunks), and [`arena_prefix_cache`], those
+//!   books driven on an arena;
 //! - [`prepared`]: admissions prepared between steps (the arena manager's
 //!   asynchronous scheduling);
 //! - [`trace`]: trace files and the synthetic trace;
@@ -18,6 +19,7 @@
 //! - [`util`]: sizes and a seeded RNG.
 #![allow(dead_code)]
 
+pub mod arena_prefix_cache;
 pub mod caching;
 pub mod counted;
 pub mod managers;

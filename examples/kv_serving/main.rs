@@ -116,7 +116,7 @@ struct Opts {
     profile_file: Option<PathBuf>,
     /// Prefix caching: vLLM's automatic prefix caching in vllm-paged, and
     /// the arena's prefix cache (shared chunks, token-major layout only) in
-    /// arena and arena-no-moves; on by default, as in vLLM.
+    /// arena, arena-staged, arena-no-moves and arena-sync; on by default, as in vLLM.
     #[arg(long, value_enum, default_value = "on")]
     prefix_caching: OnOff,
     /// contiguous-max's room for output tokens (default: the trace's largest output).

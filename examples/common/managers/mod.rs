@@ -32,9 +32,9 @@ use vmm_arena::driver::host::{HostDriver, HostOptions};
 use vmm_arena::driver::{ChunkHandle, Driver};
 use vmm_arena::{Arena, ArenaConfig, Error, Id};
 
+use super::arena_prefix_cache::ArenaPrefixCache;
 use super::caching::CachingAllocator;
 use super::counted::{is_host_limit, Calls, Counted};
-use super::prefix_cache::ArenaPrefixCache;
 use super::prepared::{Prepared, PreparedAdmissions, Take};
 use super::trace::{Request, HASH_BLOCK_TOKENS};
 
