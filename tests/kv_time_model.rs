@@ -486,11 +486,11 @@ fn prefetch_moves_driver_work_between_steps() {
     assert_eq!((r.critical_path_creates, r.critical_path_creates_warm), (1, 0));
 }
 
-/// The driver table BENCHMARKS.md's sensitivity rows use (the design
-/// brief's second published table) loads, and overrides exactly the
-/// driver prices.
+/// The driver tables BENCHMARKS.md's sensitivity rows use (the design
+/// brief's second published table, and every driver call free) load, and
+/// override exactly the driver prices.
 #[test]
-fn the_committed_second_driver_table_loads() {
+fn the_committed_driver_tables_load() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/kv_serving/profiles/second-driver-table.json");
     let text = std::fs::read_to_string(path).unwrap();
     let base = Profile::h200();
