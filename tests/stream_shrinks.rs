@@ -15,18 +15,17 @@ mod common;
 
 use std::sync::Arc;
 
+use common::fixtures::{stream_arena, STREAM_CHUNK};
 use common::Snap;
 use vmm_arena::driver::fault::{FaultDriver, FaultKind};
 use vmm_arena::driver::mock::MockDriver;
 use vmm_arena::driver::CallKind;
 use vmm_arena::{Arena, ArenaConfig, Error, ALL_TAGS};
 
-const C: u64 = 4096;
+const C: u64 = STREAM_CHUNK;
 
 fn arena(cap: u64, reserve: u64) -> (Arc<MockDriver>, Arena) {
-    let d = Arc::new(MockDriver::with_streams(C, 1 << 30));
-    let cfg = ArenaConfig { capacity_bytes: cap * C, reserve_bytes: reserve * C, chunk_bytes: C, ..Default::default() };
-    (d.clone(), Arena::with_driver(d, cfg).unwrap())
+    stream_arena(cap, reserve)
 }
 
 fn check(a: &Arena) {

@@ -2,9 +2,25 @@
 //! the fault driver, byte patterns, and the check that the driver holds and
 //! maps exactly what the arena says.
 
+use std::sync::Arc;
+
+use vmm_arena::driver::mock::MockDriver;
 use vmm_arena::{Arena, ArenaConfig, Id, Status};
 
 use super::{stamp_bytes, test_backend, Snap, TestDriver};
+
+/// The chunk size of [`stream_arena`].
+pub const STREAM_CHUNK: u64 = 4096;
+
+/// An arena of `cap` chunks of capacity and `reserve` chunks of address
+/// space (of [`STREAM_CHUNK`] bytes) over the mock driver with streams,
+/// whose events complete only when the test says so, and the driver.
+pub fn stream_arena(cap: u64, reserve: u64) -> (Arc<MockDriver>, Arena) {
+    let c = STREAM_CHUNK;
+    let d = Arc::new(MockDriver::with_streams(c, 1 << 30));
+    let cfg = ArenaConfig { capacity_bytes: cap * c, reserve_bytes: reserve * c, chunk_bytes: c, ..Default::default() };
+    (d.clone(), Arena::with_driver(d, cfg).unwrap())
+}
 
 /// An arena of `cap` chunks of capacity and `reserve` chunks of address
 /// space over the suite's backend (behind the fault driver), with the
