@@ -184,6 +184,21 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
     assert_eq!((r.integrity_errors, r.prefix_hit_tokens), (0, 0));
 }
 
+/// The chain-tree trace through the `arena` manager (1 GiB, prefix cache
+/// on, batch 16), configured by `configure`; the books are checked after.
+fn chain_tree_arena_run(configure: impl FnOnce(ArenaMgr) -> ArenaMgr) -> RunResult {
+    let reqs = chain_tree_trace();
+    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
+    let capacity = GIB;
+    let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
+    let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
+    let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
+    let mut m = configure(m);
+    let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
+    m.prefix_cache().expect("on").books.check().unwrap();
+    r
+}
+
 /// The arena's admissions prepared between steps (`prepare_admissions`)
 /// give every request the outcome admission would have given it: the same
 /// hits, failures and preemptions as without preparing, every tag intact,
@@ -191,19 +206,8 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
 /// critical path.
 #[test]
 fn prepared_admissions_keep_the_outcomes_and_leave_the_critical_path() {
-    let reqs = chain_tree_trace();
-    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
-    let capacity = GIB;
-    let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
-    let go = |prepare: bool| {
-        let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
-        let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
-        let mut m = if prepare { m } else { m.without_prepared_admissions() };
-        let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
-        m.prefix_cache().expect("on").books.check().unwrap();
-        r
-    };
-    let (with, without) = (go(true), go(false));
+    let with = chain_tree_arena_run(|m| m);
+    let without = chain_tree_arena_run(ArenaMgr::without_prepared_admissions);
     let extra = |r: &RunResult, k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
     println!(
         "prepared {} (failed {}), critical maps {} vs {}, drains between {} vs {}",
@@ -244,19 +248,8 @@ fn prepared_admissions_keep_the_outcomes_and_leave_the_critical_path() {
 /// drains the GPU less often.
 #[test]
 fn staged_admissions_keep_every_tag_and_leave_the_critical_path() {
-    let reqs = chain_tree_trace();
-    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
-    let capacity = GIB;
-    let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
-    let go = |stage: bool| {
-        let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
-        let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
-        let mut m = if stage { m.with_staged_admissions() } else { m };
-        let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
-        m.prefix_cache().expect("on").books.check().unwrap();
-        r
-    };
-    let (staged, whole) = (go(true), go(false));
+    let staged = chain_tree_arena_run(ArenaMgr::with_staged_admissions);
+    let whole = chain_tree_arena_run(|m| m);
     let extra = |r: &RunResult, k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
     println!(
         "staged {} (waits {}, given up {}), critical maps {} vs {}, drains between {} vs {}, waiting for KV {}",
