@@ -180,8 +180,8 @@ pub(crate) struct State {
     pub idle: BTreeSet<u64>,
     /// Cached and retired pages a stream-ordered shrink left
     /// (`Arena::resize_on_stream`), and the event that will make them
-    /// idle once it completes. A page leaves this map whenever it leaves
-    /// `idle` would ([`State::forget_idle`]): it backs an allocation
+    /// idle once it completes. A page leaves this map wherever it would
+    /// leave `idle` ([`State::forget_idle`]): it backs an allocation
     /// again, or is unmapped.
     pub pending_idle: BTreeMap<u64, u64>,
     /// The allocation (slot) each retired range was left by, by start
@@ -306,7 +306,6 @@ impl State {
         self.cached.len() as u64 + self.pool.len() as u64
     }
 
-    /// Chunks an operation may still obtain: pooled ones and new ones up to the cap.
     /// Whether the page lies in a retired range.
     pub fn is_retired(&self, p: u64) -> bool {
         self.retired.range(..=p).next_back().is_some_and(|(&s, &l)| p < s + l)
@@ -319,6 +318,7 @@ impl State {
         self.pending_idle.remove(&p);
     }
 
+    /// Chunks an operation may still obtain: pooled ones and new ones up to the cap.
     pub fn obtainable_pages(&self) -> u64 {
         self.pooled_pages() + self.cap_pages.saturating_sub(self.held_pages())
     }
