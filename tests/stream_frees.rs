@@ -404,3 +404,43 @@ fn an_out_of_memory_that_reaped_stream_frees_keeps_the_retain_watermark() {
     assert!(s.pooled_bytes <= C, "pool above retain_bytes after a failed operation: {s:?}");
     check(&a);
 }
+
+/// An out-of-memory waits only for a stream free that gives memory back:
+/// a free whose chunks another allocation still maps returns none, and
+/// waiting for it would drain the device for nothing (the kv_serving
+/// replay's failed admissions, freed on the stream with their shared
+/// prefix, drained 973 steps so). Running out of address space still
+/// waits for it: its reservation comes back.
+#[test]
+fn an_out_of_memory_does_not_wait_for_a_free_that_returns_no_memory() {
+    let (d, a) = arena(4, 64);
+    let (src, _) = a.alloc(2 * C).unwrap();
+    let (sh, _) = a.alloc_shared(src, 0, 2 * C, 4 * C).unwrap();
+    a.free_on_stream(sh, 1).unwrap();
+    assert_eq!(a.stats().unwrap().pending_free_bytes, 0, "its chunks back `src`");
+    let before = Snap::of(&a).without_driver_counters();
+    assert!(matches!(a.alloc(3 * C), Err(Error::OutOfMemory(_))));
+    assert_eq!((a.stats().unwrap().event_waits, d.events_waited()), (0, 0), "no wait for a free that frees no chunk");
+    assert_eq!(Snap::of(&a).without_driver_counters(), before, "nothing changed");
+    assert_eq!(d.events().len(), 1, "still pending");
+    // A free that does return memory is still waited for.
+    let (x, _) = a.alloc(2 * C).unwrap();
+    a.free_on_stream(x, 1).unwrap();
+    a.alloc(2 * C).unwrap();
+    assert_eq!(a.stats().unwrap().event_waits, 1, "x's chunks were worth the wait");
+    check(&a);
+}
+
+/// Running out of address space waits for any pending free of whole
+/// chunks: each gives its reservation back.
+#[test]
+fn running_out_of_address_space_waits_for_a_free_of_shared_chunks() {
+    let (_d, a) = arena(16, 8);
+    let (src, _) = a.alloc(2 * C).unwrap();
+    let (sh, _) = a.alloc_shared(src, 0, 2 * C, 6 * C).unwrap();
+    a.free_on_stream(sh, 1).unwrap();
+    // Two pages of address space are left; four are needed.
+    a.alloc(4 * C).unwrap();
+    assert_eq!(a.stats().unwrap().event_waits, 1, "the reservation came back");
+    check(&a);
+}

@@ -476,7 +476,8 @@ impl Arena {
                         inner = self.sh.wait_for_inflight(inner)?;
                         continue;
                     }
-                    let (again, progressed) = stream::reclaim(&self.sh, inner, &ctx)?;
+                    let memory = matches!(e, Error::OutOfMemory(_));
+                    let (again, progressed) = stream::reclaim(&self.sh, inner, &ctx, memory)?;
                     inner = again;
                     reclaimed |= progressed;
                     if !progressed {

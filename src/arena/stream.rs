@@ -209,6 +209,34 @@ pub(super) fn pending_chunks(st: &State) -> u64 {
     pages_of.iter().filter(|(h, &n)| st.shared.get(h).map_or(true, |&all| all == n)).count() as u64
 }
 
+/// For each pending entry, whether its completion gives a chunk back: it
+/// holds a chunk that no live allocation maps (every page backed by it is
+/// held by pending frees). Only frees of whole chunks can.
+fn returns_memory(st: &State) -> Vec<bool> {
+    let mut pending_pages: std::collections::HashMap<crate::driver::ChunkHandle, u32> = Default::default();
+    let pages_of = |p: &Pending| match p.what {
+        Held::Chunks(slot) => {
+            let a = st.alloc(slot);
+            a.start..a.start + a.backed
+        }
+        _ => 0..0,
+    };
+    for p in &st.pending {
+        for page in pages_of(p) {
+            *pending_pages.entry(st.mapped[page as usize].expect("backing page is mapped")).or_default() += 1;
+        }
+    }
+    st.pending
+        .iter()
+        .map(|p| {
+            pages_of(p).any(|page| {
+                let h = st.mapped[page as usize].expect("backing page is mapped");
+                st.shared.get(&h).map_or(true, |&all| all == pending_pages[&h])
+            })
+        })
+        .collect()
+}
+
 /// Polls pending events and gives back the memory of completed frees.
 /// Returns how many frees completed (completed shrinks, which only make
 /// known idle what was reusable already, are not counted). A failed poll counts as "not complete yet"
@@ -286,13 +314,21 @@ fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
 }
 
 /// Makes memory of stream-ordered frees available to an operation that ran
-/// out of it: polls every event, and if none has completed, waits for the
-/// oldest one not already waited for, outside the lock. Returns whether
+/// out of it (of memory where `memory`, else of address space): polls
+/// every event, and if none has completed, waits for the oldest one not
+/// already waited for that can help, outside the lock. Returns whether
 /// anything became available (the operation should try again).
+///
+/// Out of memory, only a free that gives chunks back helps: one whose
+/// chunks all back live allocations too (a prefix shared with
+/// `alloc_shared`) returns none, and waiting for it would drain the device
+/// for nothing. Out of address space, every free of whole chunks helps
+/// (its reservation comes back).
 pub(super) fn reclaim<'a>(
     sh: &'a Shared,
     mut inner: MutexGuard<'a, Inner>,
     ctx: &Ctx<'_>,
+    memory: bool,
 ) -> Result<(MutexGuard<'a, Inner>, bool)> {
     if inner.st.pending.is_empty() {
         return Ok((inner, false));
@@ -302,11 +338,16 @@ pub(super) fn reclaim<'a>(
         return Ok((inner, true));
     }
     // A shrink's event frees nothing: never worth a wait.
-    let frees = |p: &Pending| !matches!(p.what, Held::Pages { .. });
-    if !inner.st.pending.iter().any(frees) {
+    let returning = if memory { returns_memory(&inner.st) } else { Vec::new() };
+    let helps = |(k, p): (usize, &Pending)| match p.what {
+        Held::Pages { .. } => false,
+        Held::Chunks(_) => !memory || returning[k],
+        Held::Small { .. } => true,
+    };
+    if !inner.st.pending.iter().enumerate().any(helps) {
         return Ok((inner, false));
     }
-    let Some(i) = inner.st.pending.iter().position(|p| !p.waited && frees(p)) else {
+    let Some(i) = inner.st.pending.iter().enumerate().position(|(k, p)| !p.waited && helps((k, p))) else {
         // Every one is being waited for by another thread: wait for it to reap.
         let inner = sh.wait_round(inner)?;
         return Ok((inner, true));
