@@ -248,7 +248,13 @@ impl ArenaPrefixCache {
     fn grow_to(&mut self, arena: &Arena, id: Id, backed: u64, new_size: u64, discard: bool) -> Result<(), Error> {
         self.make_room(arena, new_size.saturating_sub(backed), discard);
         loop {
-            match arena.resize(id, new_size) {
+            // A take-over may shrink the entry it takes (to the admission's
+            // size): on the stream, as every shrink of the cache.
+            let resized = match self.stream {
+                Some(stream) => arena.resize_on_stream(id, new_size, stream),
+                None => arena.resize(id, new_size),
+            };
+            match resized {
                 Ok(_) => return Ok(()),
                 Err(Error::OutOfMemory(_)) if self.books.queued_units() > 0 => self.evict(arena, 1, discard),
                 Err(e) => return Err(e),
