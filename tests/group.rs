@@ -510,10 +510,21 @@ fn serialize(j: &common::Json) -> String {
 fn threads_keep_every_member_consistent() {
     const THREADS: u64 = 4;
     let c = common::HOST_CHUNK;
+    // Address space for every thread's six reservations of six chunks at
+    // once (144 chunks): the pressure is on capacity, as the refusals
+    // expect. With the default range (4 x capacity, 72 chunks for the last
+    // member) an unlucky interleaving ran out of address space instead
+    // (CI, once: OutOfAddressSpace where OutOfMemory was asserted).
     let arenas = [24, 24, 18]
         .iter()
         .map(|&cap| {
-            Arena::new(ArenaConfig { capacity_bytes: cap * c, chunk_bytes: c, ..ArenaConfig::default() }).unwrap()
+            let cfg = ArenaConfig {
+                capacity_bytes: cap * c,
+                reserve_bytes: 256 * c,
+                chunk_bytes: c,
+                ..ArenaConfig::default()
+            };
+            Arena::new(cfg).unwrap()
         })
         .collect();
     let g = Arc::new(Group::from_arenas(arenas).unwrap());
