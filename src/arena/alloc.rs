@@ -86,25 +86,7 @@ impl Arena {
     /// device synchronize: the one shrink that makes driver calls, and can
     /// fail, leaving the allocation as it was), any other retires it.
     pub fn resize(&self, id: Id, new_size: u64) -> Result<u64> {
-        let chunk = self.chunk;
-        let np = pages_for(new_size, chunk, "new_size")?;
-        self.run(Touch::Nothing, |inner, ctx, events| {
-            #[cfg(unix)]
-            inner.shares.check_resize(&inner.st, id, np)?;
-            let st = &mut inner.st;
-            let target = st.resolve(id)?;
-            let mut tx = ctx.txn(st);
-            match resize_target(st, ctx, &mut tx, target, id, np, new_size, events) {
-                Ok(ptr) => {
-                    tx.commit();
-                    Ok(ptr)
-                }
-                Err(e) => {
-                    tx.rollback();
-                    Err(e)
-                }
-            }
-        })
+        self.resize_ordered(id, new_size, None)
     }
 
     /// Address and facts of a live allocation.

@@ -107,14 +107,21 @@ impl Arena {
     /// Errors: as `resize`; a failure to record the event is
     /// `Error::Driver` and changes nothing.
     pub fn resize_on_stream(&self, id: Id, new_size: u64, stream: u64) -> Result<u64> {
+        self.resize_ordered(id, new_size, Some(stream))
+    }
+
+    /// The body of [`Arena::resize`] (`stream` None) and of
+    /// [`Arena::resize_on_stream`].
+    pub(super) fn resize_ordered(&self, id: Id, new_size: u64, stream: Option<u64>) -> Result<u64> {
         let np = pages_for(new_size, self.chunk, "new_size")?;
         self.run(Touch::Nothing, |inner, ctx, events| {
             #[cfg(unix)]
             inner.shares.check_resize(&inner.st, id, np)?;
             let target = inner.st.resolve(id)?;
-            // The pages a shrink of whole chunks leaves behind, if any.
-            let dropped = match target {
-                Target::Chunks(slot) => {
+            // The pages a shrink of whole chunks on a stream leaves behind.
+            let dropped = match (&target, stream) {
+                (_, None) | (&Target::Small(_), _) => None,
+                (&Target::Chunks(slot), Some(_)) => {
                     let a = inner.st.alloc(slot);
                     #[cfg(unix)]
                     let exported = inner.shares.is_exported(slot);
@@ -122,19 +129,18 @@ impl Arena {
                     let exported = false;
                     (a.sleep.is_none() && np < a.backed && !exported).then(|| (a.start + np, a.backed - np))
                 }
-                Target::Small(_) => None,
             };
             // Recorded first: a failed record changes nothing.
-            let event = match dropped {
-                Some(_) => ctx.drv.record_event(stream)?,
-                None => None,
+            let event = match (dropped, stream) {
+                (Some(_), Some(stream)) => ctx.drv.record_event(stream)?,
+                _ => None,
             };
             let st = &mut inner.st;
             let mut tx = ctx.txn(st);
             match resize_target(st, ctx, &mut tx, target, id, np, new_size, events) {
                 Ok(ptr) => {
                     tx.commit();
-                    if let (Some(event), Some((first, count))) = (event, dropped) {
+                    if let (Some(event), Some((first, count)), Some(stream)) = (event, dropped, stream) {
                         bump(&ctx.counts.shrink_events);
                         // Pages another holder still maps were unmapped
                         // (growable) or retired; the rest are cached.
@@ -197,39 +203,41 @@ fn hold(st: &mut State, target: Target, event: u64, stream: u64) {
 /// Distinct chunks held only by pending frees of whole chunks (a chunk
 /// shared with a live allocation backs that one; see `Arena::alloc_shared`).
 pub(super) fn pending_chunks(st: &State) -> u64 {
+    let pages_of = pending_pages_per_chunk(st);
+    pages_of.iter().filter(|(h, &n)| st.shared.get(h).map_or(true, |&all| all == n)).count() as u64
+}
+
+/// The backing pages of an entry (pending frees of whole chunks only).
+fn held_pages(st: &State, p: &Pending) -> std::ops::Range<u64> {
+    match p.what {
+        Held::Chunks(slot) => {
+            let a = st.alloc(slot);
+            a.start..a.start + a.backed
+        }
+        _ => 0..0,
+    }
+}
+
+/// For each chunk backing pages held by pending frees, how many such pages.
+fn pending_pages_per_chunk(st: &State) -> std::collections::HashMap<crate::driver::ChunkHandle, u32> {
     let mut pages_of: std::collections::HashMap<crate::driver::ChunkHandle, u32> = Default::default();
     for p in &st.pending {
-        if let Held::Chunks(slot) = p.what {
-            let a = st.alloc(slot);
-            for page in a.start..a.start + a.backed {
-                *pages_of.entry(st.mapped[page as usize].expect("backing page is mapped")).or_default() += 1;
-            }
+        for page in held_pages(st, p) {
+            *pages_of.entry(st.mapped[page as usize].expect("backing page is mapped")).or_default() += 1;
         }
     }
-    pages_of.iter().filter(|(h, &n)| st.shared.get(h).map_or(true, |&all| all == n)).count() as u64
+    pages_of
 }
 
 /// For each pending entry, whether its completion gives a chunk back: it
 /// holds a chunk that no live allocation maps (every page backed by it is
 /// held by pending frees). Only frees of whole chunks can.
 fn returns_memory(st: &State) -> Vec<bool> {
-    let mut pending_pages: std::collections::HashMap<crate::driver::ChunkHandle, u32> = Default::default();
-    let pages_of = |p: &Pending| match p.what {
-        Held::Chunks(slot) => {
-            let a = st.alloc(slot);
-            a.start..a.start + a.backed
-        }
-        _ => 0..0,
-    };
-    for p in &st.pending {
-        for page in pages_of(p) {
-            *pending_pages.entry(st.mapped[page as usize].expect("backing page is mapped")).or_default() += 1;
-        }
-    }
+    let pending_pages = pending_pages_per_chunk(st);
     st.pending
         .iter()
         .map(|p| {
-            pages_of(p).any(|page| {
+            held_pages(st, p).any(|page| {
                 let h = st.mapped[page as usize].expect("backing page is mapped");
                 st.shared.get(&h).map_or(true, |&all| all == pending_pages[&h])
             })
