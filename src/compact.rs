@@ -249,6 +249,7 @@ mod tests {
                         owner: Owner::User,
                         tag: 0,
                         sleep: None,
+                        quiet: Default::default(),
                     };
                     slots.push(st.insert_alloc(a));
                     at += reserved;

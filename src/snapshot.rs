@@ -124,7 +124,7 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         }
     }
     s.push_str("],\"stats\":{");
-    let fields: [(&str, u64); 39] = [
+    let fields: [(&str, u64); 40] = [
         ("live_allocations", stats.live_allocations),
         ("live_bytes", stats.live_bytes),
         ("mapped_bytes", stats.mapped_bytes),
@@ -156,6 +156,7 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         ("maintain_driver_calls", stats.maintain_driver_calls),
         ("stream_frees", stats.stream_frees),
         ("stream_shrinks", stats.stream_shrinks),
+        ("quiesces", stats.quiesces),
         ("idle_cached_bytes", stats.idle_cached_bytes),
         ("unmapped_pooled_bytes", stats.unmapped_pooled_bytes),
         ("event_polls", stats.event_polls),

@@ -8,7 +8,7 @@ use crate::Id;
 
 use super::moves::{forget_retired, make_room, move_alloc, release_retired_into};
 use super::small::SmallEntry;
-use super::state::{Alloc, MoveEvent, Owner, Plan, State};
+use super::state::{Alloc, MoveEvent, Owner, Plan, Quiet, State};
 use super::txn::Txn;
 use super::{pages_for, AllocInfo, Arena, Ctx, Touch};
 
@@ -213,6 +213,8 @@ pub(super) fn resize_target(
                 st.alloc_mut(slot).reserved = np;
                 st.retire_pages(&kept);
             }
+            // A quiesced allocation's dropped pages saw their last work.
+            st.left_quiet(a.quiet, a.start + np..a.start + a.backed);
         }
         st.live_bytes = st.live_bytes - a.size + new_size;
         st.alloc_mut(slot).size = new_size;
@@ -239,6 +241,8 @@ pub(super) fn resize_target(
     }
     if (np <= a.reserved || extend_in_place) && !short {
         grow_in_place(st, tx, slot, np, new_size)?;
+        // Growth is for new work: the promise of none ends.
+        st.alloc_mut(slot).quiet = Quiet::No;
         return Ok(st.addr(a.start));
     }
     let in_place = np <= a.reserved || extend_in_place || via.is_some();
@@ -283,6 +287,7 @@ pub(super) fn resize_target(
     moved?;
     *st = sim;
     events.extend(evs);
+    st.alloc_mut(slot).quiet = Quiet::No;
     Ok(st.addr(st.alloc(slot).start))
 }
 
@@ -381,7 +386,18 @@ fn alloc_pages(
             reserved * chunk
         )));
     }
-    let a = Alloc { start: 0, reserved, backed: pages, size, growable, pinned: false, owner, tag: 0, sleep: None };
+    let a = Alloc {
+        start: 0,
+        reserved,
+        backed: pages,
+        size,
+        growable,
+        pinned: false,
+        owner,
+        tag: 0,
+        sleep: None,
+        quiet: Quiet::No,
+    };
     if let (false, Some(t)) = (short, best_fit_adopting(st, reserved, pages)) {
         let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
         plan.execute(st, tx)?;

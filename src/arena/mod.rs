@@ -34,6 +34,7 @@ mod moves;
 mod page_table;
 mod pool;
 mod prefetch;
+mod quiesce;
 #[cfg(unix)]
 mod share;
 mod shared;

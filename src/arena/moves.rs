@@ -201,6 +201,8 @@ fn relocate_books(st: &mut State, slot: u32, dest: u64, backed: u64, reserved: u
     if a.backed > 0 {
         st.retired.insert(a.start, a.backed);
         st.retired_owner.insert(a.start, slot);
+        // Its old addresses, of a quiesced allocation, see no more work.
+        st.left_quiet(a.quiet, a.start..a.start + a.backed);
     }
     st.retired_pages += a.backed;
     st.free.insert(a.start + a.backed, a.reserved - a.backed);

@@ -181,7 +181,7 @@ impl Shares {
     }
 
     /// The import `id` names, if it is an import id of this arena.
-    fn import_of(&self, st: &State, id: Id) -> Option<Result<u32>> {
+    pub(super) fn import_of(&self, st: &State, id: Id) -> Option<Result<u32>> {
         let IdParts { small, generation, tag, slot } = id.parts();
         if small || generation != 0 || tag != st.tag {
             return None;

@@ -225,6 +225,7 @@ pub(super) fn alloc_shared_pages(
             owner: super::state::Owner::User,
             tag: 0,
             sleep: None,
+            quiet: Default::default(),
         };
         let slot = st.insert_alloc(a);
         for h in known {

@@ -167,6 +167,9 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
     // `shared::sleep_books`).
     let mut doomed: Vec<ChunkHandle> = Vec::new();
     for (&slot, backup) in targets.iter().zip(backups) {
+        // Waking restores its bytes and its caller's work: no promise of
+        // none survives a sleep.
+        sim.alloc_mut(slot).quiet = Default::default();
         doomed.extend(shared::sleep_books(&mut sim, slot, backup));
     }
     for p in std::mem::take(&mut sim.cached) {

@@ -40,6 +40,24 @@ pub(crate) struct Alloc {
     /// Set while the allocation sleeps (see `Arena::sleep`): it maps
     /// nothing then, and `backed` is 0.
     pub sleep: Option<Sleep>,
+    /// Whether the caller promised no more work through it (see
+    /// `Arena::quiesce_on_stream`).
+    pub quiet: Quiet,
+}
+
+/// The caller's promise that no more device work uses an allocation
+/// (`Arena::quiesce_on_stream`), and how far the arena knows it kept.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Quiet {
+    /// No promise: every allocation starts so, and growth or sleep ends one.
+    #[default]
+    No,
+    /// No work after the work queued before this event (on the promising
+    /// stream), which is not yet seen complete.
+    After(u64),
+    /// That work has completed: no device work uses its pages, so the
+    /// pages it gives up are idle at once.
+    Yes,
 }
 
 impl Alloc {
@@ -123,6 +141,12 @@ pub(crate) enum Held {
     /// `State::pending_idle` with this entry's event become idle when it
     /// completes.
     Pages { first: u64, count: u64 },
+    /// A promise of no more work (`Arena::quiesce_on_stream`) through the
+    /// allocation in `slot`, whose pages were `first..first + count` when
+    /// it was made: when the event completes, the allocation (if it still
+    /// holds `Quiet::After` this event) becomes `Quiet::Yes`, and its pages
+    /// given up meanwhile become idle as `Pages` does.
+    Quiet { slot: u32, first: u64, count: u64 },
 }
 
 #[derive(Clone, Debug)]
@@ -318,6 +342,29 @@ impl State {
         self.pending_idle.remove(&p);
     }
 
+    /// `pages` just stopped backing an allocation whose promise was `quiet`
+    /// (see `Arena::quiesce_on_stream`): those still mapped (cached or
+    /// retired) become idle if the promise is known kept, or idle once its
+    /// event completes.
+    pub fn left_quiet(&mut self, quiet: Quiet, pages: std::ops::Range<u64>) {
+        if quiet == Quiet::No {
+            return;
+        }
+        for p in pages {
+            if self.cached.contains(&p) || self.is_retired(p) {
+                match quiet {
+                    Quiet::Yes => {
+                        self.idle.insert(p);
+                    }
+                    Quiet::After(event) => {
+                        self.pending_idle.insert(p, event);
+                    }
+                    Quiet::No => {}
+                }
+            }
+        }
+    }
+
     /// Chunks an operation may still obtain: pooled ones and new ones up to the cap.
     pub fn obtainable_pages(&self) -> u64 {
         self.pooled_pages() + self.cap_pages.saturating_sub(self.held_pages())
@@ -414,6 +461,7 @@ impl State {
         self.prefetch_dirty = true;
         self.free.insert(a.start, a.reserved);
         self.retire_pages(&still_shared);
+        self.left_quiet(a.quiet, a.start..a.start + a.backed);
     }
 
     /// Pages (sorted, free) that still map a chunk someone else backs

@@ -93,6 +93,9 @@ pub struct Stats {
     /// Shrinks ordered on a stream (an event recorded by
     /// [`Arena::resize_on_stream`](super::Arena::resize_on_stream)).
     pub stream_shrinks: u64,
+    /// Promises of no more work (an event recorded by
+    /// [`Arena::quiesce_on_stream`](super::Arena::quiesce_on_stream)).
+    pub quiesces: u64,
     /// Polls of such events (`cuEventQuery`; they never block).
     pub event_polls: u64,
     /// Blocking waits on such events (`cuEventSynchronize`), made only when
@@ -204,6 +207,7 @@ impl Arena {
             maintain_driver_calls: bg.vmm_calls(),
             stream_frees: both(|c| &c.event_records),
             stream_shrinks: both(|c| &c.shrink_events),
+            quiesces: both(|c| &c.quiesce_events),
             event_polls: both(|c| &c.event_queries),
             event_waits: both(|c| &c.event_waits),
             pending_free_bytes: pending * c,

@@ -34,7 +34,7 @@ use crate::Id;
 
 use super::alloc::{free_now, resize_target, sync_slab_pin, Target};
 use super::pages_for;
-use super::state::{Held, Owner, Pending, State};
+use super::state::{Held, Owner, Pending, Quiet, State};
 use super::txn::bump;
 use super::{Arena, Ctx, Inner, Shared, Touch};
 
@@ -76,6 +76,13 @@ impl Arena {
                 return r;
             }
             let target = inner.st.resolve(id)?;
+            // Quiesced, and known kept: no work uses it, nothing to wait for.
+            if let Target::Chunks(slot) = target {
+                if inner.st.alloc(slot).quiet == Quiet::Yes {
+                    free_now(&mut inner.st, target);
+                    return Ok(());
+                }
+            }
             let Some(event) = ctx.drv.record_event(stream)? else {
                 free_now(&mut inner.st, target);
                 return Ok(());
@@ -127,7 +134,9 @@ impl Arena {
                     let exported = inner.shares.is_exported(slot);
                     #[cfg(not(unix))]
                     let exported = false;
-                    (a.sleep.is_none() && np < a.backed && !exported).then(|| (a.start + np, a.backed - np))
+                    // A quiesced allocation's promise covers its dropped pages.
+                    let quiet = a.quiet != Quiet::No;
+                    (a.sleep.is_none() && np < a.backed && !exported && !quiet).then(|| (a.start + np, a.backed - np))
                 }
             };
             // Recorded first: a failed record changes nothing.
@@ -187,6 +196,8 @@ fn hold(st: &mut State, target: Target, event: u64, stream: u64) {
             let m = st.alloc_mut(slot);
             m.owner = Owner::Pending;
             m.pinned = false;
+            // The free's own event covers all its work.
+            m.quiet = Quiet::No;
             Held::Chunks(slot)
         }
         Target::Small(ss) => {
@@ -270,8 +281,9 @@ pub(super) fn reap(st: &mut State, ctx: &Ctx<'_>, poll: Poll) -> usize {
         if ctx.drv.event_complete(p.event).unwrap_or(false) {
             st.pending.remove(i);
             complete(st, ctx, p);
-            // A shrink's pages were reusable already: only frees count.
-            done += !matches!(p.what, Held::Pages { .. }) as usize;
+            // A shrink's or a quiesced allocation's pages were reusable
+            // already: only frees count.
+            done += !matches!(p.what, Held::Pages { .. } | Held::Quiet { .. }) as usize;
         } else if poll == Poll::UntilIncomplete {
             break;
         } else {
@@ -307,18 +319,31 @@ fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
                 st.remove_alloc(empty_slab);
             }
         }
-        Held::Pages { first, count } => {
-            // Only the pages still as the shrink left them (see
-            // `State::forget_idle`).
-            for page in first..first + count {
-                if st.pending_idle.get(&page) == Some(&p.event) {
-                    st.pending_idle.remove(&page);
-                    st.idle.insert(page);
+        Held::Quiet { slot, first, count } => {
+            // The promise is known kept, if it still holds (the slot may
+            // have been freed, or hold another allocation by now).
+            if let Some(a) = st.slots.get_mut(slot as usize).and_then(|s| s.alloc.as_mut()) {
+                if a.quiet == Quiet::After(p.event) {
+                    a.quiet = Quiet::Yes;
                 }
             }
+            mark_idle(st, p.event, first..first + count);
         }
+        Held::Pages { first, count } => mark_idle(st, p.event, first..first + count),
     }
     st.prefetch_dirty = true;
+}
+
+/// The pages of `pages` still listed with `event` in `State::pending_idle`
+/// (still as a shrink or a quiesced allocation left them: see
+/// `State::forget_idle`) become idle.
+fn mark_idle(st: &mut State, event: u64, pages: std::ops::Range<u64>) {
+    for page in pages {
+        if st.pending_idle.get(&page) == Some(&event) {
+            st.pending_idle.remove(&page);
+            st.idle.insert(page);
+        }
+    }
 }
 
 /// Makes memory of stream-ordered frees available to an operation that ran
@@ -348,7 +373,7 @@ pub(super) fn reclaim<'a>(
     // A shrink's event frees nothing: never worth a wait.
     let returning = if memory { returns_memory(&inner.st) } else { Vec::new() };
     let helps = |(k, p): (usize, &Pending)| match p.what {
-        Held::Pages { .. } => false,
+        Held::Pages { .. } | Held::Quiet { .. } => false,
         Held::Chunks(_) => !memory || returning[k],
         Held::Small { .. } => true,
     };

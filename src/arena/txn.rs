@@ -26,6 +26,8 @@ pub(crate) struct Counters {
     pub event_records: AtomicU64,
     /// Stream events recorded by stream-ordered shrinks.
     pub shrink_events: AtomicU64,
+    /// Stream events recorded by `quiesce_on_stream`.
+    pub quiesce_events: AtomicU64,
     /// Event polls (`cuEventQuery`).
     pub event_queries: AtomicU64,
     /// Blocking event waits (`cuEventSynchronize`).
