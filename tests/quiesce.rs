@@ -133,6 +133,41 @@ fn growth_ends_the_promise_and_a_page_taken_back_is_not_made_idle() {
         assert_eq!(a.stats().unwrap().idle_cached_bytes, 0, "the event says nothing of the new work");
     });
     assert_eq!(retaken, (1, 0));
+    let resumed = steal_after(|d, a, x| {
+        a.quiesce_on_stream(x, 1).unwrap();
+        complete(d, a);
+        a.unquiesce(x).unwrap(); // new work, no growth: a take-over
+        a.resize(x, C).unwrap();
+        assert_eq!(a.stats().unwrap().idle_cached_bytes, 0, "unquiesce ended the promise");
+    });
+    assert_eq!(resumed, (1, 0));
+    let kept_before = steal_after(|d, a, x| {
+        a.quiesce_on_stream(x, 1).unwrap();
+        a.resize(x, C).unwrap(); // given up under the promise
+        a.unquiesce(x).unwrap();
+        complete(d, a);
+        assert_eq!(a.stats().unwrap().idle_cached_bytes, C, "what it gave up before stays covered");
+    });
+    assert_eq!(kept_before, (0, 0));
+}
+
+#[test]
+fn unquiesce_refuses_unknown_ids_and_changes_nothing_else() {
+    let (d, a) = stream_arena(4, 16);
+    let (x, _) = a.alloc(C).unwrap();
+    let (s, _) = a.alloc(100).unwrap();
+    a.unquiesce(x).unwrap(); // no promise: nothing to end
+    a.unquiesce(s).unwrap();
+    a.quiesce_on_stream(x, 1).unwrap();
+    let (before, calls) = (Snap::of(&a).without_driver_counters(), a.stats().unwrap().caller_driver_calls);
+    a.unquiesce(x).unwrap();
+    assert_eq!(Snap::of(&a).without_driver_counters(), before, "nothing observable");
+    assert_eq!(a.stats().unwrap().caller_driver_calls, calls, "no driver call");
+    a.free(x).unwrap();
+    assert!(matches!(a.unquiesce(x), Err(Error::UnknownAllocation(_))));
+    complete(&d, &a);
+    assert_eq!(a.stats().unwrap().idle_cached_bytes, 0, "freed after unquiesce: not idle");
+    check(&a);
 }
 
 #[test]
