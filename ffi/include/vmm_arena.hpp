@@ -297,6 +297,14 @@ class Allocation {
     if (s != VMM_ARENA_OK) return detail::failure<void>(s);
     return Result<void>();
   }
+  /* Ends that promise, before queueing work through it again without
+     growing it (see vmm_arena_unquiesce). */
+  void unquiesce() { detail::check(vmm_arena_unquiesce(arena_, id_)); }
+  Result<void> try_unquiesce() noexcept {
+    vmm_arena_status s = vmm_arena_unquiesce(arena_, id_);
+    if (s != VMM_ARENA_OK) return detail::failure<void>(s);
+    return Result<void>();
+  }
   void pin() { detail::check(vmm_arena_pin(arena_, id_)); }
   void unpin() { detail::check(vmm_arena_unpin(arena_, id_)); }
   /* The tag Arena::sleep and Arena::wake select by; InvalidArgument for a

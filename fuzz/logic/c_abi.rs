@@ -35,6 +35,8 @@
 //!   sleeper), of any other UNKNOWN_ALLOCATION, and changes nothing the
 //!   model sees (the promise only makes what the allocation gives up later
 //!   idle at once); the snapshot's `quiesces` stays 0 (no event on the host);
+//!   `vmm_arena_unquiesce` of a live id (a sleeper too) is OK, of any other
+//!   UNKNOWN_ALLOCATION, and changes nothing the model sees;
 //! - a call whose injected failure fired returns it and leaves the stats and
 //!   the snapshot as they were (but `trim`, documented to keep what it
 //!   released);
@@ -414,13 +416,14 @@ impl Harness {
         let injected0 = if self.faulty { self.calls().1 } else { 0 };
         let null_sometimes = |b: &mut Bytes<'_>| b.below(16) == 0;
         // One byte picks the call: modulo 29, but 0xF8..=0xFF pick
-        // alloc_shared, 0xF0..=0xF7 resize_on_stream and 0xE8..=0xEF
-        // quiesce_on_stream (added later: older inputs decode as they did,
-        // except where such a byte picks a call).
+        // alloc_shared, 0xF0..=0xF7 resize_on_stream, 0xEE..=0xEF unquiesce
+        // and 0xE8..=0xED quiesce_on_stream (added later: older inputs
+        // decode as they did, except where such a byte picks a call).
         let sel = b.u8();
         let kind = match sel {
             0xF8.. => 29,
             0xF0.. => 30,
+            0xEE.. => 32,
             0xE8.. => 31,
             _ => sel as u64 % 29,
         };
@@ -509,6 +512,18 @@ impl Harness {
                 allowed = match self.live.get(&id) {
                     None => vec![UNKNOWN],
                     Some(l) if l.asleep => vec![ASLEEP],
+                    Some(_) => vec![OK],
+                };
+            }
+            32 => {
+                what = "unquiesce";
+                let id = self.pick_id(b);
+                // SAFETY: live handle.
+                status = st(unsafe { ffi::vmm_arena_unquiesce(a, id) });
+                // Ends a promise, or changes nothing: no driver call, and
+                // nothing the model knows changes (a sleeper too).
+                allowed = match self.live.get(&id) {
+                    None => vec![UNKNOWN],
                     Some(_) => vec![OK],
                 };
             }
@@ -718,6 +733,7 @@ impl Harness {
                         st(ffi::vmm_arena_alloc_shared(null_mut(), b.u64(), 0, 1, 1, &mut x, &mut y)),
                         st(ffi::vmm_arena_resize_on_stream(null_mut(), 1, 1, 0, &mut x)),
                         st(ffi::vmm_arena_quiesce_on_stream(null_mut(), 1, 0)),
+                        st(ffi::vmm_arena_unquiesce(null_mut(), 1)),
                         st(vmm_arena_testing_driver_calls(null_mut(), &mut x, &mut y)),
                     ]
                 };

@@ -1791,6 +1791,26 @@ static void test_quiesce_on_stream(void) {
   OK(vmm_arena_free_on_stream(a, g, 1));
   CHECK(snapshot_stat(a, "idle_cached_bytes") == 3 * K && snapshot_stat(a, "pending_free_bytes") == 0);
   CHECK(stats_of(a).live_allocations == 0);
+  OK(vmm_arena_trim(a, 0, NULL));
+  /* vmm_arena_unquiesce ends it without growth: what was given up before
+   * stays idle, what is given up after is not; no driver call. */
+  EXPECT(vmm_arena_unquiesce(NULL, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_unquiesce") != NULL);
+  OK(vmm_arena_alloc_growable(a, 3 * K, 4 * K, &g, &pg));
+  fill(pg, 3 * K, 69);
+  OK(vmm_arena_unquiesce(a, g)); /* no promise: nothing to end */
+  OK(vmm_arena_quiesce_on_stream(a, g, 1));
+  OK(vmm_arena_resize(a, g, 2 * K, &p));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == K);
+  const uint64_t driver_calls = snapshot_stat(a, "caller_driver_calls");
+  OK(vmm_arena_unquiesce(a, g));
+  CHECK(snapshot_stat(a, "caller_driver_calls") == driver_calls && ptr_of(a, g) == pg && intact(pg, 2 * K, 69));
+  OK(vmm_arena_resize(a, g, K, &p));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == K); /* the second shrink's chunk is not idle */
+  OK(vmm_arena_free(a, g));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == K && snapshot_stat(a, "cached_mapped_bytes") == 3 * K);
+  EXPECT(vmm_arena_unquiesce(a, g), UNKNOWN);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_unquiesce") != NULL);
   vmm_arena_destroy(a);
 
   /* A failed event record: DRIVER, and nothing changed (no promise: the

@@ -407,6 +407,16 @@ void test_quiesce_on_stream() {
   vmm::Allocation tiny = arena.alloc(100);  // small: nothing to record, fine
   tiny.quiesce_on_stream(0);
   CHECK(arena.stats().live_allocations == 3);
+  // unquiesce ends it without growth: a later shrink's chunk is not idle.
+  arena.trim(0);
+  s.unquiesce();
+  CHECK(s.resize(K) == s.ptr());
+  CHECK(snapshot_stat(arena, "idle_cached_bytes") == 0 && snapshot_stat(arena, "cached_mapped_bytes") == K);
+  vmm::Allocation bogus2 = vmm::Allocation::adopt(arena.get(), 0x123456789ull);
+  CHECK(thrown_status([&] { bogus2.unquiesce(); }) == vmm::Status::UnknownAllocation);
+  auto u = bogus2.try_unquiesce();
+  CHECK(!u && u.status() == vmm::Status::UnknownAllocation);
+  bogus2.release();
 }
 
 void test_alloc_shared() {
