@@ -13,7 +13,9 @@
 // - half the requests begin with the same system prompt, computed once into
 //   an allocation of whole chunks: each of them maps those chunks at the
 //   start of its own cache (alloc_shared, nothing copied), so its cache is
-//   contiguous and it computes only the rest of its prompt.
+//   contiguous and it computes only the rest of its prompt; the system
+//   prompt's own allocation is then quiesced (no more work through its
+//   addresses), as a serving engine's cached entries are.
 //
 // On the host backend the "device" memory is ordinary process memory, so
 // this program writes a tag into every token's slot through the pointer it
@@ -76,6 +78,10 @@ class KvCacheManager {
       TokenTag tag{0, t};
       std::memcpy(reinterpret_cast<void *>(system_.ptr() + t * bytes_per_token_), &tag, sizeof tag);
     }
+    // Nothing touches it through its own addresses again (sequences read
+    // its chunks through theirs): whatever it gives up later is reused
+    // without a device synchronize.
+    system_.quiesce_on_stream(0);
   }
 
   // Admits a request with its prompt; false when memory is short now: the
