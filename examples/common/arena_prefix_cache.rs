@@ -218,13 +218,6 @@ impl ArenaPrefixCache {
         let s = arena.stats().ok()?;
         let need = (size - hit.len() as u64 * self.unit_bytes).saturating_sub(s.capacity_bytes - s.mapped_bytes);
         let (id, others) = self.books.take_over(hit, need.div_ceil(self.unit_bytes))?;
-        // The admission writes into the pages it keeps: the entry's
-        // promise of no more work ends (growth would end it too, but a
-        // take-over may only shrink it).
-        if let Err(e) = arena.unquiesce(id) {
-            self.errors += 1;
-            self.last_error = Some(e.to_string());
-        }
         for (k, r) in others {
             match r {
                 Release::Keep(_) => self.evict_resizes += 1,
@@ -236,7 +229,17 @@ impl ArenaPrefixCache {
         let backed = arena.query(id).map_or(0, |i| i.mapped_bytes);
         self.reused_bytes += backed.min(size).saturating_sub(hit.len() as u64 * self.unit_bytes);
         match self.grow_to(arena, id, backed, now_size.max(backed.min(size)), discard) {
-            Ok(()) => Some(id),
+            Ok(()) => {
+                // The admission writes into the pages it keeps: the entry's
+                // promise of no more work ends (growth ended it already; a
+                // take-over that only shrank needs this). After the resize,
+                // so that what a shrink drops, which saw no work, is idle.
+                if let Err(e) = arena.unquiesce(id) {
+                    self.errors += 1;
+                    self.last_error = Some(e.to_string());
+                }
+                Some(id)
+            }
             Err(_) => {
                 // It goes back to being an entry of its hit (or is freed):
                 // the admission fails, as it would have without the take-over.
