@@ -33,6 +33,12 @@
 //!   address to its new one, and their count is the `moves` stat's increase;
 //! - `resize_on_stream` resizes exactly as `resize` (its model) on the
 //!   host and on the mock, and its `stream_shrinks` stays 0 there;
+//! - `quiesce_on_stream`: `Ok` awake, `Asleep` asleep; `quiesces` counts
+//!   nothing on the host and the mock (and never a small allocation's or a
+//!   repeated call's); the harness writes nothing through a quiesced
+//!   allocation until it grows; every check above still holds after it; a
+//!   free or shrink of a quiesced allocation leaves its unshared pages
+//!   known idle (`idle_cached_bytes`), of any other allocation none;
 //! - sharing (`alloc_shared`): reference counts in the model, a shared
 //!   chunk counted once, the bytes checked through every holder after
 //!   every operation (moves and compaction included), sleep and wake
@@ -106,6 +112,7 @@ fn plain_op(c: u64) -> impl Strategy<Value = Op> {
         1 => (any::<usize>(), size(c, 40)).prop_map(|(i, s)| Op::Resize(i, s)),
         3 => (any::<usize>(), size(c, 16), 0..4u64).prop_map(|(i, s, st)| Op::ResizeOnStream(i, s, st)),
         1 => (any::<usize>(), 1..=c / 2, 0..4u64).prop_map(|(i, s, st)| Op::ResizeOnStream(i, s, st)),
+        2 => (any::<usize>(), 0..4u64).prop_map(|(i, st)| Op::Quiesce(i, st)),
         2 => any::<usize>().prop_map(Op::Pin),
         2 => any::<usize>().prop_map(Op::Unpin),
         1 => Just(Op::Compact),
@@ -210,6 +217,13 @@ fn outcomes_are_reached() {
         "resize pinned",
         "resize out of address space",
         "resize_on_stream shrank whole chunks",
+        "quiesce",
+        "quiesce again",
+        "quiesce small",
+        "free of a quiesced allocation",
+        "shrink of a quiesced allocation",
+        "quiesced allocation grew",
+        "write to a quiesced allocation skipped",
         "alloc_shared ok",
         "alloc_shared invalid",
         "free of a sharer",
