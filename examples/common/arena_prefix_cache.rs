@@ -21,6 +21,9 @@ pub struct ArenaPrefixCache {
     /// Frees are ordered on this stream (`free_on_stream`), as the
     /// manager's own, where it frees on a stream.
     pub stream: Option<u64>,
+    /// Entries quiesced on the stream (`Arena::quiesce_on_stream`) when
+    /// their request ended.
+    quiesces: u64,
     unit_bytes: u64,
     peak_footprint: u64,
     peak_shared_bytes: u64,
@@ -51,6 +54,7 @@ impl ArenaPrefixCache {
         (unit_bytes % chunk == 0).then(|| ArenaPrefixCache {
             books: PrefixCache::new(unit_tokens, super::trace::HASH_BLOCK_TOKENS),
             stream: None,
+            quiesces: 0,
             unit_bytes,
             peak_footprint: 0,
             peak_shared_bytes: 0,
@@ -198,6 +202,13 @@ impl ArenaPrefixCache {
         let s = arena.stats().ok()?;
         let need = (size - hit.len() as u64 * self.unit_bytes).saturating_sub(s.capacity_bytes - s.mapped_bytes);
         let (id, others) = self.books.take_over(hit, need.div_ceil(self.unit_bytes))?;
+        // The admission writes into the pages it keeps: the entry's
+        // promise of no more work ends (growth would end it too, but a
+        // take-over may only shrink it).
+        if let Err(e) = arena.unquiesce(id) {
+            self.errors += 1;
+            self.last_error = Some(e.to_string());
+        }
         for (k, r) in others {
             match r {
                 Release::Keep(_) => self.evict_resizes += 1,
@@ -266,6 +277,17 @@ impl ArenaPrefixCache {
     /// its cached units, or is freed.
     pub fn release(&mut self, arena: &Arena, id: Id, discard: bool) {
         let r = self.books.release(id);
+        // An entry sees no more work through its own addresses (a hit maps
+        // its chunks elsewhere): promised now, on the stream, so that what
+        // an eviction later takes from it is known idle at once, without
+        // waiting for an event recorded at the eviction.
+        if let (Release::Keep(_), Some(stream)) = (r, self.stream) {
+            self.quiesces += 1;
+            if let Err(e) = arena.quiesce_on_stream(id, stream) {
+                self.errors += 1;
+                self.last_error = Some(e.to_string());
+            }
+        }
         self.apply(arena, id, r, discard);
     }
 
@@ -377,6 +399,7 @@ impl ArenaPrefixCache {
             ("cached_units_now".into(), self.books.cached_units().to_string()),
             ("evict_resizes".into(), self.evict_resizes.to_string()),
             ("evict_frees".into(), self.evict_frees.to_string()),
+            ("quiesced_entries".into(), self.quiesces.to_string()),
             ("prefix_cache_errors".into(), self.errors.to_string()),
             // Physical bytes serving running requests (shared chunks once,
             // cached-only chunks left out), at its peak after an admission

@@ -45,8 +45,9 @@ impl Arena {
     ///
     /// The allocation stays usable: its contents stay, it may be queried,
     /// pinned, shared, moved, shrunk and freed as before. Growing it ends
-    /// the promise (its new pages are for new work), and so does
-    /// [`sleep`](Arena::sleep). A second call while a promise holds
+    /// the promise (its new pages are for new work), and so do
+    /// [`sleep`](Arena::sleep) and [`unquiesce`](Arena::unquiesce) (for a
+    /// caller that uses it again without growing it). A second call while a promise holds
     /// changes nothing (the first event covers the same work). Queueing
     /// work through it anyway, before it grows, is a contract violation:
     /// the arena may unmap its memory while that work runs.
@@ -88,6 +89,27 @@ impl Arena {
             st.alloc_mut(slot).quiet = Quiet::After(event);
             st.pending.push_back(Pending { event, stream, what: Held::Quiet { slot }, waited: false });
             reap(st, ctx, Poll::UntilIncomplete);
+            Ok(())
+        })
+    }
+
+    /// Ends the promise of [`quiesce_on_stream`](Arena::quiesce_on_stream):
+    /// the caller is about to queue work through the allocation again
+    /// without growing it (a prefix-cache entry taken over by a new
+    /// request, which writes into the pages it keeps). What the allocation
+    /// gave up before stays as the promise made it; what it gives up from
+    /// now on is known idle only as any allocation's is. No driver call;
+    /// without a promise (or for a small allocation, an exported one, an
+    /// import, a sleeper) it changes nothing. Errors: `UnknownAllocation`.
+    pub fn unquiesce(&self, id: Id) -> Result<()> {
+        self.run(Touch::Nothing, |inner, _, _| {
+            #[cfg(unix)]
+            if let Some(import) = inner.shares.import_of(&inner.st, id) {
+                return import.map(|_| ());
+            }
+            if let Target::Chunks(slot) = inner.st.resolve(id)? {
+                inner.st.alloc_mut(slot).quiet = Quiet::No;
+            }
             Ok(())
         })
     }
