@@ -99,8 +99,8 @@ fn ops_corpus_replays_against_the_model() {
         };
         on_stream += usize::from(decoded.iter().take(max_ops).any(resizes_on_stream));
         let quiesces = |op: &ops::Op| match op {
-            ops::Op::Quiesce(..) => true,
-            ops::Op::Faulty(_, _, inner) => matches!(**inner, ops::Op::Quiesce(..)),
+            ops::Op::Quiesce(..) | ops::Op::Unquiesce(_) => true,
+            ops::Op::Faulty(_, _, inner) => matches!(**inner, ops::Op::Quiesce(..) | ops::Op::Unquiesce(_)),
             _ => false,
         };
         quiescing += usize::from(decoded.iter().take(max_ops).any(quiesces));
@@ -111,7 +111,7 @@ fn ops_corpus_replays_against_the_model() {
     }
     println!(
         "replayed {} inputs, {ops} operations; {sharing} inputs call alloc_shared, {on_stream} resize_on_stream, \
-         {quiescing} quiesce_on_stream",
+         {quiescing} quiesce_on_stream or unquiesce",
         files.len()
     );
     println!("outcomes: {:?}", ops::OUTCOMES.lock().unwrap());

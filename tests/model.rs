@@ -36,7 +36,8 @@
 //! - `quiesce_on_stream`: `Ok` awake, `Asleep` asleep; `quiesces` counts
 //!   nothing on the host and the mock (and never a small allocation's or a
 //!   repeated call's); the harness writes nothing through a quiesced
-//!   allocation until it grows; every check above still holds after it; a
+//!   allocation until it grows or is unquiesced (`unquiesce`); every check
+//!   above still holds after it; a
 //!   free or shrink of a quiesced allocation leaves its unshared pages
 //!   known idle (`idle_cached_bytes`), of any other allocation none;
 //! - sharing (`alloc_shared`): reference counts in the model, a shared
@@ -115,6 +116,7 @@ fn plain_op(c: u64) -> impl Strategy<Value = Op> {
         3 => (any::<usize>(), size(c, 16), 0..3u64).prop_map(|(i, s, st)| Op::ResizeOnStream(i, s, st)),
         1 => (any::<usize>(), 1..=c / 2, 0..3u64).prop_map(|(i, s, st)| Op::ResizeOnStream(i, s, st)),
         2 => (any::<usize>(), 0..3u64).prop_map(|(i, st)| Op::Quiesce(i, st)),
+        1 => any::<usize>().prop_map(Op::Unquiesce),
         2 => any::<usize>().prop_map(Op::Pin),
         2 => any::<usize>().prop_map(Op::Unpin),
         1 => Just(Op::Compact),
@@ -226,6 +228,7 @@ fn outcomes_are_reached() {
         "shrink of a quiesced allocation",
         "quiesced allocation grew",
         "write to a quiesced allocation skipped",
+        "unquiesce ended a promise",
         "alloc_shared ok",
         "alloc_shared invalid",
         "free of a sharer",

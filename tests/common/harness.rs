@@ -13,7 +13,8 @@
 //!
 //! `quiesce_on_stream` (`Op::Quiesce`): the model keeps a `quiesced` flag
 //! per allocation of whole chunks, set by a successful call on an awake
-//! one, cleared when it grows by pages or sleeps. It is `Ok` for every
+//! one, cleared when it grows by pages, sleeps or is unquiesced
+//! (`Op::Unquiesce`, `Ok` for every live allocation). It is `Ok` for every
 //! awake allocation and `Asleep` for a sleeper; `quiesces` counts a call
 //! only on a GPU (neither the host nor the mock here records an event),
 //! and never a small allocation's or a repeated one's while the promise
@@ -106,6 +107,8 @@ pub enum Op {
     ResizeOnStream(usize, u64, u64),
     /// `quiesce_on_stream` of the `n`th live allocation on the stream given.
     Quiesce(usize, u64),
+    /// `unquiesce` of the `n`th live allocation (no driver call).
+    Unquiesce(usize),
     Pin(usize),
     Unpin(usize),
     Compact,
@@ -870,7 +873,13 @@ impl Harness {
                 // Operations without driver calls run as they are.
                 if matches!(
                     **inner,
-                    Op::Pin(_) | Op::Unpin(_) | Op::Write(_) | Op::BadId(_) | Op::SetTag(..) | Op::Faulty(..)
+                    Op::Pin(_)
+                        | Op::Unpin(_)
+                        | Op::Write(_)
+                        | Op::BadId(_)
+                        | Op::SetTag(..)
+                        | Op::Unquiesce(_)
+                        | Op::Faulty(..)
                 ) {
                     return self.apply(inner);
                 }
@@ -928,6 +937,13 @@ impl Harness {
                 if let Some(id) = self.nth(i) {
                     self.quiesce(id, stream);
                 }
+            }
+            &Op::Unquiesce(i) => {
+                let Some(id) = self.nth(i) else { return };
+                self.arena.unquiesce(id).unwrap_or_else(|e| panic!("unquiesce of live {id}: {e}"));
+                let m = self.live.get_mut(&id).unwrap();
+                count(if std::mem::take(&mut m.quiesced) { "unquiesce ended a promise" } else { "unquiesce idle" });
+                self.check("unquiesce", &[]);
             }
             &Op::Pin(i) | &Op::Unpin(i) => {
                 let Some(id) = self.nth(i) else { return };
@@ -1065,6 +1081,8 @@ impl Harness {
             self.arena.write(bad, 0, b"x").unwrap_err(),
             self.arena.set_tag(bad, 1).unwrap_err(),
             self.arena.alloc_shared(bad, 0, c, c).unwrap_err(),
+            self.arena.quiesce_on_stream(bad, 0).unwrap_err(),
+            self.arena.unquiesce(bad).unwrap_err(),
         ] {
             assert_eq!(e, Error::UnknownAllocation(bad.get()));
         }
