@@ -127,7 +127,7 @@ fn plain_op(c: u64) -> impl Strategy<Value = Op> {
         3 => (any::<usize>(), 0..8u64, 0..8u64, 0..=6u64)
             .prop_map(|(src, first, pages, extra)| Op::AllocShared { src, first, pages, extra }),
         2 => (any::<usize>(), 0..=2u32).prop_map(|(i, t)| Op::SetTag(i, t)),
-        1 => (0..=3u32, any::<bool>()).prop_map(|(t, b)| Op::Sleep(t, b)),
+        2 => (0..=3u32, any::<bool>()).prop_map(|(t, b)| Op::Sleep(t, b)),
         2 => (0..=3u32).prop_map(Op::Wake),
     ]
 }
