@@ -115,6 +115,22 @@ impl ArenaPrefixCache {
         let hit_tokens = hit_bytes / self.unit_bytes * self.books.unit_tokens();
         let whole = size;
         let size = size.min(hit_bytes.saturating_add(now.max(if hit_bytes == 0 { self.unit_bytes } else { 0 })));
+        // As vLLM: an admission whose fresh chunks (those mapped now, for
+        // one mapped over several steps) exceed the free and the evictable
+        // ones (its hit's queued units leave the queue) fails before
+        // anything is evicted; evicting first would empty the cache for a
+        // request that fails anyway.
+        if let Ok(s) = arena.stats() {
+            let fresh = size.saturating_sub(hit_bytes).div_ceil(self.unit_bytes);
+            let free = s.capacity_bytes.saturating_sub(s.mapped_bytes) / self.unit_bytes;
+            let evictable = self.books.queued_units() - self.books.queued_among(&hit.units);
+            if fresh > free + evictable {
+                return Err(Error::OutOfMemory(format!(
+                    "{fresh} chunks of {} bytes needed, {free} free and {evictable} evictable",
+                    self.unit_bytes
+                )));
+            }
+        }
         if let Some(id) = self.take_over(arena, &hit.units, whole, size, discard) {
             return Ok((id, hit_tokens));
         }

@@ -173,6 +173,12 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
         self.lru.len() as u64
     }
 
+    /// Of `units`, those queued (no running request maps them).
+    pub fn queued_among(&self, units: &[u32]) -> u64 {
+        units.iter().filter(|&&u| self.units[u as usize].as_ref().is_some_and(|x| x.refs == 0 && x.stamp != 0)).count()
+            as u64
+    }
+
     /// Cached units, queued or mapped by running requests.
     pub fn cached_units(&self) -> u64 {
         self.cache.values().map(|v| v.len() as u64).sum()

@@ -285,6 +285,26 @@ class Allocation {
     if (s != VMM_ARENA_OK) return detail::failure<uint64_t>(s);
     return p;
   }
+  /* Promises that no more device work uses this allocation after the work
+     queued so far on `stream` (a CUstream, 0: the legacy default stream),
+     until it grows: what it gives up later (free, shrink, a move's old
+     range) is then reused or given back without a device synchronize. Do
+     not queue work through it before it grows again: see
+     vmm_arena_quiesce_on_stream. */
+  void quiesce_on_stream(uint64_t stream) { detail::check(vmm_arena_quiesce_on_stream(arena_, id_, stream)); }
+  Result<void> try_quiesce_on_stream(uint64_t stream) noexcept {
+    vmm_arena_status s = vmm_arena_quiesce_on_stream(arena_, id_, stream);
+    if (s != VMM_ARENA_OK) return detail::failure<void>(s);
+    return Result<void>();
+  }
+  /* Ends that promise, before queueing work through it again without
+     growing it (see vmm_arena_unquiesce). */
+  void unquiesce() { detail::check(vmm_arena_unquiesce(arena_, id_)); }
+  Result<void> try_unquiesce() noexcept {
+    vmm_arena_status s = vmm_arena_unquiesce(arena_, id_);
+    if (s != VMM_ARENA_OK) return detail::failure<void>(s);
+    return Result<void>();
+  }
   void pin() { detail::check(vmm_arena_pin(arena_, id_)); }
   void unpin() { detail::check(vmm_arena_unpin(arena_, id_)); }
   /* The tag Arena::sleep and Arena::wake select by; InvalidArgument for a

@@ -428,6 +428,68 @@ pub unsafe extern "C" fn vmm_arena_resize_on_stream(
     })
 }
 
+/// Promises that no more device work uses allocation id after the work
+/// queued so far on stream (a CUstream; 0 = the legacy default stream),
+/// until the allocation grows: the caller neither reads nor writes its memory
+/// through its addresses again (another allocation mapping the same chunks
+/// with vmm_arena_alloc_shared reads them through its own), e.g. a finished
+/// request's KV kept as a prefix-cache entry. The arena records an event on
+/// stream; once it has completed, whatever the allocation gives up (a
+/// vmm_arena_free or vmm_arena_free_on_stream, a shrink, the old range of a
+/// move) is known idle at once: another address takes its chunks, and the
+/// pool or the driver gets them back, without a device synchronize or an
+/// event wait (a vmm_arena_free_on_stream of it then records no event). The
+/// allocation stays usable (contents, query, pin, share, move, shrink, free);
+/// growing it ends the promise, and so do vmm_arena_sleep and
+/// vmm_arena_unquiesce; a second call
+/// while a promise holds changes nothing. Queueing work through it anyway,
+/// before it grows, breaks the contract: the arena may unmap its memory while
+/// that work runs. A small allocation, an exported allocation or an import,
+/// and the host backend (no asynchronous streams; the promise holds at once
+/// there) record nothing. Statuses: VMM_ARENA_ERR_INVALID_ARGUMENT for a NULL
+/// arena, VMM_ARENA_ERR_UNKNOWN_ALLOCATION, VMM_ARENA_ERR_ASLEEP for a
+/// sleeping allocation (it maps nothing), VMM_ARENA_ERR_DRIVER for a failed
+/// event record (nothing changed). An addition of this project (in neither
+/// abi/vmm_arena.h nor abi/vmm_arena_next.h).
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `stream` is 0 or a CUstream of the
+/// arena's device context (the driver checks it).
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_quiesce_on_stream(
+    arena: *mut vmm_arena,
+    id: vmm_arena_id,
+    stream: u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_quiesce_on_stream", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.quiesce_on_stream(id_arg(id), stream).map_err(with_raw_id(id))
+    })
+}
+
+/// Ends the promise of vmm_arena_quiesce_on_stream, for a caller about to
+/// queue work through the allocation again without growing it (a
+/// prefix-cache entry taken over by a new request, which writes into the
+/// pages it keeps). What the allocation gave up before stays as the promise
+/// made it; what it gives up from now on is known idle only as any
+/// allocation's is. No driver call; without a promise (and for a small
+/// allocation, an exported one, an import or a sleeper) it changes nothing.
+/// Statuses: VMM_ARENA_ERR_INVALID_ARGUMENT for a NULL arena,
+/// VMM_ARENA_ERR_UNKNOWN_ALLOCATION. An addition of this project (in neither
+/// abi/vmm_arena.h nor abi/vmm_arena_next.h).
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_unquiesce(arena: *mut vmm_arena, id: vmm_arena_id) -> vmm_arena_status {
+    boundary("vmm_arena_unquiesce", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.unquiesce(id_arg(id)).map_err(with_raw_id(id))
+    })
+}
+
 /// Current address and size (either out-parameter may be NULL).
 ///
 /// # Safety

@@ -31,6 +31,12 @@
 //!   the core's model checks shared bytes); `vmm_arena_resize_on_stream`
 //!   has resize's model (on the host backend, which has no asynchronous
 //!   streams, it is resize), and the snapshot's `stream_shrinks` stays 0;
+//!   `vmm_arena_quiesce_on_stream` of a live id is OK (ASLEEP for a
+//!   sleeper), of any other UNKNOWN_ALLOCATION, and changes nothing the
+//!   model sees (the promise only makes what the allocation gives up later
+//!   idle at once); the snapshot's `quiesces` stays 0 (no event on the host);
+//!   `vmm_arena_unquiesce` of a live id (a sleeper too) is OK, of any other
+//!   UNKNOWN_ALLOCATION, and changes nothing the model sees;
 //! - a call whose injected failure fired returns it and leaves the stats and
 //!   the snapshot as they were (but `trim`, documented to keep what it
 //!   released);
@@ -326,8 +332,10 @@ impl Harness {
             assert_eq!(chunks * self.chunk, s.mapped_bytes + s.pooled_bytes, "{what}: driver chunks vs held memory");
         }
         let snap = self.snapshot();
-        // The host backend records no event: resize_on_stream is resize.
+        // The host backend records no event: resize_on_stream is resize,
+        // and quiesce_on_stream's promise holds at once.
         assert_eq!(json_u64(&snap, "stream_shrinks"), 0, "{what}: a stream shrink on the host");
+        assert_eq!(json_u64(&snap, "quiesces"), 0, "{what}: a quiesce event on the host");
         let ranges = live_ranges(&snap);
         for l in self.live.values() {
             // Small allocations live in slabs, not in ranges of their own.
@@ -408,12 +416,15 @@ impl Harness {
         let injected0 = if self.faulty { self.calls().1 } else { 0 };
         let null_sometimes = |b: &mut Bytes<'_>| b.below(16) == 0;
         // One byte picks the call: modulo 29, but 0xF8..=0xFF pick
-        // alloc_shared and 0xF0..=0xF7 resize_on_stream (added later: older
-        // inputs decode as they did, except where such a byte picks a call).
+        // alloc_shared, 0xF0..=0xF7 resize_on_stream, 0xEE..=0xEF unquiesce
+        // and 0xE8..=0xED quiesce_on_stream (added later: older inputs
+        // decode as they did, except where such a byte picks a call).
         let sel = b.u8();
         let kind = match sel {
             0xF8.. => 29,
             0xF0.. => 30,
+            0xEE.. => 32,
+            0xE8.. => 31,
             _ => sel as u64 % 29,
         };
         let mut trim = false;
@@ -484,6 +495,37 @@ impl Harness {
                     _ => b.u64(),
                 };
                 (status, allowed) = self.resize(b, Some(stream));
+            }
+            31 => {
+                what = "quiesce_on_stream";
+                let id = self.pick_id(b);
+                let stream = match b.below(4) {
+                    0 => 0,
+                    1 => 1 + b.below(8),
+                    _ => b.u64(),
+                };
+                // SAFETY: live handle; the host driver takes any stream.
+                status = st(unsafe { ffi::vmm_arena_quiesce_on_stream(a, id, stream) });
+                // A promise of no more work: nothing the model knows changes
+                // (the allocation stays usable; only what it gives up later
+                // becomes idle at once, and growth or sleep ends it).
+                allowed = match self.live.get(&id) {
+                    None => vec![UNKNOWN],
+                    Some(l) if l.asleep => vec![ASLEEP],
+                    Some(_) => vec![OK],
+                };
+            }
+            32 => {
+                what = "unquiesce";
+                let id = self.pick_id(b);
+                // SAFETY: live handle.
+                status = st(unsafe { ffi::vmm_arena_unquiesce(a, id) });
+                // Ends a promise, or changes nothing: no driver call, and
+                // nothing the model knows changes (a sleeper too).
+                allowed = match self.live.get(&id) {
+                    None => vec![UNKNOWN],
+                    Some(_) => vec![OK],
+                };
             }
             12 => {
                 what = "query";
@@ -690,6 +732,8 @@ impl Harness {
                         st(ffi::vmm_arena_wake(null_mut(), b.u32())),
                         st(ffi::vmm_arena_alloc_shared(null_mut(), b.u64(), 0, 1, 1, &mut x, &mut y)),
                         st(ffi::vmm_arena_resize_on_stream(null_mut(), 1, 1, 0, &mut x)),
+                        st(ffi::vmm_arena_quiesce_on_stream(null_mut(), 1, 0)),
+                        st(ffi::vmm_arena_unquiesce(null_mut(), 1)),
                         st(vmm_arena_testing_driver_calls(null_mut(), &mut x, &mut y)),
                     ]
                 };

@@ -1609,6 +1609,256 @@ static void test_resize_on_stream(void) {
   OK(vmm_arena_free(a, t));
   vmm_arena_destroy(a);
 }
+
+/* The chunks of a faulty arena's driver match what it holds (mapped and
+ * pooled), chunk for chunk. */
+static void driver_holds_what_the_arena_holds(vmm_arena *a) {
+  uint64_t chunks = 0, mappings = 0;
+  OK(vmm_arena_testing_driver_objects(a, &chunks, &mappings));
+  vmm_arena_stats s = stats_of(a);
+  CHECK(chunks * K == s.mapped_bytes + s.pooled_bytes);
+}
+
+/* vmm_arena_quiesce_on_stream (the project header's): its statuses (NULL
+ * arena, unknown, freed, asleep; a small or pinned allocation is fine),
+ * and on the host backend, where the promise holds at once (no
+ * asynchronous streams), what it changes: nothing until the allocation
+ * gives chunks up; then those chunks are known idle (the snapshot's
+ * idle_cached_bytes), and another address takes them with no device
+ * synchronize (driver_syncs), where an arena driven alike without the
+ * promise synchronizes. Growth and sleep end the promise; a shrink and a
+ * move keep it for what they give up; a failed event record changes
+ * nothing. */
+static void test_quiesce_on_stream(void) {
+  const vmm_arena_status UNKNOWN = VMM_ARENA_ERR_UNKNOWN_ALLOCATION;
+  EXPECT(vmm_arena_quiesce_on_stream(NULL, 1, 0), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_quiesce_on_stream") != NULL);
+  CHECK(strstr(vmm_arena_last_error(), "arena is NULL") != NULL);
+  EXPECT(vmm_arena_quiesce_on_stream(NULL, 0, UINT64_MAX), VMM_ARENA_ERR_INVALID_ARGUMENT);
+
+  /* Ids: unknown and freed ones refused, a small or pinned one fine. */
+  vmm_arena *a = make(16, 64, 0);
+  vmm_arena_id v, s, x, w;
+  uint64_t pv, ps, px, pw;
+  OK(vmm_arena_alloc(a, 2 * K, &v, &pv));
+  const vmm_arena_id made_up[] = {0, 12345, UINT64_MAX, v + (1ull << 32), 1ull << 32, v + 1, v ^ 0xFFFF0000ull};
+  for (size_t i = 0; i < sizeof made_up / sizeof made_up[0]; i++) {
+    EXPECT(vmm_arena_quiesce_on_stream(a, made_up[i], i), UNKNOWN);
+    CHECK(strstr(vmm_arena_last_error(), "vmm_arena_quiesce_on_stream") != NULL);
+  }
+  EXPECT(vmm_arena_quiesce_on_stream(a, 0xDEAD, 0), UNKNOWN);
+  CHECK(strstr(vmm_arena_last_error(), "0xdead") != NULL); /* the id as the caller spelled it */
+  OK(vmm_arena_free(a, v));
+  EXPECT(vmm_arena_quiesce_on_stream(a, v, 0), UNKNOWN); /* freed */
+  OK(vmm_arena_alloc(a, 300, &s, &ps));
+  fill(ps, 300, 61);
+  vmm_arena_stats before = stats_of(a);
+  OK(vmm_arena_quiesce_on_stream(a, s, 3)); /* small: nothing to record */
+  OK(vmm_arena_quiesce_on_stream(a, s, 3));
+  vmm_arena_stats after = stats_of(a);
+  CHECK(memcmp(&before, &after, sizeof before) == 0 && ptr_of(a, s) == ps && intact(ps, 300, 61));
+  OK(vmm_arena_alloc(a, K, &x, &px));
+  OK(vmm_arena_pin(a, x));
+  OK(vmm_arena_quiesce_on_stream(a, x, 0)); /* pinned: fine */
+  OK(vmm_arena_unpin(a, x));
+  /* Asleep: ASLEEP, and nothing changes; awake again, fine. */
+  OK(vmm_arena_alloc(a, 2 * K, &w, &pw));
+  fill(pw, 2 * K, 62);
+  OK(vmm_arena_set_tag(a, w, 2));
+  OK(vmm_arena_sleep(a, 2, VMM_ARENA_SLEEP_BACKUP));
+  before = stats_of(a);
+  EXPECT(vmm_arena_quiesce_on_stream(a, w, 0), VMM_ARENA_ERR_ASLEEP);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_quiesce_on_stream") != NULL);
+  after = stats_of(a);
+  CHECK(memcmp(&before, &after, sizeof before) == 0);
+  OK(vmm_arena_wake(a, 2));
+  CHECK(ptr_of(a, w) == pw && intact(pw, 2 * K, 62));
+  OK(vmm_arena_quiesce_on_stream(a, w, 0));
+  CHECK(snapshot_stat(a, "quiesces") == 0); /* the host records no event */
+  OK(vmm_arena_free(a, s));
+  OK(vmm_arena_free(a, x));
+  OK(vmm_arena_free(a, w));
+  CHECK(stats_of(a).live_allocations == 0);
+  vmm_arena_destroy(a);
+
+  /* Quiesce, free, allocate: two faulty arenas (their driver objects are
+   * counted) driven alike, q with the promise (twice), c without. They
+   * agree on every stat of vmm_arena_stats at every step; q's freed chunks
+   * are idle, and the allocation that takes them at another address
+   * synchronizes in c only. */
+  vmm_arena_config cfg = host_config(8, 64, 0);
+  vmm_arena *q, *c;
+  OK(vmm_arena_testing_create_faulty(&cfg, &q));
+  OK(vmm_arena_testing_create_faulty(&cfg, &c));
+  vmm_arena_id gq, gc, nq, nc, hq, hc;
+  uint64_t pgq, pgc, pn, phq, phc;
+  OK(vmm_arena_alloc_growable(q, 3 * K, 4 * K, &gq, &pgq));
+  OK(vmm_arena_alloc_growable(c, 3 * K, 4 * K, &gc, &pgc));
+  OK(vmm_arena_alloc(q, K, &nq, &pn));
+  OK(vmm_arena_alloc(c, K, &nc, &pn));
+  fill(pgq, 3 * K, 63);
+  OK(vmm_arena_quiesce_on_stream(q, gq, 7));
+  OK(vmm_arena_quiesce_on_stream(q, gq, 0)); /* a second promise changes nothing */
+  CHECK(ptr_of(q, gq) == pgq && intact(pgq, 3 * K, 63)); /* still usable */
+  vmm_arena_stats sq = stats_of(q), sc = stats_of(c);
+  CHECK(memcmp(&sq, &sc, sizeof sq) == 0);
+  CHECK(snapshot_stat(q, "idle_cached_bytes") == 0 && snapshot_stat(q, "quiesces") == 0);
+  OK(vmm_arena_free(q, gq));
+  OK(vmm_arena_free(c, gc));
+  EXPECT(vmm_arena_quiesce_on_stream(q, gq, 0), UNKNOWN); /* freed */
+  sq = stats_of(q), sc = stats_of(c);
+  CHECK(memcmp(&sq, &sc, sizeof sq) == 0);
+  CHECK(sq.live_allocations == 1 && sq.mapped_bytes == K && sq.pooled_bytes == 3 * K);
+  CHECK(snapshot_stat(q, "cached_mapped_bytes") == 3 * K && snapshot_stat(c, "cached_mapped_bytes") == 3 * K);
+  CHECK(snapshot_stat(q, "idle_cached_bytes") == 3 * K && snapshot_stat(c, "idle_cached_bytes") == 0);
+  const uint64_t syncs_q = snapshot_stat(q, "driver_syncs"), syncs_c = snapshot_stat(c, "driver_syncs");
+  OK(vmm_arena_alloc(q, 7 * K, &hq, &phq)); /* the whole capacity: takes the cached chunks */
+  OK(vmm_arena_alloc(c, 7 * K, &hc, &phc));
+  CHECK(phq - pgq == phc - pgc && phq != pgq); /* at another address, the same in both */
+  CHECK(snapshot_stat(q, "driver_syncs") == syncs_q);     /* idle: no synchronize */
+  CHECK(snapshot_stat(c, "driver_syncs") == syncs_c + 1); /* not known idle: one */
+  sq = stats_of(q), sc = stats_of(c);
+  CHECK(memcmp(&sq, &sc, sizeof sq) == 0);
+  CHECK(sq.live_allocations == 2 && sq.mapped_bytes == 8 * K && sq.pooled_bytes == 0);
+  fill(phq, 7 * K, 64);
+  CHECK(intact(phq, 7 * K, 64));
+  driver_holds_what_the_arena_holds(q);
+  driver_holds_what_the_arena_holds(c);
+  OK(vmm_arena_free(q, hq));
+  OK(vmm_arena_free(q, nq));
+  OK(vmm_arena_free(c, hc));
+  OK(vmm_arena_free(c, nc));
+  OK(vmm_arena_trim(q, 0, NULL));
+  uint64_t chunks = 1, mappings = 1;
+  OK(vmm_arena_testing_driver_objects(q, &chunks, &mappings));
+  CHECK(chunks == 0 && mappings == 0 && stats_of(q).live_allocations == 0);
+  vmm_arena_destroy(q);
+  vmm_arena_destroy(c);
+
+  /* What ends the promise and what keeps it. */
+  a = make(8, 64, 0);
+  vmm_arena_id g, n;
+  uint64_t pg, pnb, p;
+  /* A shrink keeps it: the dropped chunks are idle at once, the rest at the free. */
+  OK(vmm_arena_alloc_growable(a, 3 * K, 4 * K, &g, &pg));
+  fill(pg, 3 * K, 65);
+  OK(vmm_arena_quiesce_on_stream(a, g, 1));
+  OK(vmm_arena_resize(a, g, K, &p));
+  CHECK(p == pg && intact(pg, K, 65) && snapshot_stat(a, "idle_cached_bytes") == 2 * K);
+  OK(vmm_arena_free(a, g));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == 3 * K);
+  OK(vmm_arena_trim(a, 0, NULL));
+  /* Growth works, keeps the bytes, and ends it: nothing idle at the free. */
+  OK(vmm_arena_alloc_growable(a, K, 4 * K, &g, &pg));
+  fill(pg, K, 66);
+  OK(vmm_arena_quiesce_on_stream(a, g, 1));
+  OK(vmm_arena_resize(a, g, 3 * K, &p));
+  CHECK(p == pg && intact(pg, K, 66) && stats_of(a).mapped_bytes == 3 * K);
+  fill(pg, 3 * K, 66);
+  OK(vmm_arena_free(a, g));
+  CHECK(snapshot_stat(a, "cached_mapped_bytes") == 3 * K && snapshot_stat(a, "idle_cached_bytes") == 0);
+  OK(vmm_arena_trim(a, 0, NULL));
+  /* A move (growth past the reservation, a neighbour after it): its old
+   * range is idle, so releasing it synchronizes nothing; the promise ends. */
+  OK(vmm_arena_alloc_growable(a, 2 * K, 2 * K, &g, &pg));
+  OK(vmm_arena_alloc(a, K, &n, &pnb));
+  CHECK(pnb == pg + 2 * K);
+  fill(pg, 2 * K, 67);
+  OK(vmm_arena_quiesce_on_stream(a, g, 1));
+  OK(vmm_arena_resize(a, g, 4 * K, &p));
+  CHECK(p != pg && intact(p, 2 * K, 67) && stats_of(a).retired_va_bytes == 2 * K);
+  uint64_t syncs = snapshot_stat(a, "driver_syncs");
+  OK(vmm_arena_release_retired(a));
+  CHECK(stats_of(a).retired_va_bytes == 0 && snapshot_stat(a, "driver_syncs") == syncs);
+  OK(vmm_arena_free(a, g));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == 0);
+  OK(vmm_arena_free(a, n));
+  OK(vmm_arena_trim(a, 0, NULL));
+  /* A sleep ends it (waking restores the bytes, for new work). */
+  OK(vmm_arena_alloc_growable(a, 3 * K, 4 * K, &g, &pg));
+  fill(pg, 3 * K, 68);
+  OK(vmm_arena_quiesce_on_stream(a, g, 1));
+  OK(vmm_arena_set_tag(a, g, 5));
+  OK(vmm_arena_sleep(a, 5, VMM_ARENA_SLEEP_BACKUP));
+  OK(vmm_arena_wake(a, 5));
+  CHECK(ptr_of(a, g) == pg && intact(pg, 3 * K, 68));
+  OK(vmm_arena_free(a, g));
+  CHECK(snapshot_stat(a, "cached_mapped_bytes") == 3 * K && snapshot_stat(a, "idle_cached_bytes") == 0);
+  OK(vmm_arena_trim(a, 0, NULL));
+  /* A stream-ordered free of a quiesced allocation: idle at once too. */
+  OK(vmm_arena_alloc_growable(a, 3 * K, 4 * K, &g, &pg));
+  OK(vmm_arena_quiesce_on_stream(a, g, 1));
+  OK(vmm_arena_free_on_stream(a, g, 1));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == 3 * K && snapshot_stat(a, "pending_free_bytes") == 0);
+  CHECK(stats_of(a).live_allocations == 0);
+  OK(vmm_arena_trim(a, 0, NULL));
+  /* vmm_arena_unquiesce ends it without growth: what was given up before
+   * stays idle, what is given up after is not; no driver call. */
+  EXPECT(vmm_arena_unquiesce(NULL, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_unquiesce") != NULL);
+  OK(vmm_arena_alloc_growable(a, 3 * K, 4 * K, &g, &pg));
+  fill(pg, 3 * K, 69);
+  OK(vmm_arena_unquiesce(a, g)); /* no promise: nothing to end */
+  OK(vmm_arena_quiesce_on_stream(a, g, 1));
+  OK(vmm_arena_resize(a, g, 2 * K, &p));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == K);
+  const uint64_t driver_calls = snapshot_stat(a, "caller_driver_calls");
+  OK(vmm_arena_unquiesce(a, g));
+  CHECK(snapshot_stat(a, "caller_driver_calls") == driver_calls && ptr_of(a, g) == pg && intact(pg, 2 * K, 69));
+  OK(vmm_arena_resize(a, g, K, &p));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == K); /* the second shrink's chunk is not idle */
+  OK(vmm_arena_free(a, g));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == K && snapshot_stat(a, "cached_mapped_bytes") == 3 * K);
+  EXPECT(vmm_arena_unquiesce(a, g), UNKNOWN);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_unquiesce") != NULL);
+  vmm_arena_destroy(a);
+
+  /* A failed event record: DRIVER, and nothing changed (no promise: the
+   * free after it leaves nothing idle). Small and sleeping allocations
+   * record none (the planned failure does not fire). */
+  cfg = host_config(8, 32, 0);
+  OK(vmm_arena_testing_create_faulty(&cfg, &a));
+  vmm_arena_id t, z;
+  uint64_t pt, pz, calls, injected0, injected;
+  OK(vmm_arena_alloc_growable(a, 3 * K, 4 * K, &g, &pg));
+  OK(vmm_arena_alloc(a, 300, &t, &pt));
+  OK(vmm_arena_alloc(a, K, &z, &pz));
+  OK(vmm_arena_set_tag(a, z, 3));
+  OK(vmm_arena_sleep(a, 3, 0));
+  fill(pg, 3 * K, 69);
+  OK(vmm_arena_testing_driver_calls(a, &calls, &injected0));
+  OK(vmm_arena_testing_fail_nth(a, CALL_EVENT, 1, FAULT_DRIVER));
+  OK(vmm_arena_quiesce_on_stream(a, t, 4)); /* small */
+  EXPECT(vmm_arena_quiesce_on_stream(a, z, 4), VMM_ARENA_ERR_ASLEEP);
+  EXPECT(vmm_arena_quiesce_on_stream(a, 0xBAD, 4), UNKNOWN);
+  OK(vmm_arena_testing_driver_calls(a, &calls, &injected));
+  CHECK(injected == injected0);
+  before = stats_of(a);
+  static char json_before[1 << 13], json_after[1 << 13];
+  snapshot_stats(a, json_before, sizeof json_before);
+  EXPECT(vmm_arena_quiesce_on_stream(a, g, 4), VMM_ARENA_ERR_DRIVER);
+  CHECK(strstr(vmm_arena_last_error(), "vmm_arena_quiesce_on_stream") != NULL);
+  OK(vmm_arena_testing_driver_calls(a, &calls, &injected));
+  CHECK(injected == injected0 + 1);
+  after = stats_of(a);
+  CHECK(memcmp(&before, &after, sizeof before) == 0);
+  snapshot_stats(a, json_after, sizeof json_after);
+  CHECK(strcmp(json_before, json_after) == 0);
+  CHECK(ptr_of(a, g) == pg && intact(pg, 3 * K, 69));
+  OK(vmm_arena_free(a, g));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == 0); /* the failed call promised nothing */
+  OK(vmm_arena_alloc_growable(a, 3 * K, 4 * K, &g, &pg));
+  OK(vmm_arena_quiesce_on_stream(a, g, 4)); /* the plan is spent */
+  OK(vmm_arena_free(a, g));
+  CHECK(snapshot_stat(a, "idle_cached_bytes") == 3 * K);
+  driver_holds_what_the_arena_holds(a);
+  OK(vmm_arena_free(a, t));
+  OK(vmm_arena_free(a, z));
+  OK(vmm_arena_trim(a, 0, NULL));
+  OK(vmm_arena_testing_driver_objects(a, &chunks, &mappings));
+  CHECK(chunks == 0 && mappings == 0);
+  vmm_arena_destroy(a);
+}
 #endif
 
 int main(void) {
@@ -1637,6 +1887,7 @@ int main(void) {
 #ifdef VMM_ARENA_FLAG_BACKGROUND
       {"stream_free_and_prefetch", test_stream_free_and_prefetch},
       {"resize_on_stream", test_resize_on_stream},
+      {"quiesce_on_stream", test_quiesce_on_stream},
 #endif
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {

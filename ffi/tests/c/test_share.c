@@ -122,6 +122,9 @@ static void test_in_one_process(void) {
   CHECK(s.live_allocations == 0 && s.mapped_bytes == 0);
   EXPECT(vmm_arena_resize(im, y, K, &ptr), VMM_ARENA_ERR_INVALID_ARGUMENT);
   EXPECT(vmm_arena_resize_on_stream(im, y, K, 0, &ptr), VMM_ARENA_ERR_INVALID_ARGUMENT); /* as resize */
+  OK(vmm_arena_quiesce_on_stream(im, y, 0)); /* an import: nothing to record, unchanged */
+  OK(vmm_arena_query(im, y, &ptr, &size));
+  CHECK(ptr == yp && size == SIZE && same(yp, 100, 1));
 
   /* Pinned while open: growth past the neighbour is refused. */
   vmm_arena_id nb = 0;
@@ -132,6 +135,7 @@ static void test_in_one_process(void) {
   EXPECT(vmm_arena_resize(ex, x, K, &ptr), VMM_ARENA_ERR_INVALID_ARGUMENT); /* below its exported chunks */
   EXPECT(vmm_arena_resize_on_stream(ex, x, 6 * K, 1, &ptr), VMM_ARENA_ERR_PINNED);
   EXPECT(vmm_arena_resize_on_stream(ex, x, K, 1, &ptr), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  OK(vmm_arena_quiesce_on_stream(ex, x, 1)); /* an export: nothing to record */
   OK(vmm_arena_query(ex, x, NULL, &size));
   CHECK(size == SIZE && same(xp, 100, 1)); /* unchanged (the importer wrote at 100) */
   vmm_arena_export_close(e);
@@ -150,6 +154,7 @@ static void test_in_one_process(void) {
     CHECK(((uint8_t *)(uintptr_t)yp)[i] == pattern(1, i));
   OK(vmm_arena_free(im, y));
   EXPECT(vmm_arena_free(im, y), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  EXPECT(vmm_arena_quiesce_on_stream(im, y, 0), VMM_ARENA_ERR_UNKNOWN_ALLOCATION); /* a freed import */
   OK(vmm_arena_sharing_stats(im, &n_imp, &b_imp, NULL));
   CHECK(n_imp == 0 && b_imp == 0);
 

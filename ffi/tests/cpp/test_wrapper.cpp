@@ -357,6 +357,68 @@ void test_resize_on_stream() {
   CHECK(g.resize_on_stream(K, 0) == p1 && intact(p1, K / 2, 9));
 }
 
+// A number from the snapshot's stats ("key":value).
+uint64_t snapshot_stat(const vmm::Arena &arena, const char *key) {
+  const std::string json = arena.snapshot_json();
+  const std::string pat = std::string("\"") + key + "\":";
+  size_t at = json.find(pat, json.find("\"stats\""));
+  CHECK(at != std::string::npos);
+  return std::stoull(json.substr(at + pat.size()));
+}
+
+void test_quiesce_on_stream() {
+  vmm::Arena arena(small(8, 32));
+  vmm::Allocation g = arena.alloc_growable(3 * K, 4 * K);
+  vmm::Allocation n = arena.alloc(K);
+  uint64_t p0 = g.ptr();
+  fill(p0, 3 * K, 11);
+  g.quiesce_on_stream(0);
+  CHECK(g.try_quiesce_on_stream(5).ok());  // a second promise changes nothing
+  CHECK(g.ptr() == p0 && g.size() == 3 * K && intact(p0, 3 * K, 11));
+  CHECK(snapshot_stat(arena, "idle_cached_bytes") == 0 && snapshot_stat(arena, "quiesces") == 0);  // host
+  // A shrink keeps the promise: the dropped chunks are idle at once.
+  CHECK(g.resize(2 * K) == p0 && intact(p0, 2 * K, 11));
+  CHECK(snapshot_stat(arena, "idle_cached_bytes") == K);
+  g.free();
+  CHECK(!g && snapshot_stat(arena, "idle_cached_bytes") == 3 * K);
+  // Growth works and ends it: nothing idle at the free.
+  vmm::Allocation h = arena.alloc_growable(K, 4 * K);
+  uint64_t ph = h.ptr();
+  fill(ph, K, 12);
+  h.quiesce_on_stream(3);
+  CHECK(h.resize(3 * K) == ph && intact(ph, K, 12));
+  arena.trim(0);
+  h.free();
+  CHECK(snapshot_stat(arena, "cached_mapped_bytes") == 3 * K && snapshot_stat(arena, "idle_cached_bytes") == 0);
+  // Errors, thrown or returned: unknown, asleep.
+  vmm::Allocation bogus = vmm::Allocation::adopt(arena.get(), 0x123456789ull);
+  CHECK(thrown_status([&] { bogus.quiesce_on_stream(0); }) == vmm::Status::UnknownAllocation);
+  auto t = bogus.try_quiesce_on_stream(0);
+  CHECK(!t && t.status() == vmm::Status::UnknownAllocation);
+  CHECK(t.message().find("vmm_arena_quiesce_on_stream") != std::string::npos);
+  bogus.release();
+  vmm::Allocation s = arena.alloc_growable(2 * K, 2 * K);
+  s.set_tag(4);
+  arena.sleep(4, VMM_ARENA_SLEEP_BACKUP);
+  CHECK(thrown_status([&] { s.quiesce_on_stream(0); }) == vmm::Status::Asleep);
+  CHECK(s.try_quiesce_on_stream(0).status() == vmm::Status::Asleep);
+  arena.wake(4);
+  CHECK(s.try_quiesce_on_stream(0).ok());
+  vmm::Allocation tiny = arena.alloc(100);  // small: nothing to record, fine
+  tiny.quiesce_on_stream(0);
+  CHECK(arena.stats().live_allocations == 3);
+  // unquiesce ends it without growth: a later shrink's chunk is not idle.
+  arena.trim(0);
+  s.unquiesce();
+  CHECK(s.resize(K) == s.ptr());
+  CHECK(snapshot_stat(arena, "idle_cached_bytes") == 0 && snapshot_stat(arena, "cached_mapped_bytes") == K);
+  vmm::Allocation bogus2 = vmm::Allocation::adopt(arena.get(), 0x123456789ull);
+  CHECK(thrown_status([&] { bogus2.unquiesce(); }) == vmm::Status::UnknownAllocation);
+  auto u = bogus2.try_unquiesce();
+  CHECK(!u && u.status() == vmm::Status::UnknownAllocation);
+  bogus2.release();
+}
+
 void test_alloc_shared() {
   vmm::Arena arena(small(8, 32));
   vmm::Allocation prefix = arena.alloc(3 * K);
@@ -493,6 +555,8 @@ int main() {
   test_prefetch_stream_free_resize_many();
   std::printf("test_wrapper: resize_on_stream\n");
   test_resize_on_stream();
+  std::printf("test_wrapper: quiesce_on_stream\n");
+  test_quiesce_on_stream();
   std::printf("test_wrapper: alloc_shared\n");
   test_alloc_shared();
   std::printf("test_wrapper: threads\n");

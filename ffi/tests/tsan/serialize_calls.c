@@ -94,6 +94,9 @@ WRAP(vmm_arena_status, vmm_arena_resize, (vmm_arena * a, vmm_arena_id id, uint64
      (a, id, size, p))
 WRAP(vmm_arena_status, vmm_arena_resize_on_stream,
      (vmm_arena * a, vmm_arena_id id, uint64_t size, uint64_t stream, uint64_t *p), (a, id, size, stream, p))
+WRAP(vmm_arena_status, vmm_arena_quiesce_on_stream, (vmm_arena * a, vmm_arena_id id, uint64_t stream),
+     (a, id, stream))
+WRAP(vmm_arena_status, vmm_arena_unquiesce, (vmm_arena * a, vmm_arena_id id), (a, id))
 WRAP(vmm_arena_status, vmm_arena_query, (vmm_arena * a, vmm_arena_id id, uint64_t *p, uint64_t *size),
      (a, id, p, size))
 WRAP(vmm_arena_status, vmm_arena_pin, (vmm_arena * a, vmm_arena_id id), (a, id))
