@@ -31,6 +31,16 @@
 //!      reach, which the contract says is no error), what earlier
 //!      rounds did stays (pooled), no allocation changed, the failure counts
 //!      in `maintain_failures`, and a second maintain completes the work;
+//!    - `Promise` ([`Arena::quiesce_on_stream`]): `Atomic`, and no promise
+//!      made: freeing the allocation leaves nothing known idle (host), where
+//!      the twin's free leaves its pages known idle;
+//!
+//!    except that a failed event poll, or a failed destroy of a completed
+//!    event, which the arena absorbs by design (the poll reads as not
+//!    complete yet; the destroy leaks one event), lets the operation
+//!    succeed with the twin's change to the allocations: only a GPU has
+//!    events to poll (the host records none), so on the host the matrix
+//!    never takes that exit;
 //!
 //!    and in every case: no chunk, mapping or host buffer leaked (the
 //!    driver's live chunks equal the arena's held memory, its live mappings
@@ -78,6 +88,11 @@ enum Expect {
     /// changed, nothing lost, the failure counted in `maintain_failures`;
     /// a maintain without faults then reaches the twin's prefetch.
     Maintain,
+    /// [`Arena::quiesce_on_stream`] of `ids[0]`: `Atomic`, and the failed
+    /// call made no promise: on the host (where a promise holds at once)
+    /// freeing the allocation then leaves none of its pages known idle,
+    /// where the twin's free leaves them all.
+    Promise,
 }
 
 struct Case {
@@ -96,6 +111,22 @@ struct Case {
 
 fn alloc(a: &Arena, size: u64) -> Id {
     a.alloc(size).unwrap().0
+}
+
+/// Quiesces `id` and polls until no event is pending (on a GPU, where the
+/// promise's event is recorded: the device is idle, so it completes at
+/// once; on the host nothing is recorded): the case then starts from a
+/// promise known kept, whatever the timing.
+fn quiesce_kept(a: &Arena, id: Id) {
+    a.quiesce_on_stream(id, 0).unwrap();
+    for _ in 0..100_000 {
+        let polls = a.stats().unwrap().event_polls;
+        a.maintain().unwrap();
+        if a.stats().unwrap().event_polls == polls {
+            return; // nothing pending was polled
+        }
+    }
+    panic!("the promise's event never completed");
 }
 
 fn cases() -> Vec<Case> {
@@ -531,7 +562,8 @@ fn cases() -> Vec<Case> {
                 let (sh, _) = a.alloc_shared(src, 0, 3 * c, 4 * c).unwrap();
                 vec![src, sh]
             },
-            op: |a, ids, c| a.resize_on_stream(ids[1], c, 3).map(|_| ()),
+            // Stream 0: a CUstream on a GPU too.
+            op: |a, ids, c| a.resize_on_stream(ids[1], c, 0).map(|_| ()),
             expect: Expect::Atomic,
         },
         Case {
@@ -562,6 +594,76 @@ fn cases() -> Vec<Case> {
             },
             op: |a, _, _| a.sleep(1, SLEEP_BACKUP),
             expect: Expect::Sleep,
+        },
+        Case {
+            // Its call: the event record (on a GPU, then its poll).
+            name: "quiesce_on_stream (records the promise's event)",
+            cap: 8,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| vec![alloc(a, 2 * c), alloc(a, c), alloc(a, 700)],
+            op: |a, ids, _| a.quiesce_on_stream(ids[0], 0),
+            expect: Expect::Promise,
+        },
+        Case {
+            name: "free_on_stream of a quiesced allocation (retain 0: no event, no synchronize)",
+            cap: 8,
+            reserve: 16,
+            retain: 0,
+            setup: |a, c| {
+                let x = alloc(a, 2 * c);
+                quiesce_kept(a, x);
+                vec![x, alloc(a, c)]
+            },
+            // Freed at once; its chunks, known idle, go back.
+            op: |a, ids, _| a.free_on_stream(ids.remove(0), 0),
+            expect: Expect::BestEffort,
+        },
+        Case {
+            name: "resize_on_stream: shrink of a quiesced allocation (retain 0: no event, no synchronize)",
+            cap: 8,
+            reserve: 16,
+            retain: 0,
+            setup: |a, c| {
+                let x = alloc(a, 4 * c);
+                quiesce_kept(a, x);
+                vec![x, alloc(a, c)]
+            },
+            // The promise covers the tail: no event; known idle, it goes back.
+            op: |a, ids, c| a.resize_on_stream(ids[0], c, 0).map(drop),
+            expect: Expect::BestEffort,
+        },
+        Case {
+            name: "compact of a quiesced allocation (its old range unmapped, no synchronize)",
+            cap: 8,
+            reserve: 8,
+            retain: KEEP,
+            setup: |a, c| {
+                let hole = alloc(a, 2 * c); // [0, 2)
+                let x = alloc(a, 2 * c); // [2, 4)
+                a.free(hole).unwrap();
+                a.trim(0).unwrap(); // nothing cached where x goes
+                quiesce_kept(a, x);
+                vec![x]
+            },
+            op: |a, _, _| a.compact().map(drop),
+            expect: Expect::Atomic,
+        },
+        Case {
+            name: "alloc that steals a quiesced allocation's cached chunks (no synchronize)",
+            cap: 5,
+            reserve: 16,
+            retain: KEEP,
+            setup: |a, c| {
+                let x = alloc(a, 2 * c); // [0, 2)
+                quiesce_kept(a, x);
+                let y = alloc(a, 2 * c); // [2, 4)
+                a.free(x).unwrap(); // two cached chunks, known idle once the promise is
+                vec![y]
+            },
+            // Three pages at [4, 7): the two cached chunks and a new one.
+            op: |a, ids, c| a.alloc(3 * c).map(|(id, _)| ids.push(id)),
+            expect: Expect::Atomic,
         },
     ]
 }
@@ -726,6 +828,8 @@ struct Row {
     by_kind: BTreeMap<CallKind, u64>,
     moves: u64,
     injected: u64,
+    /// Injected failures the arena absorbed by design (event polls).
+    absorbed: u64,
 }
 
 fn run_case(case: &Case) -> Row {
@@ -744,10 +848,19 @@ fn run_case(case: &Case) -> Row {
     let twin_stats = a.stats().unwrap();
     let moves = twin_stats.moves - moves0;
     check_no_leak(case.name, &a, &d);
+    if case.expect == Expect::Promise && d.host.is_some() {
+        // What the failed calls must not do: the twin's promise makes what
+        // its free leaves known idle.
+        let (idle0, mapped) = (twin_stats.idle_cached_bytes, a.query(ids[0]).unwrap().mapped_bytes);
+        a.free(ids[0]).unwrap();
+        let idle = a.stats().unwrap().idle_cached_bytes;
+        assert_eq!(idle - idle0, mapped, "{}: the twin's free of its quiesced allocation", case.name);
+    }
     drop(a);
     assert_eq!((fd.live_chunks(), fd.live_mappings()), (0, 0), "{}: dropping the arena releases all", case.name);
 
     let mut injected = 0;
+    let mut absorbed_events = 0;
     for i in 1..=calls {
         for kind in FaultKind::ALL {
             let what = format!("{} / call {i} of {calls} fails with {kind:?}", case.name);
@@ -759,97 +872,125 @@ fn run_case(case: &Case) -> Row {
             let r = (case.op)(&a, &mut ids, c);
             assert!(!fd.pending(), "{what}: the operation made fewer calls than its twin");
             injected += 1;
-            match case.expect {
-                Expect::Sleep if r.is_ok() => {
-                    let snap = Snap::of(&a);
-                    let s = a.stats().unwrap();
-                    assert_eq!(live_part(&snap), live_part(&twin), "{what}: the sleep differs from the twin's");
-                    let asleep = |s: &Snap| s.live().filter(|r| r.asleep).map(|r| r.addr).collect::<Vec<_>>();
-                    assert_eq!(asleep(&snap), asleep(&twin), "{what}: not the twin's sleepers");
-                    assert_eq!(
-                        (s.live_allocations, s.live_bytes, s.mapped_bytes, s.asleep_bytes, s.backup_bytes),
-                        (
-                            twin_stats.live_allocations,
-                            twin_stats.live_bytes,
-                            twin_stats.mapped_bytes,
-                            twin_stats.asleep_bytes,
-                            twin_stats.backup_bytes
-                        ),
-                        "{what}"
-                    );
-                    assert_eq!(s.release_failures, 1, "{what}: only a release may fail after the unmaps");
-                    assert_eq!(s.pooled_bytes, twin_stats.pooled_bytes + c, "{what}: the chunk stays pooled");
-                }
-                Expect::Maintain => {
-                    match kind {
-                        // The device is out of memory: a target out of reach, no error.
-                        FaultKind::OutOfMemory => r.unwrap_or_else(|e| panic!("{what}: {e}")),
-                        FaultKind::Driver => {
-                            let e = r.expect_err(&what);
-                            assert_eq!(e.status(), status_of(kind), "{what}: {e}");
+            // A failed call the arena absorbs by design (see the module doc):
+            // an event's poll or destroy. Only a record can fail the call.
+            let absorbed = r.is_ok() && fd.last_injected() == Some(CallKind::Event);
+            if absorbed {
+                assert!(d.host.is_none(), "{what}: the host has no event to poll or destroy");
+                let s = a.stats().unwrap();
+                assert_eq!(live_part(&Snap::of(&a)), live_part(&twin), "{what}: the change differs from the twin's");
+                assert_eq!(
+                    (s.live_allocations, s.live_bytes),
+                    (twin_stats.live_allocations, twin_stats.live_bytes),
+                    "{what}"
+                );
+                absorbed_events += 1;
+            } else {
+                match case.expect {
+                    Expect::Sleep if r.is_ok() => {
+                        let snap = Snap::of(&a);
+                        let s = a.stats().unwrap();
+                        assert_eq!(live_part(&snap), live_part(&twin), "{what}: the sleep differs from the twin's");
+                        let asleep = |s: &Snap| s.live().filter(|r| r.asleep).map(|r| r.addr).collect::<Vec<_>>();
+                        assert_eq!(asleep(&snap), asleep(&twin), "{what}: not the twin's sleepers");
+                        assert_eq!(
+                            (s.live_allocations, s.live_bytes, s.mapped_bytes, s.asleep_bytes, s.backup_bytes),
+                            (
+                                twin_stats.live_allocations,
+                                twin_stats.live_bytes,
+                                twin_stats.mapped_bytes,
+                                twin_stats.asleep_bytes,
+                                twin_stats.backup_bytes
+                            ),
+                            "{what}"
+                        );
+                        assert_eq!(s.release_failures, 1, "{what}: only a release may fail after the unmaps");
+                        assert_eq!(s.pooled_bytes, twin_stats.pooled_bytes + c, "{what}: the chunk stays pooled");
+                    }
+                    Expect::Maintain => {
+                        match kind {
+                            // The device is out of memory: a target out of reach, no error.
+                            FaultKind::OutOfMemory => r.unwrap_or_else(|e| panic!("{what}: {e}")),
+                            FaultKind::Driver => {
+                                let e = r.expect_err(&what);
+                                assert_eq!(e.status(), status_of(kind), "{what}: {e}");
+                            }
+                        }
+                        let snap = Snap::of(&a);
+                        let s = a.stats().unwrap();
+                        assert_eq!(live_part(&snap), live_part(&pre.snap), "{what}: maintain changed an allocation");
+                        assert_eq!(
+                            (s.live_allocations, s.live_bytes, s.mapped_bytes),
+                            (pre.stats.live_allocations, pre.stats.live_bytes, pre.stats.mapped_bytes),
+                            "{what}"
+                        );
+                        assert_eq!(s.maintain_failures, 1, "{what}: the failure is counted");
+                        assert!(s.pooled_bytes >= pre.stats.pooled_bytes, "{what}: nothing pooled was lost");
+                        for (&id, want) in &pre.bytes {
+                            assert_eq!(&read_all(&a, id), want, "{what}: bytes of {id}");
+                        }
+                        check_no_leak(&what, &a, &d);
+                        d.fault.clear();
+                        a.maintain().unwrap_or_else(|e| panic!("{what}: a maintain after the fault: {e}"));
+                        let s = a.stats().unwrap();
+                        assert_eq!(
+                            (s.pooled_bytes, s.prefetched_bytes),
+                            (twin_stats.pooled_bytes, twin_stats.prefetched_bytes),
+                            "{what}: the second maintain reaches the twin's prefetch"
+                        );
+                    }
+                    Expect::Atomic | Expect::Sleep => {
+                        let e = r.expect_err(&what);
+                        assert_eq!(e.status(), status_of(kind), "{what}: {e}");
+                        let pre_ids: Vec<Id> = pre.bytes.keys().copied().collect();
+                        pre.assert_same(&record(&a, &d, &pre_ids), &what);
+                    }
+                    Expect::BestEffort => {
+                        r.unwrap_or_else(|e| panic!("{what}: a give-back failure must not fail the call: {e}"));
+                        let snap = Snap::of(&a);
+                        let s = a.stats().unwrap();
+                        assert_eq!(live_part(&snap), live_part(&twin), "{what}: the change differs from the twin's");
+                        assert_eq!(
+                            (s.live_allocations, s.live_bytes, s.mapped_bytes),
+                            (twin_stats.live_allocations, twin_stats.live_bytes, twin_stats.mapped_bytes),
+                            "{what}"
+                        );
+                        assert_eq!(s.release_failures, 1, "{what}: the failure is counted");
+                        assert!(s.pooled_bytes >= twin_stats.pooled_bytes, "{what}");
+                    }
+                    Expect::Trim => {
+                        let e = r.expect_err(&what);
+                        assert_eq!(e.status(), status_of(kind), "{what}: {e}");
+                        let snap = Snap::of(&a).without_driver_counters();
+                        let s = a.stats().unwrap();
+                        assert_eq!(live_part(&snap), live_part(&pre.snap), "{what}: trim moved an allocation");
+                        assert_eq!(
+                            (s.live_allocations, s.live_bytes, s.mapped_bytes),
+                            (pre.stats.live_allocations, pre.stats.live_bytes, pre.stats.mapped_bytes),
+                            "{what}"
+                        );
+                        let released = s.driver_releases - releases0;
+                        assert_eq!(
+                            pre.stats.pooled_bytes - s.pooled_bytes,
+                            released * c,
+                            "{what}: what was released is gone from the pool, the rest stays pooled"
+                        );
+                        for (&id, want) in &pre.bytes {
+                            assert_eq!(&read_all(&a, id), want, "{what}: bytes of {id}");
                         }
                     }
-                    let snap = Snap::of(&a);
-                    let s = a.stats().unwrap();
-                    assert_eq!(live_part(&snap), live_part(&pre.snap), "{what}: maintain changed an allocation");
-                    assert_eq!(
-                        (s.live_allocations, s.live_bytes, s.mapped_bytes),
-                        (pre.stats.live_allocations, pre.stats.live_bytes, pre.stats.mapped_bytes),
-                        "{what}"
-                    );
-                    assert_eq!(s.maintain_failures, 1, "{what}: the failure is counted");
-                    assert!(s.pooled_bytes >= pre.stats.pooled_bytes, "{what}: nothing pooled was lost");
-                    for (&id, want) in &pre.bytes {
-                        assert_eq!(&read_all(&a, id), want, "{what}: bytes of {id}");
-                    }
-                    check_no_leak(&what, &a, &d);
-                    d.fault.clear();
-                    a.maintain().unwrap_or_else(|e| panic!("{what}: a maintain after the fault: {e}"));
-                    let s = a.stats().unwrap();
-                    assert_eq!(
-                        (s.pooled_bytes, s.prefetched_bytes),
-                        (twin_stats.pooled_bytes, twin_stats.prefetched_bytes),
-                        "{what}: the second maintain reaches the twin's prefetch"
-                    );
-                }
-                Expect::Atomic | Expect::Sleep => {
-                    let e = r.expect_err(&what);
-                    assert_eq!(e.status(), status_of(kind), "{what}: {e}");
-                    let pre_ids: Vec<Id> = pre.bytes.keys().copied().collect();
-                    pre.assert_same(&record(&a, &d, &pre_ids), &what);
-                }
-                Expect::BestEffort => {
-                    r.unwrap_or_else(|e| panic!("{what}: a give-back failure must not fail the call: {e}"));
-                    let snap = Snap::of(&a);
-                    let s = a.stats().unwrap();
-                    assert_eq!(live_part(&snap), live_part(&twin), "{what}: the change differs from the twin's");
-                    assert_eq!(
-                        (s.live_allocations, s.live_bytes, s.mapped_bytes),
-                        (twin_stats.live_allocations, twin_stats.live_bytes, twin_stats.mapped_bytes),
-                        "{what}"
-                    );
-                    assert_eq!(s.release_failures, 1, "{what}: the failure is counted");
-                    assert!(s.pooled_bytes >= twin_stats.pooled_bytes, "{what}");
-                }
-                Expect::Trim => {
-                    let e = r.expect_err(&what);
-                    assert_eq!(e.status(), status_of(kind), "{what}: {e}");
-                    let snap = Snap::of(&a).without_driver_counters();
-                    let s = a.stats().unwrap();
-                    assert_eq!(live_part(&snap), live_part(&pre.snap), "{what}: trim moved an allocation");
-                    assert_eq!(
-                        (s.live_allocations, s.live_bytes, s.mapped_bytes),
-                        (pre.stats.live_allocations, pre.stats.live_bytes, pre.stats.mapped_bytes),
-                        "{what}"
-                    );
-                    let released = s.driver_releases - releases0;
-                    assert_eq!(
-                        pre.stats.pooled_bytes - s.pooled_bytes,
-                        released * c,
-                        "{what}: what was released is gone from the pool, the rest stays pooled"
-                    );
-                    for (&id, want) in &pre.bytes {
-                        assert_eq!(&read_all(&a, id), want, "{what}: bytes of {id}");
+                    Expect::Promise => {
+                        let e = r.expect_err(&what);
+                        assert_eq!(e.status(), status_of(kind), "{what}: {e}");
+                        let pre_ids: Vec<Id> = pre.bytes.keys().copied().collect();
+                        pre.assert_same(&record(&a, &d, &pre_ids), &what);
+                        if d.host.is_some() {
+                            // No promise was made: its free leaves nothing known idle.
+                            let idle0 = a.stats().unwrap().idle_cached_bytes;
+                            a.free(ids.remove(0)).unwrap();
+                            let idle = a.stats().unwrap().idle_cached_bytes;
+                            assert_eq!(idle, idle0, "{what}: the failed call made the promise");
+                        }
                     }
                 }
             }
@@ -867,7 +1008,7 @@ fn run_case(case: &Case) -> Row {
             );
         }
     }
-    Row { name: case.name, calls, by_kind, moves, injected }
+    Row { name: case.name, calls, by_kind, moves, injected, absorbed: absorbed_events }
 }
 
 #[test]
@@ -877,9 +1018,19 @@ fn every_driver_call_of_every_operation_fails_cleanly() {
     println!("fault matrix ({} operations x their driver calls x {} fault kinds):", rows.len(), FaultKind::ALL.len());
     for r in &rows {
         println!(
-            "  {:<58} {:>2} moves {:>3} calls {:?} -> {:>3} faults",
-            r.name, r.moves, r.calls, r.by_kind, r.injected
+            "  {:<58} {:>2} moves {:>3} calls {:?} -> {:>3} faults{}",
+            r.name,
+            r.moves,
+            r.calls,
+            r.by_kind,
+            r.injected,
+            if r.absorbed > 0 { format!(" ({} absorbed: event polls)", r.absorbed) } else { String::new() }
         );
+        // What a kept promise saves (host, where it holds at once): the
+        // pages it gives up are known idle, unmapped without a synchronize.
+        if r.name.contains("no synchronize") && test_backend() == common::TestBackend::Host {
+            assert!(!r.by_kind.contains_key(&CallKind::Synchronize), "{}: {:?}", r.name, r.by_kind);
+        }
     }
     println!("fault matrix size: {total} injected faults");
     assert_eq!(total, rows.iter().map(|r| r.calls * 2).sum::<u64>());

@@ -81,6 +81,7 @@ fn ops_corpus_replays_against_the_model() {
     let mut ops = 0;
     let mut sharing = 0;
     let mut on_stream = 0;
+    let mut quiescing = 0;
     for f in &files {
         let data = std::fs::read(f).unwrap();
         let decoded = ops::decode(&data).1;
@@ -97,13 +98,20 @@ fn ops_corpus_replays_against_the_model() {
             _ => false,
         };
         on_stream += usize::from(decoded.iter().take(max_ops).any(resizes_on_stream));
+        let quiesces = |op: &ops::Op| match op {
+            ops::Op::Quiesce(..) | ops::Op::Unquiesce(_) => true,
+            ops::Op::Faulty(_, _, inner) => matches!(**inner, ops::Op::Quiesce(..) | ops::Op::Unquiesce(_)),
+            _ => false,
+        };
+        quiescing += usize::from(decoded.iter().take(max_ops).any(quiesces));
         if let Err(p) = std::panic::catch_unwind(|| ops::run_limited(&data, max_ops)) {
             eprintln!("corpus input {} fails", f.display());
             std::panic::resume_unwind(p);
         }
     }
     println!(
-        "replayed {} inputs, {ops} operations; {sharing} inputs call alloc_shared, {on_stream} resize_on_stream",
+        "replayed {} inputs, {ops} operations; {sharing} inputs call alloc_shared, {on_stream} resize_on_stream, \
+         {quiescing} quiesce_on_stream or unquiesce",
         files.len()
     );
     println!("outcomes: {:?}", ops::OUTCOMES.lock().unwrap());

@@ -8,7 +8,7 @@
 //!   synchronize or an event wait, and a `free_on_stream` of it records no
 //!   event and holds nothing back;
 //! - before the event, pages it gives up become idle when the event
-//!   completes, unless taken back meanwhile;
+//!   completes (wherever a move took it), unless taken back meanwhile;
 //! - growth and sleep end the promise; a repeated promise, a small
 //!   allocation and the host backend record no event; bad ids, sleepers and
 //!   a failed record change nothing.
@@ -256,6 +256,32 @@ fn a_moved_quiesced_allocations_old_range_is_released_without_a_synchronize() {
     // The promise survives the move: its free leaves its pages idle.
     a.free(x).unwrap();
     assert_eq!(a.stats().unwrap().idle_cached_bytes, 2 * C);
+    check(&a);
+}
+
+/// The promise's event covers the allocation wherever it lies: moved by a
+/// compaction before the event completes, then freed, the pages it gives
+/// up at its new place become idle with the event (the promise once made
+/// idle only the pages the allocation had when it was quiesced).
+#[test]
+fn moved_before_its_event_the_pages_it_gives_up_at_its_new_place_become_idle_when_it_completes() {
+    let (d, a) = stream_arena(8, 16);
+    let (hole, _) = a.alloc(2 * C).unwrap(); // pages 0..2
+    let (x, old) = a.alloc(2 * C).unwrap(); // pages 2..4
+    a.write(x, 0, b"kv").unwrap();
+    a.free(hole).unwrap();
+    a.quiesce_on_stream(x, 1).unwrap();
+    assert_eq!(a.compact().unwrap().moved_allocations, 1, "x slides down into the hole");
+    assert_ne!(a.query(x).unwrap().ptr, old);
+    let mut got = [0u8; 2];
+    a.read(x, 0, &mut got).unwrap();
+    assert_eq!(&got, b"kv");
+    a.free(x).unwrap(); // its pages at the new place, before the event completes
+    assert_eq!(a.stats().unwrap().idle_cached_bytes, 0, "not idle before the event");
+    complete(&d, &a);
+    let s = a.stats().unwrap();
+    assert!(s.cached_mapped_bytes >= 2 * C, "x's chunks stay cached: {s:?}");
+    assert_eq!(s.idle_cached_bytes, s.cached_mapped_bytes, "every page x gave up is idle: {s:?}");
     check(&a);
 }
 

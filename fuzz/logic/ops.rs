@@ -15,9 +15,10 @@
 //!
 //! The input format: the selector byte of an operation picks it modulo the
 //! number of operations, except the values 0xF8..=0xFF, which select
-//! `alloc_shared`, and 0xF0..=0xF7, which select `resize_on_stream` (each
-//! added later: inputs made before decode as they did, but where such a
-//! byte selects an operation).
+//! `alloc_shared`, 0xF0..=0xF7, which select `resize_on_stream`,
+//! 0xE8..=0xEB, which select `quiesce_on_stream`, and 0xEC..=0xEF, which
+//! select `unquiesce` (each added later: inputs made before decode as they
+//! did, but where such a byte selects an operation).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -53,8 +54,9 @@ fn size(b: &mut Bytes<'_>, max_pages: u64) -> u64 {
 
 fn op(b: &mut Bytes<'_>, faults: bool) -> Op {
     // `below(45)` and `below(41)` read one byte, modulo: the same byte read
-    // here, with 0xF8..=0xFF taken for alloc_shared and 0xF0..=0xF7 for
-    // resize_on_stream.
+    // here, with 0xF8..=0xFF taken for alloc_shared, 0xF0..=0xF7 for
+    // resize_on_stream, 0xE8..=0xEB for quiesce_on_stream and 0xEC..=0xEF
+    // for unquiesce.
     let sel = b.u8();
     if sel >= 0xF8 {
         let (src, first, pages, extra) = (b.u16() as usize, b.below(8), b.below(8), b.below(7));
@@ -65,6 +67,13 @@ fn op(b: &mut Bytes<'_>, faults: bool) -> Op {
         let i = b.u16() as usize;
         let s = if b.below(4) == 0 { 1 + b.below(SMALL_MAX) } else { size(b, 16) };
         return Op::ResizeOnStream(i, s, (sel & 7) as u64);
+    }
+    if sel >= 0xEC {
+        return Op::Unquiesce(b.u16() as usize);
+    }
+    if sel >= 0xE8 {
+        // The low bits: the stream.
+        return Op::Quiesce(b.u16() as usize, (sel & 3) as u64);
     }
     match sel as u64 % if faults { 45 } else { 41 } {
         0..=5 => Op::Alloc(size(b, 8)),

@@ -81,14 +81,13 @@ impl Arena {
             if a.quiet != Quiet::No {
                 return Ok(());
             }
-            let (first, count) = (a.start, a.backed);
             let Some(event) = ctx.drv.record_event(stream)? else {
                 st.alloc_mut(slot).quiet = Quiet::Yes;
                 return Ok(());
             };
             bump(&ctx.counts.quiesce_events);
             st.alloc_mut(slot).quiet = Quiet::After(event);
-            st.pending.push_back(Pending { event, stream, what: Held::Quiet { slot, first, count }, waited: false });
+            st.pending.push_back(Pending { event, stream, what: Held::Quiet { slot }, waited: false });
             reap(st, ctx, Poll::UntilIncomplete);
             Ok(())
         })

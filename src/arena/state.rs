@@ -142,11 +142,12 @@ pub(crate) enum Held {
     /// completes.
     Pages { first: u64, count: u64 },
     /// A promise of no more work (`Arena::quiesce_on_stream`) through the
-    /// allocation in `slot`, whose pages were `first..first + count` when
-    /// it was made: when the event completes, the allocation (if it still
-    /// holds `Quiet::After` this event) becomes `Quiet::Yes`, and its pages
-    /// given up meanwhile become idle as `Pages` does.
-    Quiet { slot: u32, first: u64, count: u64 },
+    /// allocation in `slot`: when the event completes, the allocation (if
+    /// it still holds `Quiet::After` this event) becomes `Quiet::Yes`, and
+    /// the pages it gave up meanwhile (listed in `State::pending_idle` with
+    /// this event, wherever it lay when it gave them up: a move may have
+    /// taken it elsewhere) become idle.
+    Quiet { slot: u32 },
 }
 
 #[derive(Clone, Debug)]

@@ -319,7 +319,7 @@ fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
                 st.remove_alloc(empty_slab);
             }
         }
-        Held::Quiet { slot, first, count } => {
+        Held::Quiet { slot } => {
             // The promise is known kept, if it still holds (the slot may
             // have been freed, or hold another allocation by now).
             if let Some(a) = st.slots.get_mut(slot as usize).and_then(|s| s.alloc.as_mut()) {
@@ -327,7 +327,11 @@ fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
                     a.quiet = Quiet::Yes;
                 }
             }
-            mark_idle(st, p.event, first..first + count);
+            // Its pages given up meanwhile, found by the event: a move
+            // may have taken it away from where it was quiesced.
+            let given_up: Vec<u64> =
+                st.pending_idle.iter().filter(|&(_, &e)| e == p.event).map(|(&page, _)| page).collect();
+            mark_idle(st, p.event, given_up);
         }
         Held::Pages { first, count } => mark_idle(st, p.event, first..first + count),
     }
@@ -337,7 +341,7 @@ fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
 /// The pages of `pages` still listed with `event` in `State::pending_idle`
 /// (still as a shrink or a quiesced allocation left them: see
 /// `State::forget_idle`) become idle.
-fn mark_idle(st: &mut State, event: u64, pages: std::ops::Range<u64>) {
+fn mark_idle(st: &mut State, event: u64, pages: impl IntoIterator<Item = u64>) {
     for page in pages {
         if st.pending_idle.get(&page) == Some(&event) {
             st.pending_idle.remove(&page);

@@ -43,6 +43,8 @@ struct FaultState {
     plan: Option<(Option<CallKind>, u64, FaultKind)>,
     any_calls: u64,
     injected: u64,
+    /// The kind of call the last injected failure hit.
+    last_injected: Option<CallKind>,
     chunks: BTreeSet<ChunkHandle>,
     mappings: BTreeMap<u64, u64>,
 }
@@ -134,6 +136,13 @@ impl<D: Driver> FaultDriver<D> {
         self.st().injected
     }
 
+    /// The kind of call the last injected failure hit (`None` before any):
+    /// a test tells by it a failure the arena absorbs by design (a failed
+    /// event poll reads as not complete yet) from one it must report.
+    pub fn last_injected(&self) -> Option<CallKind> {
+        self.st().last_injected
+    }
+
     /// Chunks created through this wrapper and not released.
     pub fn live_chunks(&self) -> usize {
         self.st().chunks.len()
@@ -168,6 +177,7 @@ impl<D: Driver> FaultDriver<D> {
             if hit {
                 s.plan = None;
                 s.injected += 1;
+                s.last_injected = Some(kind);
                 return Err(fault.error(kind));
             }
         }
@@ -292,11 +302,14 @@ mod tests {
         let d = FaultDriver::new(MockDriver::new(4096, 1 << 30));
         d.fail_nth(Some(CallKind::Create), 2, FaultKind::OutOfMemory);
         let a = d.create(4096).unwrap();
+        assert_eq!(d.last_injected(), None);
         assert!(matches!(d.create(4096), Err(Error::OutOfMemory(_))));
         let b = d.create(4096).unwrap();
         assert_eq!((d.calls(CallKind::Create), d.injected(), d.live_chunks()), (3, 1, 2));
+        assert_eq!(d.last_injected(), Some(CallKind::Create));
         d.fail_nth(None, 1, FaultKind::Driver);
         assert!(matches!(d.release(a), Err(Error::Driver { .. })));
+        assert_eq!(d.last_injected(), Some(CallKind::Release));
         d.release(a).unwrap();
         d.release(b).unwrap();
         assert_eq!(d.live_chunks(), 0);

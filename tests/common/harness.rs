@@ -11,6 +11,23 @@
 //! `resize` there, and `stream_shrinks` stays 0; on a GPU the stat counts
 //! its shrinks of whole chunks.
 //!
+//! `quiesce_on_stream` (`Op::Quiesce`): the model keeps a `quiesced` flag
+//! per allocation of whole chunks, set by a successful call on an awake
+//! one, cleared when it grows by pages, sleeps or is unquiesced
+//! (`Op::Unquiesce`, `Ok` for every live allocation). It is `Ok` for every
+//! awake allocation and `Asleep` for a sleeper; `quiesces` counts a call
+//! only on a GPU (neither the host nor the mock here records an event),
+//! and never a small allocation's or a repeated one's while the promise
+//! holds; a quiesced allocation shrunk on a stream records no shrink
+//! event. The harness keeps the caller's side of the contract: it writes
+//! nothing through a quiesced allocation's addresses (`Op::Write` skips
+//! it, a growth within its pages stamps nothing) until it grows; reads
+//! for the checks go on. On the host and the mock the promise holds at
+//! once, so what a free or a shrink of it leaves cached is known idle:
+//! `idle_cached_bytes` grows by exactly its pages no one else maps (and
+//! by nothing for any other allocation), checked where no watermark
+//! gives cached chunks back and no retired range maps them too.
+//!
 //! After each operation (see [`Harness::check`]):
 //! - the snapshot's ranges tile the reserved range and agree with the
 //!   stats and with the model (live allocations and bytes; mapped bytes as
@@ -88,6 +105,10 @@ pub enum Op {
     /// so `stream_shrinks` stays 0 there; on a GPU it counts the shrinks
     /// that drop whole chunks.
     ResizeOnStream(usize, u64, u64),
+    /// `quiesce_on_stream` of the `n`th live allocation on the stream given.
+    Quiesce(usize, u64),
+    /// `unquiesce` of the `n`th live allocation (no driver call).
+    Unquiesce(usize),
     Pin(usize),
     Unpin(usize),
     Compact,
@@ -172,6 +193,9 @@ pub struct Model {
     /// Model chunks of its backed pages (empty for a small one).
     chunks: Vec<u64>,
     slept: Option<Slept>,
+    /// Promised no more work (`quiesce_on_stream`) since it last grew or
+    /// slept: the harness writes nothing through it.
+    quiesced: bool,
 }
 
 /// The pieces of `marks` inside page `page` (pages of `c` bytes), as
@@ -235,6 +259,8 @@ pub struct Harness {
     absorbed_now: bool,
     /// The `stream_shrinks` the arena must count: 0 but on a GPU.
     stream_shrinks: u64,
+    /// The `quiesces` the arena must count: 0 but on a GPU.
+    quiesces: u64,
 }
 
 /// Whether an operation's injected failure fired, and how it ended.
@@ -296,6 +322,7 @@ impl Harness {
             watermark_failed: false,
             absorbed_now: false,
             stream_shrinks: 0,
+            quiesces: 0,
         };
         h.check("initial", &[]);
         h
@@ -308,6 +335,24 @@ impl Harness {
     /// The largest small allocation: half a chunk.
     fn small_max(&self) -> u64 {
         self.c / 2
+    }
+
+    /// Whether a free's or a shrink's effect on `idle_cached_bytes` is
+    /// exact (see the module doc): the promise holds at once (no GPU), no
+    /// watermark gives cached chunks back, and no retired range maps a
+    /// chunk as well (which would retire a page, not cache it).
+    fn idle_checked(&self) -> bool {
+        self.backend != Backend::Cuda && self.cfg.retain_pages.is_none() && self.snap.stats["retired_va_bytes"] == 0
+    }
+
+    /// How many of `id`'s backed pages `pages` (indices into its model
+    /// chunks) map a chunk no other awake allocation maps.
+    fn mapped_alone(&self, id: Id, pages: std::ops::Range<usize>) -> u64 {
+        let m = &self.live[&id];
+        if m.asleep {
+            return 0;
+        }
+        m.chunks[pages].iter().filter(|&&k| self.awake_holders(k).iter().all(|&(o, _)| o == id)).count() as u64
     }
 
     fn nth(&self, i: usize) -> Option<Id> {
@@ -415,6 +460,7 @@ impl Harness {
     ) -> (vmm_arena::Result<T>, Faulted) {
         let Some((n, kind)) = self.fault.take() else { return (f(&self.arena), Faulted::No) };
         let failures0 = self.snap.stats["release_failures"];
+        let polls0 = self.arena.stats().unwrap().event_polls;
         self.fd.fail_nth(None, n, kind);
         let r = f(&self.arena);
         let fired = !self.fd.pending();
@@ -426,10 +472,20 @@ impl Harness {
         match &r {
             Ok(_) => {
                 // Only a give-back after the operation's own change may fail
-                // without failing the call.
+                // without failing the call, and (on a GPU, the only backend
+                // here whose events are pending) a poll of a pending event,
+                // which reads as not complete yet (polled again later).
+                let s = self.arena.stats().unwrap();
+                if self.backend == Backend::Cuda && s.release_failures == failures0 && s.event_polls > polls0 {
+                    count("fault absorbed (an event poll)");
+                    return (r, Faulted::No);
+                }
                 count("fault absorbed (give-back kept pooled)");
-                let failures = self.arena.stats().unwrap().release_failures;
-                assert_eq!(failures, failures0 + 1, "{what}: a fault that fired without failing the call is counted");
+                assert_eq!(
+                    s.release_failures,
+                    failures0 + 1,
+                    "{what}: a fault that fired without failing the call is counted"
+                );
                 self.absorbed_now = true;
                 (r, Faulted::No)
             }
@@ -490,6 +546,7 @@ impl Harness {
                     asleep: false,
                     chunks,
                     slept: None,
+                    quiesced: false,
                 };
                 assert!(self.live.insert(id, m).is_none(), "id {id} issued twice");
                 assert!(!self.freed.contains(&id), "id {id} reused");
@@ -576,6 +633,7 @@ impl Harness {
                     asleep: false,
                     chunks: m.chunks[first as usize..(first + pages) as usize].to_vec(),
                     slept: None,
+                    quiesced: false,
                 };
                 assert!(self.live.insert(id, share).is_none(), "id {id} issued twice");
                 assert!(!self.freed.contains(&id), "id {id} reused");
@@ -614,8 +672,14 @@ impl Harness {
             count("resize asleep");
             return self.check("failed resize", &[]);
         }
-        let (old_size, old_ptr, reserved, pinned, growable, small) =
-            (m.size, m.ptr, m.reserved, m.pinned, m.growable, m.small);
+        let (old_size, old_ptr, reserved, pinned, growable, small, quiesced) =
+            (m.size, m.ptr, m.reserved, m.pinned, m.growable, m.small, m.quiesced);
+        // A shrink's dropped pages that no one else maps: left cached, and
+        // known idle if the allocation is quiesced (see `idle_checked`).
+        let (np, have) = (self.pages(new_size), m.chunks.len());
+        let dropped_alone = if np < have as u64 { self.mapped_alone(id, np as usize..have) } else { 0 };
+        let idle0 = self.snap.stats["idle_cached_bytes"];
+        let idle_checked = np <= have as u64 && self.idle_checked();
         let obtainable = self.obtainable();
         let mut growth: Option<Growth> = None;
         // What the resize needs: whether it must move, the pages a new place
@@ -671,18 +735,29 @@ impl Harness {
                 if pinned {
                     assert_eq!(ptr, old_ptr, "a pinned allocation grows in place or not at all");
                 }
-                let np = self.pages(new_size);
-                // Only a GPU records an event: for a shrink of whole chunks.
-                if stream.is_some() && self.backend == Backend::Cuda && !small && np < self.pages(old_size) {
+                let shrank = !small && np < self.pages(old_size);
+                // Only a GPU records an event: for a shrink of whole chunks
+                // whose pages no promise of no more work covers already.
+                if stream.is_some() && self.backend == Backend::Cuda && shrank && !quiesced {
                     self.stream_shrinks += 1;
                 }
-                if stream.is_some() && !small && np < self.pages(old_size) {
+                if stream.is_some() && shrank {
                     count("resize_on_stream shrank whole chunks");
+                }
+                if shrank && quiesced {
+                    count("shrink of a quiesced allocation");
+                }
+                // Growth by pages ends the promise (its new pages are for new work).
+                let grew = !small && np > self.pages(old_size);
+                if grew && quiesced {
+                    count("quiesced allocation grew");
                 }
                 let still_small = small && (to_small || !needs_move);
                 let m = self.live.get_mut(&id).unwrap();
                 m.size = new_size;
                 m.small = still_small;
+                m.quiesced &= !grew;
+                let write_new = new_size > old_size && !m.quiesced;
                 m.stamps.truncate(old_size.min(new_size));
                 // Chunks: a shrink drops the tail (one reference each),
                 // growth adds new ones; a small allocation promoted to
@@ -696,7 +771,9 @@ impl Harness {
                     let more = self.fresh_chunks(np - have);
                     self.live.get_mut(&id).unwrap().chunks.extend(more);
                 }
-                if new_size > old_size {
+                // Nothing is written through a quiesced allocation: a growth
+                // within its pages leaves its new bytes unstamped.
+                if write_new {
                     self.restamp(id, old_size, new_size);
                 }
                 let info = self.arena.query(id).unwrap();
@@ -712,6 +789,12 @@ impl Harness {
                 let moved = if others_may_move { moved } else { vec![] };
                 self.ran_ok();
                 self.check(what, &moved);
+                if idle_checked {
+                    let want = if quiesced { dropped_alone * self.c } else { 0 };
+                    let now = self.snap.stats["idle_cached_bytes"];
+                    assert!(now >= idle0, "{what}: a shrink made known-idle cached pages busy");
+                    assert_eq!(now - idle0, want, "{what}: pages a shrink left known idle (quiesced: {quiesced})");
+                }
             }
             Err(e) => {
                 count(match e.status() {
@@ -746,13 +829,57 @@ impl Harness {
         self.resized = None;
     }
 
+    /// `quiesce_on_stream`: `Ok` for every awake allocation (a small one's
+    /// and a repeated call's change nothing), `Asleep` for a sleeper; the
+    /// promise holds until the allocation grows or sleeps.
+    fn quiesce(&mut self, id: Id, stream: u64) {
+        let m = &self.live[&id];
+        let (asleep, small, again) = (m.asleep, m.small, m.quiesced);
+        let q0 = self.arena.stats().unwrap().quiesces;
+        if asleep {
+            // Refused before any driver call: a planned failure cannot fire.
+            assert_eq!(self.arena.quiesce_on_stream(id, stream), Err(Error::Asleep(id.get())), "quiesce of a sleeper");
+            count("quiesce asleep");
+            assert_eq!(self.arena.stats().unwrap().quiesces, q0, "quiesce of a sleeper counted");
+            return self.check("failed quiesce", &[]);
+        }
+        let (r, f) = self.call("quiesce_on_stream", false, |a| a.quiesce_on_stream(id, stream));
+        if let Faulted::RolledBack = f {
+            // (`call` checked that nothing changed, the count included.)
+            return count("quiesce rolled back after a fault");
+        }
+        r.unwrap_or_else(|e| panic!("quiesce_on_stream of awake {id}: {e}"));
+        count(match (small, again) {
+            (true, _) => "quiesce small",
+            (false, true) => "quiesce again",
+            (false, false) => "quiesce",
+        });
+        // One event at most: only a GPU records one, and only for a promise
+        // that does not hold already (of an allocation of whole chunks).
+        let counted = self.arena.stats().unwrap().quiesces - q0;
+        let want = u64::from(self.backend == Backend::Cuda && !small && !again);
+        assert_eq!(counted, want, "quiesce_on_stream of {id} (small {small}, again {again}) counted {counted}");
+        self.quiesces += want;
+        if !small {
+            self.live.get_mut(&id).unwrap().quiesced = true;
+        }
+        self.ran_ok();
+        self.check("quiesce_on_stream", &[]);
+    }
+
     pub fn apply(&mut self, op: &Op) {
         match op {
             Op::Faulty(n, kind, inner) => {
                 // Operations without driver calls run as they are.
                 if matches!(
                     **inner,
-                    Op::Pin(_) | Op::Unpin(_) | Op::Write(_) | Op::BadId(_) | Op::SetTag(..) | Op::Faulty(..)
+                    Op::Pin(_)
+                        | Op::Unpin(_)
+                        | Op::Write(_)
+                        | Op::BadId(_)
+                        | Op::SetTag(..)
+                        | Op::Unquiesce(_)
+                        | Op::Faulty(..)
                 ) {
                     return self.apply(inner);
                 }
@@ -765,6 +892,10 @@ impl Harness {
             &Op::AllocShared { src, first, pages, extra } => self.alloc_shared(src, first, pages, extra),
             &Op::Free(i) => {
                 let Some(id) = self.nth(i) else { return };
+                let m = &self.live[&id];
+                let (quiesced, alone) = (m.quiesced, self.mapped_alone(id, 0..m.chunks.len()));
+                let idle0 = self.snap.stats["idle_cached_bytes"];
+                let idle_checked = self.idle_checked();
                 let (r, f) = self.call("free", false, |a| a.free(id));
                 if let Faulted::RolledBack = f {
                     panic!("free failed with an injected failure: its give-back is best effort");
@@ -776,11 +907,21 @@ impl Harness {
                     (false, true) => "free of a sharer",
                     (false, false) => "free",
                 });
+                if quiesced {
+                    count("free of a quiesced allocation");
+                }
                 self.freed.push(id);
                 assert_eq!(self.arena.free(id), Err(Error::UnknownAllocation(id.get())), "double free refused");
                 assert_eq!(self.arena.query(id).unwrap_err().status(), Status::UnknownAllocation);
                 self.ran_ok();
                 self.check("free", &[]);
+                if idle_checked {
+                    // What it leaves cached is known idle iff it was quiesced.
+                    let want = if quiesced { alone * self.c } else { 0 };
+                    let now = self.snap.stats["idle_cached_bytes"];
+                    assert!(now >= idle0, "free: made known-idle cached pages busy");
+                    assert_eq!(now - idle0, want, "free: pages it left known idle (quiesced: {quiesced})");
+                }
             }
             &Op::Resize(i, size) => {
                 if let Some(id) = self.nth(i) {
@@ -791,6 +932,18 @@ impl Harness {
                 if let Some(id) = self.nth(i) {
                     self.resize(id, size, Some(stream));
                 }
+            }
+            &Op::Quiesce(i, stream) => {
+                if let Some(id) = self.nth(i) {
+                    self.quiesce(id, stream);
+                }
+            }
+            &Op::Unquiesce(i) => {
+                let Some(id) = self.nth(i) else { return };
+                self.arena.unquiesce(id).unwrap_or_else(|e| panic!("unquiesce of live {id}: {e}"));
+                let m = self.live.get_mut(&id).unwrap();
+                count(if std::mem::take(&mut m.quiesced) { "unquiesce ended a promise" } else { "unquiesce idle" });
+                self.check("unquiesce", &[]);
             }
             &Op::Pin(i) | &Op::Unpin(i) => {
                 let Some(id) = self.nth(i) else { return };
@@ -871,6 +1024,12 @@ impl Harness {
                     count("write asleep");
                     return self.check("failed write", &[]);
                 }
+                if m.quiesced {
+                    // The caller's promise: nothing goes through it until it
+                    // grows. Its bytes are still checked (read) below.
+                    count("write to a quiesced allocation skipped");
+                    return self.check("write skipped", &[]);
+                }
                 let size = m.size;
                 self.restamp(id, 0, size);
                 self.check("write", &[]);
@@ -922,6 +1081,8 @@ impl Harness {
             self.arena.write(bad, 0, b"x").unwrap_err(),
             self.arena.set_tag(bad, 1).unwrap_err(),
             self.arena.alloc_shared(bad, 0, c, c).unwrap_err(),
+            self.arena.quiesce_on_stream(bad, 0).unwrap_err(),
+            self.arena.unquiesce(bad).unwrap_err(),
         ] {
             assert_eq!(e, Error::UnknownAllocation(bad.get()));
         }
@@ -969,6 +1130,10 @@ impl Harness {
             let seq = self.sleeps;
             let m = self.live.get_mut(&id).unwrap();
             m.asleep = true;
+            if std::mem::take(&mut m.quiesced) {
+                // Waking restores its bytes and the caller's work.
+                count("sleep ended a promise");
+            }
             let marks = std::mem::take(&mut m.stamps.marks);
             m.slept = Some(Slept { backup: backup.then_some(marks), seq, grouped });
         }
@@ -1107,6 +1272,10 @@ impl Harness {
         // resize_on_stream records an event only on a GPU (the host has no
         // asynchronous streams, the mock's are off here): else it is resize.
         assert_eq!(s["stream_shrinks"], self.stream_shrinks, "{what}: stream_shrinks");
+        // So does quiesce_on_stream (a promise the host and the mock know
+        // kept at once).
+        assert_eq!(s["quiesces"], self.quiesces, "{what}: quiesces");
+        assert_eq!(self.arena.stats().unwrap().quiesces, self.quiesces, "{what}: quiesces in the stats");
         // Reference counts: awake holders of each model chunk.
         let mut refs: BTreeMap<u64, u64> = BTreeMap::new();
         for m in self.live.values().filter(|m| !m.asleep) {
