@@ -363,3 +363,63 @@ fn on_the_host_backend_the_promise_holds_at_once() {
     let s = a.stats().unwrap();
     assert_eq!((s.quiesces, s.idle_cached_bytes), (0, 2 << 20), "no event; every call had completed");
 }
+
+#[test]
+fn every_growth_ends_the_promise_batched_or_within_its_pages() {
+    // resize_many's in-place path grows without resize.
+    let (d, a) = stream_arena(8, 16);
+    let (x, _) = a.alloc_growable(C, 4 * C).unwrap();
+    a.quiesce_on_stream(x, 1).unwrap();
+    complete(&d, &a);
+    a.resize_many(&[(x, 3 * C)]).unwrap();
+    a.free(x).unwrap();
+    assert_eq!(a.stats().unwrap().idle_cached_bytes, 0, "grown by resize_many: no promise");
+    check(&a);
+    // A larger size within the same chunk is growth too (new tokens are
+    // written there).
+    let (d, a) = stream_arena(8, 16);
+    let (y, _) = a.alloc_growable(100, 4 * C).unwrap();
+    a.quiesce_on_stream(y, 1).unwrap();
+    complete(&d, &a);
+    a.resize(y, C).unwrap();
+    a.free(y).unwrap();
+    assert_eq!(a.stats().unwrap().idle_cached_bytes, 0, "grown within its page: no promise");
+    let (z, _) = a.alloc_growable(100, 4 * C).unwrap();
+    a.quiesce_on_stream(z, 1).unwrap();
+    complete(&d, &a);
+    a.resize_many(&[(z, C)]).unwrap();
+    a.free(z).unwrap();
+    assert_eq!(a.stats().unwrap().idle_cached_bytes, 0, "batched, within its page: no promise");
+    check(&a);
+}
+
+#[test]
+fn a_batched_shrink_of_a_quiesced_allocation_leaves_its_pages_idle() {
+    let (d, a) = stream_arena(8, 16);
+    let (x, _) = a.alloc_growable(3 * C, 4 * C).unwrap();
+    a.quiesce_on_stream(x, 1).unwrap();
+    complete(&d, &a);
+    a.resize_many(&[(x, C)]).unwrap();
+    assert_eq!(a.stats().unwrap().idle_cached_bytes, 2 * C, "as resize leaves them");
+    check(&a);
+}
+
+#[test]
+fn a_freed_slots_old_range_is_not_made_idle_by_the_next_owner_of_the_slot() {
+    // A moves (its old range stays retired: work from before the move may
+    // still use it) and is freed plainly; C takes A's slot and is freed on
+    // a stream. C's event says nothing of A's old range.
+    let (d, a) = stream_arena(16, 16);
+    let (x, _) = a.alloc(C).unwrap();
+    let (_b, _) = a.alloc(C).unwrap();
+    a.resize(x, 2 * C).unwrap();
+    assert_eq!(a.stats().unwrap().retired_va_bytes, C, "the old range is retired");
+    a.free(x).unwrap();
+    let (c, _) = a.alloc(C).unwrap();
+    a.free_on_stream(c, 1).unwrap();
+    complete(&d, &a);
+    let syncs = a.stats().unwrap().driver_syncs;
+    a.release_retired().unwrap();
+    assert_eq!(a.stats().unwrap().driver_syncs, syncs + 1, "not known idle: a synchronize first");
+    check(&a);
+}

@@ -217,7 +217,12 @@ pub(super) fn resize_target(
             st.left_quiet(a.quiet, a.start + np..a.start + a.backed);
         }
         st.live_bytes = st.live_bytes - a.size + new_size;
-        st.alloc_mut(slot).size = new_size;
+        let m = st.alloc_mut(slot);
+        m.size = new_size;
+        // A larger size within its pages is growth too: new work.
+        if new_size > a.size {
+            m.quiet = Quiet::No;
+        }
         return Ok(st.addr(a.start));
     }
     // A growable allocation that outgrew its reservation gets twice

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::Id;
 
 use super::alloc::{resize_target, small_ptr, Target};
-use super::state::{Plan, State};
+use super::state::{Plan, Quiet, State};
 use super::txn::Txn;
 use super::{pages_for, Arena, Ctx, Touch};
 
@@ -171,6 +171,8 @@ fn in_place_together(
             m.reserved = reserved;
             m.backed = np;
             m.size = requests[i].1;
+            // Growth is for new work: a promise of none ends.
+            m.quiet = Quiet::No;
         }
     }
     // The rest: shrinks and size changes within the backed pages (bookkeeping).
@@ -186,10 +188,15 @@ fn in_place_together(
                 st.free.insert(a.start + np, a.reserved - np);
                 st.alloc_mut(slot).reserved = np;
             }
+            st.left_quiet(a.quiet, a.start + np..a.start + a.backed);
         }
         if np <= a.backed {
             st.live_bytes = st.live_bytes - a.size + requests[i].1;
-            st.alloc_mut(slot).size = requests[i].1;
+            let m = st.alloc_mut(slot);
+            m.size = requests[i].1;
+            if requests[i].1 > a.size {
+                m.quiet = Quiet::No;
+            }
         }
         ptrs.push(st.addr(a.start));
     }

@@ -17,8 +17,10 @@
 //! like every other), then `Yes`. Pages the allocation gives up (a free, a
 //! shrink, the old range of a move) become idle at once under `Yes`, and
 //! under `After` are listed in `State::pending_idle` with the event, so
-//! they become idle when it completes. Growth ends the promise (it is for
-//! new work), and so does sleep (waking restores the bytes).
+//! they become idle when it completes. Growth (any larger size, batched
+//! by `resize_many` too) ends the promise (it is for new work), and so do
+//! sleep (waking restores the bytes), `unquiesce`, and a stream free
+//! (whose own event covers everything).
 
 use crate::error::{Error, Result};
 use crate::Id;
@@ -32,7 +34,8 @@ use super::{Arena, Touch};
 impl Arena {
     /// Promises that no more device work uses allocation `id` after the
     /// work queued so far on `stream` (a `CUstream`; 0 is the legacy
-    /// default stream), until the allocation grows: the caller neither
+    /// default stream), until the allocation grows (to any larger size,
+    /// within its chunks too: new bytes are new work): the caller neither
     /// reads nor writes its memory through its addresses again (another
     /// allocation mapping the same chunks with [`Arena::alloc_shared`]
     /// reads them through its own). The arena records an event on the

@@ -49,7 +49,8 @@ pub(crate) struct Alloc {
 /// (`Arena::quiesce_on_stream`), and how far the arena knows it kept.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Quiet {
-    /// No promise: every allocation starts so, and growth or sleep ends one.
+    /// No promise: every allocation starts so; growth, sleep, `unquiesce`
+    /// and a stream free end one.
     #[default]
     No,
     /// No work after the work queued before this event (on the promising
@@ -204,8 +205,9 @@ pub(crate) struct State {
     /// `cached` and of the retired ranges' pages.
     pub idle: BTreeSet<u64>,
     /// Cached and retired pages a stream-ordered shrink left
-    /// (`Arena::resize_on_stream`), and the event that will make them
-    /// idle once it completes. A page leaves this map wherever it would
+    /// (`Arena::resize_on_stream`), or a quiesced allocation gave up before
+    /// its promise's event completed (`Arena::quiesce_on_stream`), and the
+    /// event that will make them idle once it completes. A page leaves this map wherever it would
     /// leave `idle` ([`State::forget_idle`]): it backs an allocation
     /// again, or is unmapped.
     pub pending_idle: BTreeMap<u64, u64>,
@@ -438,6 +440,11 @@ impl State {
             self.free_slots.push(slot);
         }
         self.by_start.remove(&a.start);
+        // Its old ranges stay retired, but a later owner of the slot must
+        // not find them its own (its stream free would make them idle).
+        if !self.retired_owner.is_empty() {
+            self.retired_owner.retain(|_, o| *o != slot);
+        }
         // A sleeping one maps nothing (`backed` is 0); its backup goes,
         // and so does its place in sharing groups.
         if let Some(sleep) = &a.sleep {

@@ -13,7 +13,7 @@
 //!
 //! `quiesce_on_stream` (`Op::Quiesce`): the model keeps a `quiesced` flag
 //! per allocation of whole chunks, set by a successful call on an awake
-//! one, cleared when it grows by pages, sleeps or is unquiesced
+//! one, cleared when it grows (a larger size), sleeps or is unquiesced
 //! (`Op::Unquiesce`, `Ok` for every live allocation). It is `Ok` for every
 //! awake allocation and `Asleep` for a sleeper; `quiesces` counts a call
 //! only on a GPU (neither the host nor the mock here records an event),
@@ -21,7 +21,7 @@
 //! holds; a quiesced allocation shrunk on a stream records no shrink
 //! event. The harness keeps the caller's side of the contract: it writes
 //! nothing through a quiesced allocation's addresses (`Op::Write` skips
-//! it, a growth within its pages stamps nothing) until it grows; reads
+//! it) until it grows; reads
 //! for the checks go on. On the host and the mock the promise holds at
 //! once, so what a free or a shrink of it leaves cached is known idle:
 //! `idle_cached_bytes` grows by exactly its pages no one else maps (and
@@ -747,8 +747,9 @@ impl Harness {
                 if shrank && quiesced {
                     count("shrink of a quiesced allocation");
                 }
-                // Growth by pages ends the promise (its new pages are for new work).
-                let grew = !small && np > self.pages(old_size);
+                // Growth ends the promise, within its pages too (new bytes are
+                // for new work).
+                let grew = !small && new_size > old_size;
                 if grew && quiesced {
                     count("quiesced allocation grew");
                 }
