@@ -84,6 +84,23 @@ fn growth_into_mapped_ahead_chunks_makes_no_driver_call() {
 }
 
 #[test]
+fn a_quiesced_allocation_gets_no_chunk_mapped_ahead_until_the_promise_ends() {
+    // A promise of no more work is one of no growth: chunks mapped after
+    // it would wait for growth that does not come.
+    let a = arena(64, 256);
+    let (g, _) = a.alloc_growable(C, 40 * C).unwrap();
+    a.quiesce_on_stream(g, 0).unwrap();
+    a.set_prefetch(0, 4 * C).unwrap();
+    a.maintain().unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.prefetched_bytes, s.cached_mapped_bytes, s.maintain_driver_calls), (0, 0, 0));
+    a.unquiesce(g).unwrap();
+    a.maintain().unwrap();
+    assert_eq!(a.stats().unwrap().prefetched_bytes, 4 * C, "its window is mapped once it may grow");
+    check(&a);
+}
+
+#[test]
 fn maintain_reuses_idle_cached_chunks_instead_of_creating() {
     let d = Arc::new(MockDriver::with_streams(C, 1 << 30));
     let a = Arena::with_driver(d.clone(), config(64, 256)).unwrap();

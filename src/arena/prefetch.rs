@@ -98,7 +98,9 @@ impl Arena {
     /// `precreate_bytes` of created chunks kept pooled and unmapped, and,
     /// for every awake growable allocation, up to `map_ahead_bytes` of
     /// chunks kept mapped and accessible right after its backed size
-    /// (within its reservation), so that its growth makes no driver call.
+    /// (within its reservation), so that its growth makes no driver call
+    /// (none for a quiesced one, which promised not to grow: see
+    /// [`Arena::quiesce_on_stream`]).
     /// The map-ahead chunks do not count toward `precreate_bytes`.
     ///
     /// Both count in `pooled_bytes`, are held within the capacity left by
@@ -200,7 +202,7 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
 fn missing_ahead(st: &State, ahead: u64) -> impl Iterator<Item = Vec<u64>> + '_ {
     st.by_start.values().filter_map(move |&slot| {
         let a = st.alloc(slot);
-        if !a.growable || !a.owner.counts_live() || a.sleep.is_some() {
+        if !a.maps_ahead() {
             return None;
         }
         let end = a.start + a.backed + ahead.min(a.reserved - a.backed);
@@ -223,7 +225,7 @@ pub(super) fn prefetched_pages(st: &State) -> u64 {
         .values()
         .map(|&slot| {
             let a = st.alloc(slot);
-            if !a.growable || !a.owner.counts_live() || a.sleep.is_some() {
+            if !a.maps_ahead() {
                 return 0;
             }
             let from = a.start + a.backed;
@@ -306,7 +308,7 @@ fn spare_idle(st: &State, ahead: u64, want: usize) -> Vec<u64> {
     let in_window = |p: u64| {
         let Some((_, &slot)) = st.by_start.range(..=p).next_back() else { return false };
         let a = st.alloc(slot);
-        if !a.growable || !a.owner.counts_live() || a.sleep.is_some() {
+        if !a.maps_ahead() {
             return false;
         }
         let from = a.start + a.backed;

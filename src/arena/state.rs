@@ -62,6 +62,13 @@ pub(crate) enum Quiet {
 }
 
 impl Alloc {
+    /// Whether the prefetcher keeps chunks mapped after its backed pages
+    /// (see `Arena::set_prefetch`): a caller's growable allocation, awake,
+    /// and not quiesced (a promise of no more work is one of no growth).
+    pub fn maps_ahead(&self) -> bool {
+        self.growable && self.owner.counts_live() && self.sleep.is_none() && self.quiet == Quiet::No
+    }
+
     /// Whether no planner may move it: pinned, or asleep (its reservation
     /// must stay where the caller's pointers are).
     pub fn immovable(&self) -> bool {
