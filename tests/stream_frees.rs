@@ -16,9 +16,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::fixtures::{stream_arena, STREAM_CHUNK};
+use common::fixtures::{faulty_stream_arena, stream_arena, STREAM_CHUNK};
 use common::Snap;
-use vmm_arena::driver::fault::{FaultDriver, FaultKind};
+use vmm_arena::driver::fault::FaultKind;
 use vmm_arena::driver::mock::MockDriver;
 use vmm_arena::driver::{CallKind, Driver};
 use vmm_arena::{Arena, ArenaConfig, Error, Id, ALL_TAGS};
@@ -256,9 +256,7 @@ fn dropping_the_arena_destroys_pending_events_and_releases_their_memory() {
 
 #[test]
 fn a_failed_event_record_frees_nothing() {
-    let d = Arc::new(FaultDriver::new(MockDriver::with_streams(C, 1 << 30)));
-    let cfg = ArenaConfig { capacity_bytes: 4 * C, reserve_bytes: 16 * C, chunk_bytes: C, ..Default::default() };
-    let a = Arena::with_driver(d.clone(), cfg).unwrap();
+    let (d, a) = faulty_stream_arena(4, 16);
     let (x, _) = a.alloc(C).unwrap();
     for kind in FaultKind::ALL {
         let before = Snap::of(&a).without_driver_counters();
@@ -319,9 +317,7 @@ fn resize_and_compaction_never_touch_a_pending_free() {
 
 #[test]
 fn failed_event_polls_waits_and_destroys_lose_nothing() {
-    let d = Arc::new(FaultDriver::new(MockDriver::with_streams(C, 1 << 30)));
-    let cfg = ArenaConfig { capacity_bytes: 2 * C, reserve_bytes: 16 * C, chunk_bytes: C, ..Default::default() };
-    let a = Arena::with_driver(d.clone(), cfg).unwrap();
+    let (d, a) = faulty_stream_arena(2, 16);
     let (x, _) = a.alloc(C).unwrap();
     let (y, _) = a.alloc(C).unwrap();
     // A failed poll: the free stays pending, and is reaped by a later poll.

@@ -15,9 +15,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::fixtures::{stream_arena, STREAM_CHUNK};
+use common::fixtures::{faulty_stream_arena, stream_arena, STREAM_CHUNK};
 use common::Snap;
-use vmm_arena::driver::fault::{FaultDriver, FaultKind};
+use vmm_arena::driver::fault::FaultKind;
 use vmm_arena::driver::mock::MockDriver;
 use vmm_arena::driver::CallKind;
 use vmm_arena::{Arena, ArenaConfig, Error, ALL_TAGS};
@@ -140,9 +140,7 @@ fn growth_unchanged_sizes_and_small_allocations_record_no_event() {
 
 #[test]
 fn a_failed_event_record_changes_nothing() {
-    let d = Arc::new(FaultDriver::new(MockDriver::with_streams(C, 1 << 30)));
-    let cfg = ArenaConfig { capacity_bytes: 4 * C, reserve_bytes: 16 * C, chunk_bytes: C, ..Default::default() };
-    let a = Arena::with_driver(d.clone(), cfg).unwrap();
+    let (d, a) = faulty_stream_arena(4, 16);
     let (x, _) = a.alloc_growable(3 * C, 4 * C).unwrap();
     for kind in FaultKind::ALL {
         let before = Snap::of(&a).without_driver_counters();

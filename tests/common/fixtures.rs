@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use vmm_arena::driver::fault::FaultDriver;
 use vmm_arena::driver::mock::MockDriver;
 use vmm_arena::{Arena, ArenaConfig, Id, Status};
 
@@ -18,6 +19,15 @@ pub const STREAM_CHUNK: u64 = 4096;
 pub fn stream_arena(cap: u64, reserve: u64) -> (Arc<MockDriver>, Arena) {
     let c = STREAM_CHUNK;
     let d = Arc::new(MockDriver::with_streams(c, 1 << 30));
+    let cfg = ArenaConfig { capacity_bytes: cap * c, reserve_bytes: reserve * c, chunk_bytes: c, ..Default::default() };
+    (d.clone(), Arena::with_driver(d, cfg).unwrap())
+}
+
+/// [`stream_arena`] behind the fault driver, and the fault driver (to
+/// make the streams' event calls fail).
+pub fn faulty_stream_arena(cap: u64, reserve: u64) -> (Arc<FaultDriver<MockDriver>>, Arena) {
+    let c = STREAM_CHUNK;
+    let d = Arc::new(FaultDriver::new(MockDriver::with_streams(c, 1 << 30)));
     let cfg = ArenaConfig { capacity_bytes: cap * c, reserve_bytes: reserve * c, chunk_bytes: c, ..Default::default() };
     (d.clone(), Arena::with_driver(d, cfg).unwrap())
 }
