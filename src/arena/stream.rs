@@ -22,7 +22,9 @@
 //! chunk for another address, giving it back, or releasing an idle retired
 //! range. A page stops being idle when it backs an allocation again. Plain
 //! `free` and shrinking promise nothing about streams, so the pages they
-//! leave are not idle and unmapping them synchronizes first, as before.
+//! leave are not idle and unmapping them synchronizes first, as before,
+//! unless the allocation was quiesced (`quiesce.rs`: its promise's event
+//! covers them).
 //! (An idle page adopted by a later allocation and freed on a stream again
 //! is covered by that free's event: work of an earlier owner is assumed
 //! ordered before the later owner's, the same assumption that lets a plain
