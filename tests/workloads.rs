@@ -163,6 +163,13 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
         assert_eq!(extra(k), "0", "{k}");
     }
     assert_eq!(r.bytes_copied, 0);
+    // First admissions are a part of all admissions: every request has
+    // one, and only re-admissions after a preemption are left out.
+    let requested: u64 = reqs.iter().map(|q| q.prompt).sum();
+    assert_eq!(r.first_admission_prompt_tokens, requested);
+    assert_eq!(r.prompt_tokens > requested, r.preemptions > 0);
+    assert!(r.first_admission_hit_tokens <= r.prefix_hit_tokens);
+    assert!(r.first_admission_hit_tokens > 0);
     let p = m.prefix_cache().expect("on");
     p.books.check().unwrap();
     // Nothing runs now: the arena maps exactly the cached units' chunks.

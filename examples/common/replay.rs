@@ -162,6 +162,15 @@ pub struct RunResult {
     pub prefix_hit_tokens: u64,
     pub prompt_tokens: u64,
     pub prefix_hit_rate: f64,
+    /// The same for requests' first admissions only: a request re-admitted
+    /// after a preemption finds much of its own prompt cached, so a manager
+    /// that preempts more gains hits from it; this rate leaves that out.
+    #[serde(default)]
+    pub first_admission_hit_tokens: u64,
+    #[serde(default)]
+    pub first_admission_prompt_tokens: u64,
+    #[serde(default)]
+    pub first_admission_hit_rate: f64,
     /// Tokens computed again after preemptions.
     pub recomputed_tokens: u64,
     /// Prompt tokens computed (prefill and recompute, less prefix hits).
@@ -318,6 +327,10 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                     r.tags_written += stored - hit;
                     r.prefix_hit_tokens += hit;
                     r.prompt_tokens += q.prompt;
+                    if admitted_at[seq].is_none() {
+                        r.first_admission_hit_tokens += hit;
+                        r.first_admission_prompt_tokens += q.prompt;
+                    }
                     work.prefill_tokens += stored - hit;
                     r.prefill_tokens += stored - hit;
                     if admitted_at[seq].is_some() {
@@ -501,6 +514,10 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         admitted_at.iter().zip(requests).filter_map(|(a, q)| a.map(|a| (a - q.arrival_s).max(0.0))).collect();
     r.mean_queue_s = mean(&queued);
     r.prefix_hit_rate = if r.prompt_tokens > 0 { r.prefix_hit_tokens as f64 / r.prompt_tokens as f64 } else { 0.0 };
+    r.first_admission_hit_rate = match r.first_admission_prompt_tokens {
+        0 => 0.0,
+        n => r.first_admission_hit_tokens as f64 / n as f64,
+    };
     r.peak_physical_bytes = mgr.peak_physical_bytes();
     r.bytes_copied = mgr.bytes_copied();
     r.moves = mgr.moves();
