@@ -187,10 +187,7 @@ impl ArenaPrefixCache {
             Some(stream) if !now => arena.free_on_stream(id, stream),
             _ => arena.free(id),
         };
-        if let Err(e) = done {
-            self.errors += 1;
-            self.last_error = Some(e.to_string());
-        }
+        self.note(done);
     }
 
     /// Bytes of the longest cached prefix `q` would map now (nothing is
@@ -234,10 +231,8 @@ impl ArenaPrefixCache {
                 // promise of no more work ends (growth ended it already; a
                 // take-over that only shrank needs this). After the resize,
                 // so that what a shrink drops, which saw no work, is idle.
-                if let Err(e) = arena.unquiesce(id) {
-                    self.errors += 1;
-                    self.last_error = Some(e.to_string());
-                }
+                let unquiesced = arena.unquiesce(id);
+                self.note(unquiesced);
                 Some(id)
             }
             Err(_) => {
@@ -302,10 +297,8 @@ impl ArenaPrefixCache {
         // waiting for an event recorded at the eviction.
         if let (Release::Keep(_), Some(stream)) = (r, self.stream) {
             self.quiesces += 1;
-            if let Err(e) = arena.quiesce_on_stream(id, stream) {
-                self.errors += 1;
-                self.last_error = Some(e.to_string());
-            }
+            let quiesced = arena.quiesce_on_stream(id, stream);
+            self.note(quiesced);
         }
         self.apply(arena, id, r, discard);
     }
@@ -380,7 +373,13 @@ impl ArenaPrefixCache {
                 None => arena.free(id),
             },
         };
-        if let Err(e) = done {
+        self.note(done);
+    }
+
+    /// Counts a failed call on an entry (the arena is unchanged by it; the
+    /// books go on as if it had succeeded).
+    fn note(&mut self, r: Result<(), Error>) {
+        if let Err(e) = r {
             self.errors += 1;
             self.last_error = Some(e.to_string());
         }
