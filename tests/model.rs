@@ -4,7 +4,7 @@
 //! that capacity and address space run short and compaction happens) on the
 //! host backend or on the in-memory mock, runs a random sequence of every
 //! public operation, and after each one checks what the model
-//! (`tests/common/harness.rs`, shared with the `ops` fuzz target) says,
+//! (`tests/common/harness/`, shared with the `ops` fuzz target) says,
 //! among which:
 //! - the snapshot's ranges tile the reserved range (live ranges never
 //!   overlap and lie inside it) and the stats agree with them and with the
@@ -55,7 +55,7 @@
 //! fails.
 
 mod common;
-#[path = "common/harness.rs"]
+#[path = "common/harness/mod.rs"]
 mod harness;
 
 use std::sync::Arc;

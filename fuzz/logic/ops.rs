@@ -5,8 +5,8 @@
 //! injected (the `n`th driver call of the operation fails with out of memory
 //! or a driver error). The arena runs on the in-memory `MockDriver` under a
 //! `FaultDriver`, and after every operation the model shared with the
-//! core's property test (`tests/common/harness.rs`, which lists its checks)
-//! judges it. At the end everything is freed and trimmed: the driver holds
+//! core's property test (`tests/common/harness/`, whose `mod.rs` lists its
+//! checks) judges it. At the end everything is freed and trimmed: the driver holds
 //! nothing.
 //!
 //! This file is the body of the cargo-fuzz target `fuzz/fuzz_targets/ops.rs`
@@ -29,7 +29,7 @@ use vmm_arena::driver::fault::FaultKind;
 mod bytes;
 #[path = "../../tests/common/mod.rs"]
 mod common;
-#[path = "../../tests/common/harness.rs"]
+#[path = "../../tests/common/harness/mod.rs"]
 mod harness;
 
 use bytes::Bytes;
