@@ -18,7 +18,10 @@
 //!   pooled path, with the driver calls they made (expected: none).
 //!
 //! Prints a Markdown report; with `--out DIR` also writes `gpu-measure.json`
-//! and `gpu-measure.md` there. Where CUDA cannot run it says so and exits 0
+//! and `gpu-measure.md` there, and `kv-profile.json`: the measured driver
+//! prices as a profile for `kv_serving --profile-file` (medians; the
+//! access and unmap calls split into a part per call and a part per chunk,
+//! fitted over the spans, see `common/timing.rs`). Where CUDA cannot run it says so and exits 0
 //! (writing a JSON with `"status": "unsupported"` when `--out` is given).
 //! `--quick` cuts repetitions and sizes, for a smoke run.
 
@@ -30,6 +33,10 @@ use std::time::Instant;
 use clap::Parser;
 use serde::Serialize;
 
+#[path = "common/mod.rs"]
+mod common;
+
+use common::timing::{fit_span_cost, DriverPrices, SpanCost};
 use vmm_arena::driver::cuda::CudaDriver;
 use vmm_arena::driver::{ChunkHandle, Driver};
 use vmm_arena::{Arena, ArenaConfig};
@@ -595,6 +602,44 @@ impl Report {
         // Pretty: `scripts/gpu-check.sh` greps for `"status": "unsupported"` with its space.
         serde_json::to_string_pretty(&doc).expect("plain data serializes") + "\n"
     }
+
+    /// The measured driver prices as overrides of the replay's profile
+    /// (`kv_serving --profile-file`): per call (median) where the arena
+    /// calls once a chunk (create, map, release), per range (reserve, an
+    /// 8 GiB one), per call (synchronize), and for access and unmap the
+    /// two parts fitted over the spans. The replay prices per 2 MiB: a
+    /// larger chunk's per-chunk parts are scaled down to 2 MiB.
+    fn kv_profile(&self) -> Result<String, String> {
+        let median_s = |name: &str| -> Result<f64, String> {
+            let r = self.calls.iter().find(|r| r.call == name).ok_or(format!("{name} was not measured"))?;
+            let m = r.stats.median_us();
+            if m.is_finite() {
+                Ok(m * 1e-6)
+            } else {
+                Err(format!("{name} has no samples"))
+            }
+        };
+        let fit = |what: &str, pick: fn(&SpanRow) -> &Stats| -> Result<SpanCost, String> {
+            let pts: Vec<(u64, f64)> = self.spans.iter().map(|r| (r.chunks, pick(r).median_us() * 1e-6)).collect();
+            fit_span_cost(&pts).ok_or(format!("{what} over spans: no usable samples"))
+        };
+        let per_2mib = (2 * MIB) as f64 / self.chunk as f64;
+        let access = fit("cuMemSetAccess", |r| &r.set_access)?;
+        let unmap = fit("cuMemUnmap", |r| &r.unmap)?;
+        let p = DriverPrices {
+            name: format!("measured: {} (driver {})", self.device, self.driver_version),
+            create_s: median_s("cuMemCreate")? * per_2mib,
+            map_s: median_s("cuMemMap")? * per_2mib,
+            set_access_s: access.chunk_s * per_2mib,
+            set_access_call_s: access.call_s,
+            unmap_s: unmap.chunk_s * per_2mib,
+            unmap_call_s: unmap.call_s,
+            release_s: median_s("cuMemRelease")? * per_2mib,
+            reserve_s: median_s("cuMemAddressReserve (8 GiB)")?,
+            synchronize_s: median_s("cuCtxSynchronize (idle device)")?,
+        };
+        Ok(p.json())
+    }
 }
 
 // The JSON layout of the report (field names are what scripts read).
@@ -696,4 +741,16 @@ fn main() {
     let md = report.markdown();
     print!("{md}");
     write_out(&args.out, &report.json(), &md);
+    if let Some(dir) = &args.out {
+        match report.kv_profile() {
+            Ok(p) => {
+                if let Err(e) = std::fs::write(dir.join("kv-profile.json"), p) {
+                    eprintln!("gpu_measure: cannot write kv-profile.json: {e}");
+                    std::process::exit(1);
+                }
+            }
+            // Measured but not fittable: the report stands; say why.
+            Err(e) => eprintln!("gpu_measure: no kv-profile.json: {e}"),
+        }
+    }
 }

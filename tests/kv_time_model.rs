@@ -30,6 +30,8 @@ fn profile() -> Profile {
         map_s: 1e-6,
         set_access_s: 10e-6,
         unmap_s: 20e-6,
+        set_access_call_s: 0.0,
+        unmap_call_s: 0.0,
         release_s: 0.0,
         reserve_s: 0.0,
         synchronize_s: 0.0,
@@ -44,11 +46,17 @@ fn req(arrival_s: f64, prompt: u64, output: u64, hashes: &[u64]) -> Request {
 }
 
 fn run(name: &str, kvpt: u64, capacity: u64, requests: &[Request]) -> RunResult {
+    run_chunked(name, kvpt, capacity, requests, 0)
+}
+
+/// [`run`] with chunked prefill of `budget` tokens a step (0: whole prompts).
+fn run_chunked(name: &str, kvpt: u64, capacity: u64, requests: &[Request], budget: u64) -> RunResult {
     let shape = KvShape { kv_bytes_per_token: kvpt, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
     let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 8));
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 16 };
     let mut m = managers::build(name, shape, opts).expect("manager");
-    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: kvpt, profile: profile() };
+    let cfg =
+        SchedConfig { max_batch: 8, kv_bytes_per_token: kvpt, profile: profile(), max_num_batched_tokens: budget };
     let r = replay(m.as_mut(), requests, &cfg, &AtomicU64::new(0));
     assert_eq!(r.integrity_errors, 0, "{name}: every tag read back");
     assert!(r.aborted.is_none());
@@ -178,7 +186,7 @@ fn prefix_hits_follow_the_chain_and_lru_eviction() {
     let arena = ArenaOptions::new(2 << 20, 0);
     let mut m =
         managers::build("vllm-paged", shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
-    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: 1024, profile: profile() };
+    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: 1024, profile: profile(), max_num_batched_tokens: 0 };
     let off = replay(m.as_mut(), &reqs, &cfg, &AtomicU64::new(0));
     assert_eq!((off.prefix_hit_tokens, off.integrity_errors), (0, 0));
 }
@@ -248,7 +256,8 @@ fn arena_prefix_cache_shares_chunks_evicts_lru_and_cuts_chains() {
         map_ahead_bytes: 0,
     };
     let mut m = managers::build("arena", shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
-    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: 128 << 10, profile: profile() };
+    let cfg =
+        SchedConfig { max_batch: 8, kv_bytes_per_token: 128 << 10, profile: profile(), max_num_batched_tokens: 0 };
     let off = replay(m.as_mut(), &reqs, &cfg, &AtomicU64::new(0));
     assert_eq!((off.prefix_hit_tokens, off.integrity_errors), (0, 0));
 }
@@ -401,7 +410,7 @@ fn run_tight(name: &str) -> RunResult {
         ..ArenaOptions::new(8 * mib, managers::arena_reserve(shape, 8 * mib, 8))
     };
     let mut m = managers::build(name, shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
-    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: mib, profile: profile() };
+    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: mib, profile: profile(), max_num_batched_tokens: 0 };
     let r = replay(m.as_mut(), &[req(0.0, 3, 5, &[]), req(0.0, 3, 5, &[])], &cfg, &AtomicU64::new(0));
     assert_eq!((r.integrity_errors, r.completed_requests), (0, 2), "{name}");
     r
@@ -500,4 +509,57 @@ fn the_committed_driver_tables_load() {
         (p.hbm_bytes_per_s, p.peak_flops, p.cpu_step_s),
         (base.hbm_bytes_per_s, base.peak_flops, base.cpu_step_s)
     );
+}
+
+/// Chunked prefill, 1000 tokens a step, on vLLM's pool (no driver calls),
+/// 1 KiB of KV per token: A (prompt 2500, 2 tokens) and B (prompt 300, 1
+/// token) arrive at 0.
+/// - step 1: A's first chunk, 1000 tokens (4 ms); the budget is spent, B
+///   waits; nobody decodes;
+/// - step 2: A's second chunk, 1000 tokens (4 ms);
+/// - step 3: A's last 500 tokens and its first token; B is admitted into
+///   the 500 left, computes its 300 and its only token: prefill 800 (3.2
+///   ms) + decode of 2800 KiB and 2 GB; B ends;
+/// - step 4: A decodes its second token (2501 KiB) and ends.
+#[test]
+fn chunked_prefill_spreads_a_prompt_over_steps_within_the_budget() {
+    let kib = 1024;
+    let reqs = [req(0.0, 2500, 2, &[]), req(0.0, 300, 1, &[])];
+    let r = run_chunked("vllm-paged", kib, 64 << 20, &reqs, 1000);
+    let decode = |kv: u64| (2e9 + kv as f64) / 1e12;
+    let steps = [4e-3, 4e-3, 3.2e-3 + decode(2800 * kib), decode(2501 * kib)];
+    assert_eq!((r.steps, r.prefill_tokens, r.output_tokens), (4, 2800, 3));
+    assert!(close(r.simulated_seconds, steps.iter().sum()), "{} vs {steps:?}", r.simulated_seconds);
+    // Both first tokens come at the end of step 3.
+    let first = steps[..3].iter().sum::<f64>();
+    assert!(close(r.ttft_mean_s, first) && close(r.ttft_p99_s, first), "{}", r.ttft_mean_s);
+    assert_eq!((r.completed_requests, r.preemptions), (2, 0));
+    // Whole prompts: both prefill in step 1.
+    let w = run_chunked("vllm-paged", kib, 64 << 20, &reqs, 0);
+    assert_eq!((w.steps, w.prefill_tokens), (2, 2800));
+}
+
+/// Chunked prefill caches a hash block once a chunk has computed it: B
+/// (the same two hash blocks as A) arrives with A but is admitted only in
+/// step 2, into the budget A's last chunk leaves, and then hits both
+/// blocks (1008 tokens: hits stop below the last prompt token), as with
+/// whole prompts. vLLM's pool and the arena (128 KiB a token: a 16-token
+/// unit is one 2 MiB chunk) alike; the arena grows A's second chunk
+/// between steps.
+#[test]
+fn chunked_prefill_hits_what_earlier_chunks_computed() {
+    let kvpt = 128 << 10;
+    let reqs = [req(0.0, 1024, 2, &[1, 2]), req(0.0, 1024, 2, &[1, 2])];
+    for name in ["vllm-paged", "arena"] {
+        let r = run_chunked(name, kvpt, 512 << 20, &reqs, 600);
+        assert_eq!((r.prefix_hit_tokens, r.prefill_tokens, r.steps), (1008, 1024 + 16, 3), "{name}");
+        assert_eq!((r.completed_requests, r.preemptions), (2, 0), "{name}");
+        let w = run_chunked(name, kvpt, 512 << 20, &reqs, 0);
+        assert_eq!((w.prefix_hit_tokens, w.prefill_tokens), (1008, 1040), "{name}: whole prompts");
+        if name == "arena" {
+            let prepared = r.extra.iter().find(|(k, _)| k == "prepared_growths").map(|(_, v)| v.clone());
+            assert_eq!(prepared.as_deref(), Some("1"), "A's second chunk, grown between steps 1 and 2");
+            assert!(r.between_calls.map_chunks > 0);
+        }
+    }
 }

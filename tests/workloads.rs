@@ -33,7 +33,12 @@ fn run(name: &str, layout: Layout, capacity: u64, requests: &[trace::Request]) -
     let max_tokens = requests.iter().map(|q| q.output).max().unwrap_or(1);
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens };
     let mut m = managers::build(name, s, opts).expect("manager");
-    let cfg = SchedConfig { max_batch, kv_bytes_per_token: s.kv_bytes_per_token, profile: Profile::h200() };
+    let cfg = SchedConfig {
+        max_batch,
+        kv_bytes_per_token: s.kv_bytes_per_token,
+        profile: Profile::h200(),
+        max_num_batched_tokens: 0,
+    };
     replay(m.as_mut(), requests, &cfg, &AtomicU64::new(0))
 }
 
@@ -143,7 +148,12 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
         precreate_bytes: 0,
         map_ahead_bytes: 0,
     };
-    let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
+    let cfg = SchedConfig {
+        max_batch: 16,
+        kv_bytes_per_token: shape.kv_bytes_per_token,
+        profile: Profile::h200(),
+        max_num_batched_tokens: 0,
+    };
     let mut m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
     let r = replay(&mut m, &reqs, &cfg, &AtomicU64::new(0));
     let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
@@ -197,7 +207,12 @@ fn chain_tree_arena_run(configure: impl FnOnce(ArenaMgr) -> ArenaMgr) -> RunResu
     let reqs = chain_tree_trace();
     let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
     let capacity = GIB;
-    let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: shape.kv_bytes_per_token, profile: Profile::h200() };
+    let cfg = SchedConfig {
+        max_batch: 16,
+        kv_bytes_per_token: shape.kv_bytes_per_token,
+        profile: Profile::h200(),
+        max_num_batched_tokens: 0,
+    };
     let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 16));
     let m = ArenaMgr::new("arena", shape, arena, ArenaMode::Stream).unwrap().with_prefix_cache(true);
     let mut m = configure(m);
@@ -301,7 +316,12 @@ fn run_shape(name: &str, s: KvShape, capacity: u64, requests: &[trace::Request])
     };
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 100 };
     let mut m = managers::build(name, s, opts).expect("manager");
-    let cfg = SchedConfig { max_batch: 16, kv_bytes_per_token: s.kv_bytes_per_token, profile: Profile::h200() };
+    let cfg = SchedConfig {
+        max_batch: 16,
+        kv_bytes_per_token: s.kv_bytes_per_token,
+        profile: Profile::h200(),
+        max_num_batched_tokens: 0,
+    };
     replay(m.as_mut(), requests, &cfg, &AtomicU64::new(0))
 }
 
@@ -479,17 +499,17 @@ fn an_admission_that_cannot_fit_evicts_nothing() {
     let req = |prompt: u64, ids: &[u64]| trace::Request { arrival_s: 0.0, prompt, output: 1, hash_ids: ids.into() };
     let max = 128 * c;
     let a = req(520, &[1]);
-    let (id, _) = p.admit(&arena, 520 * bpt, max, &a, false).unwrap();
+    let (id, _) = p.admit(&arena, 520 * bpt, max, &a, u64::MAX, false).unwrap();
     p.release(&arena, id, false);
     assert_eq!(p.books.queued_units(), 32, "its hash block is cached");
     // 64 fresh units; 16 chunks free and 32 evictable.
     let b = req(1024, &[7, 8]);
-    let e = p.admit(&arena, 1024 * bpt, max, &b, false).unwrap_err();
+    let e = p.admit(&arena, 1024 * bpt, max, &b, u64::MAX, false).unwrap_err();
     assert!(matches!(e, vmm_arena::Error::OutOfMemory(_)), "{e}");
     assert_eq!(p.books.queued_units(), 32, "nothing evicted for an admission that cannot fit");
     // One that fits evicts what it needs (24 units past the 16 free).
     let f = req(640, &[9]);
-    let (id, _) = p.admit(&arena, 640 * bpt, max, &f, false).unwrap();
+    let (id, _) = p.admit(&arena, 640 * bpt, max, &f, u64::MAX, false).unwrap();
     assert!(p.books.queued_units() <= 8, "evicted for it");
     p.release(&arena, id, false);
     p.books.check().unwrap();

@@ -22,7 +22,12 @@ fn run(name: &str, capacity: u64, noise: tp::Noise) -> RunResult {
     let t = trace::synthetic(100, 5);
     let reserve = managers::arena_reserve(shape, capacity, 64);
     let mut m = tp::build(name, shape, members, capacity, reserve, u64::MAX, noise).expect("manager");
-    let cfg = SchedConfig { max_batch: 64, kv_bytes_per_token: shape.kv_bytes_per_token / 4, profile: Profile::h200() };
+    let cfg = SchedConfig {
+        max_batch: 64,
+        kv_bytes_per_token: shape.kv_bytes_per_token / 4,
+        profile: Profile::h200(),
+        max_num_batched_tokens: 0,
+    };
     let r = replay(m.as_mut(), &t.requests, &cfg, &AtomicU64::new(0));
     let x = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
     println!(

@@ -78,17 +78,21 @@ impl ArenaPrefixCache {
 
     /// Admits a request of `size` bytes reserving `max`: maps its longest
     /// cached prefix (`alloc_shared`) and grows past it, evicting what it
-    /// needs. Returns the allocation and the prompt tokens it found cached.
+    /// needs. Its first `computed` tokens are computed in this step (its
+    /// whole prompt, or its first chunk with chunked prefill): their full
+    /// hash blocks are cached. Returns the allocation and the prompt
+    /// tokens it found cached.
     pub fn admit(
         &mut self,
         arena: &Arena,
         size: u64,
         max: u64,
         q: &Request,
+        computed: u64,
         discard: bool,
     ) -> Result<(Id, u64), Error> {
         let (id, hit) = self.begin(arena, size, max, q, discard, u64::MAX)?;
-        self.finish(arena, id, q);
+        self.finish(arena, id, q, computed);
         Ok((id, hit))
     }
 
@@ -168,12 +172,24 @@ impl ArenaPrefixCache {
         Ok((id, hit_tokens))
     }
 
-    /// The admission begun by [`begin`](Self::begin) runs (its prompt is
-    /// computed in this step): its own units are cached.
-    pub fn finish(&mut self, arena: &Arena, id: Id, q: &Request) {
-        self.books.cache_own(id, &q.hash_ids, q.full_hash_blocks() as usize);
+    /// The admission begun by [`begin`](Self::begin) runs (its first
+    /// `computed` tokens are computed in this step): its own units of them
+    /// are cached.
+    pub fn finish(&mut self, arena: &Arena, id: Id, q: &Request, computed: u64) {
+        self.cache_computed(id, q, computed);
         self.note_peaks(arena);
         self.peak_entries = self.peak_entries.max(self.books.entries());
+    }
+
+    /// The running request `id` of `q` has computed its first `computed`
+    /// tokens: the units of its full hash blocks among them are cached (as
+    /// vLLM caches a block once computed). Whether its prompt's full hash
+    /// blocks are all computed now.
+    pub fn cache_computed(&mut self, id: Id, q: &Request, computed: u64) -> bool {
+        let full = q.full_hash_blocks() as usize;
+        let done = full.min((computed / super::trace::HASH_BLOCK_TOKENS) as usize);
+        self.books.cache_own(id, &q.hash_ids, full, done);
+        done == full
     }
 
     /// Gives up an admission begun by [`begin`](Self::begin) and never
@@ -195,6 +211,12 @@ impl ArenaPrefixCache {
     pub fn hit_bytes(&self, q: &Request) -> u64 {
         let (hit, _) = self.books.find(q.prompt, &q.hash_ids, q.full_hash_blocks() as usize);
         hit.units.len() as u64 * self.unit_bytes
+    }
+
+    /// Prompt tokens of the longest cached prefix `q` would map now
+    /// (nothing is counted or changed): what [`admit`](Self::admit) returns.
+    pub fn hit_tokens(&self, q: &Request) -> u64 {
+        self.hit_bytes(q) / self.unit_bytes * self.books.unit_tokens()
     }
 
     /// Evicts cached units now so that `bytes` more fit later: on the

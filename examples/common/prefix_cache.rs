@@ -117,6 +117,11 @@ struct Holder {
     /// Stamps its hit took out of the queue at admission, restored if the
     /// admission fails (`abort`).
     taken: Vec<(u32, u64)>,
+    /// Full hash blocks [`PrefixCache::cache_own`] has looked at so far
+    /// (chunked prefill computes a prompt over several steps), and whether
+    /// the chain was cut among them.
+    scanned: usize,
+    gap: bool,
 }
 
 /// The cache's books: pure logic, no memory. `K` names an allocation.
@@ -281,16 +286,19 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
         }
     }
 
-    /// Caches the units the running request `k` computes in its admission
-    /// step (`VllmMgr::admit`'s rule): for each full hash block, its units
-    /// after what the cache held, if the cache's units for that hash are
-    /// the ones `k` maps (its hit). Returns the units `k` now maps at its
-    /// start.
-    pub fn cache_own(&mut self, k: K, hash_ids: &[u64], full_blocks: usize) -> usize {
+    /// Caches the units the running request `k` computes (`VllmMgr`'s
+    /// rule): for each of its prompt's first `computed` full hash blocks
+    /// (of `full_blocks`), its units after what the cache held, if the
+    /// cache's units for that hash are the ones `k` maps (its hit). Called
+    /// once in its admission step, or, with chunked prefill, again as
+    /// later steps compute more (blocks looked at before are not looked at
+    /// again). Returns the units `k` now maps at its start.
+    pub fn cache_own(&mut self, k: K, hash_ids: &[u64], full_blocks: usize, computed: usize) -> usize {
         let mut h = std::mem::take(self.holders.get_mut(&k).expect("an acquired holder"));
         h.taken.clear();
-        let mut gap = false;
-        for (j, &hash) in hash_ids[..full_blocks].iter().enumerate() {
+        let mut gap = h.gap;
+        let from = h.scanned.min(computed);
+        for (j, &hash) in hash_ids[..computed].iter().enumerate().skip(from) {
             let base = j * self.per_hash;
             let cached = self.cache.get(&hash).map_or(0, |e| e.len());
             let hit_here = h.units.len().saturating_sub(base).min(self.per_hash);
@@ -331,6 +339,8 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
                 h.originated += 1;
             }
         }
+        h.scanned = h.scanned.max(computed);
+        h.gap = gap;
         let n = h.units.len();
         *self.holders.get_mut(&k).expect("an acquired holder") = h;
         n
@@ -542,6 +552,8 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
         let h = self.holders.get_mut(&k).expect("the entry");
         h.running = true;
         h.taken = taken;
+        // A new request: its blocks are looked at afresh.
+        (h.scanned, h.gap) = (0, false);
         for &u in hit {
             let unit = self.units[u as usize].as_mut().expect("a hit unit");
             if unit.refs > 0 {
@@ -607,7 +619,7 @@ mod tests {
         let full = ((prompt / 8) as usize).min(hashes.len());
         let hit = c.lookup(prompt, hashes, full);
         c.acquire(k, &hit.units);
-        c.cache_own(k, hashes, full);
+        c.cache_own(k, hashes, full, full);
         c.check().unwrap();
         (hit.units.len(), hit.source)
     }
@@ -692,7 +704,7 @@ mod tests {
         let (k, others) = c.take_over(&hit.units, 2).expect("entry 1 fits");
         assert_eq!((k, others), (1, vec![]));
         assert_eq!((c.stats.evicted_units, c.stats.take_overs, c.stats.hits), (2, 1, 2));
-        assert_eq!(c.cache_own(1, &[10, 13], 2), 4, "h10, then h13 cached in entry 1's own place");
+        assert_eq!(c.cache_own(1, &[10, 13], 2, 2), 4, "h10, then h13 cached in entry 1's own place");
         c.check().unwrap();
         assert_eq!(c.shared_live_units(), 0);
         // Entry 2's tail is not among the 2 oldest now (c1 c0 are), but for 3

@@ -93,6 +93,12 @@ impl PreparedAdmissions {
         self.queue.front().is_some_and(|p| p.seq == seq && p.tokens == tokens)
     }
 
+    /// The prefix hit of `seq`'s prepared admission, where it is prepared
+    /// and succeeded (what its token count was worked out from).
+    pub fn hit_of(&self, seq: usize) -> Option<u64> {
+        self.queue.iter().find(|p| p.seq == seq).and_then(|p| p.outcome.as_ref().ok().copied())
+    }
+
     /// Shared bytes of the prepared admissions not handed out yet.
     pub fn shared_bytes(&self) -> u64 {
         self.queue.iter().map(|p| p.shared_bytes).sum()
@@ -124,6 +130,7 @@ mod tests {
         b.push(fail(7));
         assert!(b.ended());
         assert_eq!(b.shared_bytes(), 2);
+        assert_eq!((b.hit_of(3), b.hit_of(5), b.hit_of(7), b.hit_of(9)), (Some(16), Some(0), None, None));
         assert!(matches!(b.take(3, 103), Take::Ready(Ok(16))));
         assert_eq!(b.shared_bytes(), 0);
         assert!(matches!(b.take(5, 105), Take::Ready(Ok(0))));

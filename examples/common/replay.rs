@@ -76,6 +76,11 @@ pub struct SchedConfig {
     pub kv_bytes_per_token: u64,
     /// The step-time model's constants.
     pub profile: Profile,
+    /// Chunked prefill: the most tokens one step computes (prefill chunks
+    /// and one per decoding request), as vLLM V1's `max_num_batched_tokens`
+    /// (8192 for its API server on an H100/H200-class GPU); 0 computes a
+    /// whole prompt in its admission step. See the module documentation.
+    pub max_num_batched_tokens: u64,
 }
 
 /// What one manager did over the whole trace.
@@ -211,6 +216,80 @@ struct Live {
     seq: usize,
     /// Tokens whose KV is stored (and tagged).
     stored: u64,
+    /// Tokens to store before it decodes (its prompt, plus the tokens
+    /// generated before a preemption): it prefills while `stored < target`.
+    target: u64,
+    /// Admitted again after a preemption: what it computes is recomputation.
+    again: bool,
+}
+
+/// The tokens a running request has room for after computing `n` more:
+/// a prefill chunk, plus room for its first generated token where the
+/// chunk ends its prompt; or one decoded token.
+fn grown_to(l: &Live, n: u64) -> u64 {
+    if l.stored < l.target {
+        let s = l.stored + n;
+        s + u64::from(s == l.target)
+    } else {
+        l.stored + 1
+    }
+}
+
+/// A part of a step (see [`replay`]).
+enum Pass {
+    Admit,
+    Grow,
+}
+
+/// The token budget of chunked prefill, over one step: a request gets
+/// what it still needs, up to what is left (`u64::MAX` left: unbounded).
+pub struct Budget(pub u64);
+
+impl Budget {
+    fn new(max_num_batched_tokens: u64) -> Budget {
+        Budget(if max_num_batched_tokens == 0 { u64::MAX } else { max_num_batched_tokens })
+    }
+
+    pub fn take(&mut self, need: u64) -> u64 {
+        let n = need.min(self.0);
+        if self.0 != u64::MAX {
+            self.0 -= n;
+        }
+        n
+    }
+
+    pub fn unbounded(&self) -> bool {
+        self.0 == u64::MAX
+    }
+}
+
+/// What one step computes for each running request, in running order (as
+/// vLLM V1 schedules its running requests before its waiting ones): one
+/// token for a decoding request, the next chunk of its prompt for a
+/// prefilling one. Consumes the budget; what is left goes to admissions.
+fn plan_running(running: &[Live], budget: &mut Budget) -> Vec<u64> {
+    running
+        .iter()
+        .map(|l| if l.stored < l.target { budget.take(l.target - l.stored) } else { budget.take(1) })
+        .collect()
+}
+
+/// The tokens admission allocates for a request storing `total` tokens
+/// before it decodes, of which `hit` are cached, given `budget`: its hit
+/// and the chunk it computes now, plus room for its first generated token
+/// where the chunk ends its prompt. Whole prompts (an unbounded budget)
+/// need no hit: `total + 1`. `None` when the budget has nothing left.
+pub fn admission_tokens(total: u64, hit: impl FnOnce() -> u64, budget: &mut Budget) -> Option<(u64, u64)> {
+    if budget.unbounded() {
+        return Some((total + 1, total));
+    }
+    if budget.0 == 0 {
+        return None;
+    }
+    let hit = hit().min(total.saturating_sub(1));
+    let n = budget.take(total - hit);
+    let stored = hit + n;
+    Some((stored + u64::from(stored == total), stored))
 }
 
 fn note(r: &mut RunResult, f: &Fail, what: impl Fn() -> String) {
@@ -306,110 +385,199 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         let mut work = StepWork::default();
         let mut step_peak_live = live_now;
 
-        // Admission.
-        while running.len() < cfg.max_batch && blocked_at != Some(freed_gen) {
-            let Some(&seq) = waiting.front() else { break };
-            let q = &requests[seq];
-            let stored = q.prompt + generated[seq];
-            if !running.is_empty() && !mgr.admission_ready(seq, stored + 1) {
-                r.admissions_waiting_for_kv += 1;
-                break;
-            }
-            match mgr.admit(seq, stored + 1, q) {
-                Ok(hit) => {
-                    waiting.pop_front();
-                    let hit = hit.min(q.prompt.saturating_sub(1));
-                    for t in hit..stored {
-                        if !mgr.write_tag(seq, t, token_tag(q, seq, t)) {
-                            r.integrity_errors += 1;
+        // The step's token budget: running requests first, then admissions.
+        let chunked = cfg.max_num_batched_tokens > 0;
+        let mut budget = Budget::new(cfg.max_num_batched_tokens);
+        let mut plan = plan_running(&running, &mut budget);
+        let preemptions_before = r.preemptions;
+        let mut finished: Vec<usize> = Vec::new();
+        let mut ending: Vec<Live> = Vec::new();
+        // Whole prompts: admission, then every running request's growth.
+        // Chunked prefill, as vLLM V1 schedules: the running requests'
+        // growth first, then (unless it preempted) admission into the budget
+        // left, then the new requests' first tokens.
+        let passes: &[Pass] = if chunked { &[Pass::Grow, Pass::Admit, Pass::Grow] } else { &[Pass::Admit, Pass::Grow] };
+        let mut grow_from = 0;
+        for pass in passes {
+            match pass {
+                Pass::Admit => {
+                    if chunked {
+                        if r.preemptions > preemptions_before {
+                            break;
+                        }
+                        grow_from = running.len();
+                    }
+                    while running.len() < cfg.max_batch && blocked_at != Some(freed_gen) {
+                        let Some(&seq) = waiting.front() else { break };
+                        let q = &requests[seq];
+                        let total = q.prompt + generated[seq];
+                        let mut after = Budget(budget.0);
+                        let Some((tokens, stored)) = admission_tokens(total, || mgr.prefix_hit(seq, q), &mut after)
+                        else {
+                            break;
+                        };
+                        if !running.is_empty() && !mgr.admission_ready(seq, tokens) {
+                            r.admissions_waiting_for_kv += 1;
+                            break;
+                        }
+                        match mgr.admit(seq, tokens, q) {
+                            Ok(hit) => {
+                                waiting.pop_front();
+                                budget = after;
+                                let hit = hit.min(q.prompt.saturating_sub(1)).min(stored);
+                                for t in hit..stored {
+                                    if !mgr.write_tag(seq, t, token_tag(q, seq, t)) {
+                                        r.integrity_errors += 1;
+                                    }
+                                }
+                                r.tags_written += stored - hit;
+                                r.prefix_hit_tokens += hit;
+                                r.prompt_tokens += q.prompt;
+                                if admitted_at[seq].is_none() {
+                                    r.first_admission_hit_tokens += hit;
+                                    r.first_admission_prompt_tokens += q.prompt;
+                                }
+                                work.prefill_tokens += stored - hit;
+                                r.prefill_tokens += stored - hit;
+                                let again = admitted_at[seq].is_some();
+                                if again {
+                                    r.recomputed_tokens += stored - hit;
+                                }
+                                admitted_at[seq].get_or_insert(now);
+                                running.push(Live { seq, stored, target: total, again });
+                                // Its first chunk is computed: it decodes
+                                // in this step if that ends its prompt.
+                                plan.push(u64::from(stored == total));
+                                live_now += stored * kvpt;
+                                sample(&mut r, live_now, mgr.shared_live_bytes());
+                                step_peak_live = step_peak_live.max(live_now);
+                            }
+                            Err(f) => {
+                                r.admission_failures += 1;
+                                note(&mut r, &f, || format!("admission of request {seq}"));
+                                if running.is_empty() {
+                                    // It cannot fit even alone: it can never run.
+                                    waiting.pop_front();
+                                    r.rejected_requests += 1;
+                                    progress.fetch_add(1, Relaxed);
+                                    continue;
+                                }
+                                blocked_at = Some(freed_gen);
+                                break;
+                            }
                         }
                     }
-                    r.tags_written += stored - hit;
-                    r.prefix_hit_tokens += hit;
-                    r.prompt_tokens += q.prompt;
-                    if admitted_at[seq].is_none() {
-                        r.first_admission_hit_tokens += hit;
-                        r.first_admission_prompt_tokens += q.prompt;
-                    }
-                    work.prefill_tokens += stored - hit;
-                    r.prefill_tokens += stored - hit;
-                    if admitted_at[seq].is_some() {
-                        r.recomputed_tokens += stored - hit;
-                    }
-                    admitted_at[seq].get_or_insert(now);
-                    running.push(Live { seq, stored });
-                    live_now += stored * kvpt;
-                    sample(&mut r, live_now, mgr.shared_live_bytes());
-                    step_peak_live = step_peak_live.max(live_now);
                 }
-                Err(f) => {
-                    r.admission_failures += 1;
-                    note(&mut r, &f, || format!("admission of request {seq}"));
-                    if running.is_empty() {
-                        // It cannot fit even alone: it can never run.
-                        waiting.pop_front();
-                        r.rejected_requests += 1;
-                        progress.fetch_add(1, Relaxed);
-                        continue;
+                Pass::Grow => {
+                    // Every running request (from `grow_from`) with a share
+                    // of the step computes it: a prefilling one stores its
+                    // next chunk (and decodes too where the chunk ends its
+                    // prompt); a decoding one appends one token. The step
+                    // reads the KV each decoding request holds; finished
+                    // requests end with the step.
+                    let grows: Vec<(usize, u64, u64)> = running[grow_from..]
+                        .iter()
+                        .zip(&plan[grow_from..])
+                        .filter(|(_, &n)| n > 0)
+                        .map(|(l, &n)| (l.seq, grown_to(l, n), l.stored))
+                        .collect();
+                    if !grows.is_empty() && mgr.grow_batch(&grows).is_err() {
+                        r.batch_growth_failures += 1;
                     }
-                    blocked_at = Some(freed_gen);
-                    break;
+                    let mut i = grow_from;
+                    while i < running.len() {
+                        let (seq, stored, target) = (running[i].seq, running[i].stored, running[i].target);
+                        let n = plan[i];
+                        if n == 0 {
+                            i += 1;
+                            continue;
+                        }
+                        let to = grown_to(&running[i], n);
+                        let mut ok = true;
+                        while let Err(f) = mgr.grow(seq, to, stored) {
+                            r.growth_failures += 1;
+                            note(&mut r, &f, || format!("growth of request {seq}"));
+                            let victim = running.pop().expect("the growing request is running");
+                            plan.pop();
+                            r.integrity_errors += retire(mgr, &victim);
+                            live_now -= victim.stored * kvpt;
+                            freed_gen += 1;
+                            r.preemptions += 1;
+                            waiting.push_front(victim.seq);
+                            if victim.seq == seq {
+                                ok = false;
+                                break;
+                            }
+                        }
+                        if !ok {
+                            break;
+                        }
+                        let q = &requests[seq];
+                        if stored < target {
+                            // A prefill chunk after the first.
+                            for t in stored..stored + n {
+                                if !mgr.write_tag(seq, t, token_tag(q, seq, t)) {
+                                    r.integrity_errors += 1;
+                                }
+                            }
+                            r.tags_written += n;
+                            work.prefill_tokens += n;
+                            r.prefill_tokens += n;
+                            if running[i].again {
+                                r.recomputed_tokens += n;
+                            }
+                            running[i].stored += n;
+                            live_now += n * kvpt;
+                            sample(&mut r, live_now, mgr.shared_live_bytes());
+                            step_peak_live = step_peak_live.max(live_now);
+                            if stored + n < target {
+                                i += 1;
+                                continue;
+                            }
+                        }
+                        // Decode one token.
+                        let stored = running[i].stored;
+                        if !mgr.write_tag(seq, stored, token_tag(q, seq, stored)) {
+                            r.integrity_errors += 1;
+                        }
+                        r.tags_written += 1;
+                        work.decoding = true;
+                        work.decode_kv_bytes += stored * kvpt;
+                        running[i].stored += 1;
+                        live_now += kvpt;
+                        sample(&mut r, live_now, mgr.shared_live_bytes());
+                        step_peak_live = step_peak_live.max(live_now);
+                        generated[seq] += 1;
+                        r.output_tokens += 1;
+                        if generated[seq] >= q.output {
+                            let done = running.remove(i);
+                            plan.remove(i);
+                            finished.push(seq);
+                            if chunked {
+                                // Its KV is freed once the step has run (as
+                                // vLLM V1 frees after the step's output):
+                                // this step's admission cannot have it.
+                                ending.push(done);
+                            } else {
+                                r.integrity_errors += retire(mgr, &done);
+                                live_now -= done.stored * kvpt;
+                                freed_gen += 1;
+                                r.completed_requests += 1;
+                                progress.fetch_add(1, Relaxed);
+                            }
+                        } else {
+                            i += 1;
+                        }
+                    }
                 }
             }
         }
-
-        // Decode: one token for every running request. The step reads the
-        // KV each of them holds; finished requests end with the step.
-        let grows: Vec<(usize, u64, u64)> = running.iter().map(|l| (l.seq, l.stored + 1, l.stored)).collect();
-        if !grows.is_empty() && mgr.grow_batch(&grows).is_err() {
-            r.batch_growth_failures += 1;
-        }
-        let mut finished: Vec<usize> = Vec::new();
-        let mut i = 0;
-        while i < running.len() {
-            let (seq, stored) = (running[i].seq, running[i].stored);
-            let mut ok = true;
-            while let Err(f) = mgr.grow(seq, stored + 1, stored) {
-                r.growth_failures += 1;
-                note(&mut r, &f, || format!("growth of request {seq}"));
-                let victim = running.pop().expect("the growing request is running");
-                r.integrity_errors += retire(mgr, &victim);
-                live_now -= victim.stored * kvpt;
-                freed_gen += 1;
-                r.preemptions += 1;
-                waiting.push_front(victim.seq);
-                if victim.seq == seq {
-                    ok = false;
-                    break;
-                }
-            }
-            if !ok {
-                break;
-            }
-            let q = &requests[seq];
-            if !mgr.write_tag(seq, stored, token_tag(q, seq, stored)) {
-                r.integrity_errors += 1;
-            }
-            r.tags_written += 1;
-            work.decoding = true;
-            work.decode_kv_bytes += stored * kvpt;
-            running[i].stored += 1;
-            live_now += kvpt;
-            sample(&mut r, live_now, mgr.shared_live_bytes());
-            step_peak_live = step_peak_live.max(live_now);
-            generated[seq] += 1;
-            r.output_tokens += 1;
-            if generated[seq] >= q.output {
-                let done = running.remove(i);
-                r.integrity_errors += retire(mgr, &done);
-                live_now -= done.stored * kvpt;
-                freed_gen += 1;
-                r.completed_requests += 1;
-                finished.push(seq);
-                progress.fetch_add(1, Relaxed);
-            } else {
-                i += 1;
-            }
+        for done in ending {
+            r.integrity_errors += retire(mgr, &done);
+            live_now -= done.stored * kvpt;
+            freed_gen += 1;
+            r.completed_requests += 1;
+            progress.fetch_add(1, Relaxed);
         }
         let after_critical = mgr.calls();
         let critical = after_critical.since(&calls_before);
@@ -420,16 +588,31 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         work.copied_bytes = copied - copied_before;
         copied_before = copied;
 
-        // Between steps: while the GPU computes. The next step's admission
-        // will try the queue's front first (arrivals join its tail): the
-        // manager may prepare those admissions now.
-        if running.len() < cfg.max_batch && blocked_at != Some(freed_gen) && !waiting.is_empty() {
+        // Between steps: while the GPU computes. The next step's plan is
+        // known now (nothing changes before it but arrivals joining the
+        // queue's tail). Chunked prefill grows the running requests before
+        // admitting: the manager may make that room now. Then admission
+        // tries the queue's front: the manager may prepare those admissions
+        // too, into the budget the running requests leave.
+        let mut next_budget = Budget::new(cfg.max_num_batched_tokens);
+        let next_plan = plan_running(&running, &mut next_budget);
+        let step_budget = StepBudget { gpu_s: prof.gpu_s(&work), profile: prof, tokens_left: next_budget.0 };
+        if chunked && !running.is_empty() {
+            let grows: Vec<(usize, u64, u64)> = running
+                .iter()
+                .zip(&next_plan)
+                .filter(|(_, &n)| n > 0)
+                .map(|(l, &n)| (l.seq, grown_to(l, n), l.stored))
+                .collect();
+            mgr.prepare_growth(&grows, &step_budget);
+        }
+        if running.len() < cfg.max_batch && blocked_at != Some(freed_gen) && !waiting.is_empty() && next_budget.0 > 0 {
             let front: Vec<(usize, u64, &Request)> = waiting
                 .iter()
                 .take(cfg.max_batch - running.len())
-                .map(|&seq| (seq, requests[seq].prompt + generated[seq] + 1, &requests[seq]))
+                .map(|&seq| (seq, requests[seq].prompt + generated[seq], &requests[seq]))
                 .collect();
-            mgr.prepare_admissions(&front, &StepBudget { gpu_s: prof.gpu_s(&work), profile: prof });
+            mgr.prepare_admissions(&front, &step_budget);
         }
         mgr.between_steps();
         let between = mgr.calls().since(&after_critical);
@@ -460,7 +643,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         now += st.total_s;
         mgr.gpu_finished_step();
         // Tokens of this step exist at its end.
-        for l in &running {
+        for l in running.iter().filter(|l| generated[l.seq] > 0) {
             first_token_at[l.seq].get_or_insert(now);
         }
         for &seq in &finished {
@@ -530,4 +713,55 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         if r.peak_live_bytes > 0 { r.peak_physical_bytes as f64 / r.peak_live_bytes as f64 } else { 0.0 };
     r.wall_seconds = start.elapsed().as_secs_f64();
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(stored: u64, target: u64) -> Live {
+        Live { seq: 0, stored, target, again: false }
+    }
+
+    #[test]
+    fn running_requests_take_the_budget_in_order() {
+        // A decoder, a prefill needing 5000 more, one needing 9000 more,
+        // and a decoder the budget no longer reaches (it waits a step).
+        let running = [live(10, 5), live(7000, 12000), live(0, 9000), live(3, 3)];
+        let mut b = Budget::new(8192);
+        assert_eq!(plan_running(&running, &mut b), vec![1, 5000, 3191, 0]);
+        assert_eq!(b.0, 0);
+        // Whole prompts: nothing is bounded.
+        let mut b = Budget::new(0);
+        assert_eq!(plan_running(&running, &mut b), vec![1, 5000, 9000, 1]);
+        assert!(b.unbounded());
+    }
+
+    #[test]
+    fn admission_allocates_the_hit_and_the_first_chunk() {
+        // 20000 tokens, 4096 cached, 8192 left: a chunk of 8192, no room
+        // for a generated token yet.
+        let mut b = Budget(8192);
+        assert_eq!(admission_tokens(20_000, || 4096, &mut b), Some((12_288, 12_288)));
+        assert_eq!(b.0, 0);
+        assert_eq!(admission_tokens(100, || 0, &mut b), None, "nothing left");
+        // A chunk that ends the prompt has room for the first token.
+        let mut b = Budget(8192);
+        assert_eq!(admission_tokens(5000, || 512, &mut b), Some((5001, 5000)));
+        assert_eq!(b.0, 8192 - 4488);
+        // A hit of the whole prompt still computes its last token.
+        let mut b = Budget(10);
+        assert_eq!(admission_tokens(1024, || 1024, &mut b), Some((1025, 1024)));
+        assert_eq!(b.0, 9);
+        // Whole prompts: the hit is not even asked for.
+        let mut b = Budget::new(0);
+        assert_eq!(admission_tokens(777, || panic!("no lookup"), &mut b), Some((778, 777)));
+    }
+
+    #[test]
+    fn growth_leaves_room_for_the_first_token_where_a_chunk_ends_the_prompt() {
+        assert_eq!(grown_to(&live(100, 1000), 500), 600);
+        assert_eq!(grown_to(&live(100, 1000), 900), 1001);
+        assert_eq!(grown_to(&live(1001, 1000), 1), 1002);
+    }
 }

@@ -34,6 +34,9 @@
 //!   of the caching allocator) is priced by its size: the per-2-MiB cost
 //!   times the chunks it covers. That is conservative for batched calls
 //!   (only per-chunk costs are published) and charges every manager alike.
+//!   A profile may split `cuMemSetAccess` and `cuMemUnmap` into a part per
+//!   call and a part per chunk (`set_access_call_s`, `unmap_call_s`), as
+//!   `gpu_measure` fits them on a GPU (`fit_span_cost`).
 //! - **Drains**: an engine overlaps its CPU work for the next step with
 //!   the GPU's current one. A device synchronize, or a blocking event wait,
 //!   on the critical path makes the CPU wait until the GPU drains: that step
@@ -85,6 +88,16 @@ pub struct Profile {
     pub map_s: f64,
     pub set_access_s: f64,
     pub unmap_s: f64,
+    /// The part of a `cuMemSetAccess` / `cuMemUnmap` call's cost paid once
+    /// per call, whatever its size; the fields above are then the part that
+    /// grows with each 2 MiB it covers. 0 in the shipped profiles: the
+    /// published tables time one chunk per call, so they cannot tell the
+    /// two parts apart, and charging all of it per chunk is the
+    /// conservative reading. `gpu_measure` times both calls over spans of
+    /// 1 to 512 chunks and fits the two parts (`fit_span_cost`); its
+    /// `kv-profile.json` sets them.
+    pub set_access_call_s: f64,
+    pub unmap_call_s: f64,
     /// `cuMemRelease` was not measured by that benchmark: 0 unless overridden.
     pub release_s: f64,
     /// `cuMemAddressReserve` (once per range; 19 µs for 8 GB).
@@ -127,6 +140,8 @@ impl Profile {
             map_s: 1.45e-6,
             set_access_s: 36e-6,
             unmap_s: 25.6e-6,
+            set_access_call_s: 0.0,
+            unmap_call_s: 0.0,
             release_s: 0.0,
             reserve_s: 19e-6,
             synchronize_s: 5e-6,
@@ -192,6 +207,8 @@ impl Profile {
             self.map_s,
             self.set_access_s,
             self.unmap_s,
+            self.set_access_call_s,
+            self.unmap_call_s,
             self.release_s,
             self.reserve_s,
             self.synchronize_s,
@@ -234,6 +251,8 @@ impl Profile {
             + c.map_chunks as f64 * self.map_s
             + c.set_access_chunks as f64 * self.set_access_s
             + c.unmap_chunks as f64 * self.unmap_s
+            + c.set_access as f64 * self.set_access_call_s
+            + c.unmap as f64 * self.unmap_call_s
             + c.release_chunks as f64 * self.release_s
             + c.reserve as f64 * self.reserve_s
             + c.synchronize as f64 * self.synchronize_s
@@ -299,6 +318,74 @@ impl Profile {
     }
 }
 
+/// Measured driver prices (`gpu_measure`'s `kv-profile.json`), as
+/// overrides of a base profile: the driver fields only, under their
+/// [`Profile`] names, so [`Profile::with_overrides`] loads them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DriverPrices {
+    pub name: String,
+    pub create_s: f64,
+    pub map_s: f64,
+    pub set_access_s: f64,
+    pub set_access_call_s: f64,
+    pub unmap_s: f64,
+    pub unmap_call_s: f64,
+    pub release_s: f64,
+    pub reserve_s: f64,
+    pub synchronize_s: f64,
+}
+
+impl DriverPrices {
+    /// The JSON object `--profile-file` takes.
+    pub fn json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plain data serializes") + "\n"
+    }
+}
+
+/// A call's cost split into a part per call and a part per 2 MiB chunk it
+/// covers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpanCost {
+    pub call_s: f64,
+    pub chunk_s: f64,
+}
+
+/// Fits `seconds = call_s + chunk_s × chunks` to measured (chunks,
+/// seconds) points by least squares, neither part below 0. With one span
+/// size only the two parts cannot be told apart: all of it is charged per
+/// chunk, the conservative reading the shipped profiles make. `None`
+/// without a point, or with a point that is not a finite, non-negative
+/// time over at least one chunk.
+pub fn fit_span_cost(points: &[(u64, f64)]) -> Option<SpanCost> {
+    if points.is_empty() || points.iter().any(|&(n, s)| n == 0 || !(s.is_finite() && s >= 0.0)) {
+        return None;
+    }
+    let k = points.len() as f64;
+    let (sx, sy) = points.iter().fold((0.0, 0.0), |(a, b), &(n, s)| (a + n as f64, b + s));
+    let (mx, my) = (sx / k, sy / k);
+    let sxx: f64 = points.iter().map(|&(n, _)| (n as f64 - mx).powi(2)).sum();
+    // Through the origin: every second per chunk.
+    let per_chunk_only = || {
+        let xy: f64 = points.iter().map(|&(n, s)| n as f64 * s).sum();
+        let xx: f64 = points.iter().map(|&(n, _)| (n as f64).powi(2)).sum();
+        SpanCost { call_s: 0.0, chunk_s: xy / xx }
+    };
+    if sxx == 0.0 {
+        return Some(per_chunk_only());
+    }
+    let sxy: f64 = points.iter().map(|&(n, s)| (n as f64 - mx) * (s - my)).sum();
+    let chunk_s = sxy / sxx;
+    let call_s = my - chunk_s * mx;
+    Some(if chunk_s < 0.0 {
+        // Larger spans measured no dearer: the cost is all per call.
+        SpanCost { call_s: my, chunk_s: 0.0 }
+    } else if call_s < 0.0 {
+        per_chunk_only()
+    } else {
+        SpanCost { call_s, chunk_s }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,5 +396,66 @@ mod tests {
         assert_eq!((p.create_s, p.name.as_str(), p.map_s), (7.6e-6, "mine", 1.45e-6));
         assert!(Profile::with_overrides(&Profile::h200(), r#"{"creat_s": 1}"#).unwrap_err().contains("creat_s"));
         assert!(Profile::with_overrides(&Profile::h200(), r#"{"peak_flops": 0}"#).is_err());
+    }
+
+    #[test]
+    fn span_costs_split_into_a_part_per_call_and_a_part_per_chunk() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        // Exactly 20 µs a call plus 1 µs a chunk.
+        let pts: Vec<(u64, f64)> = [1u64, 8, 64, 512].iter().map(|&n| (n, 20e-6 + n as f64 * 1e-6)).collect();
+        let f = fit_span_cost(&pts).unwrap();
+        assert!(close(f.call_s, 20e-6) && close(f.chunk_s, 1e-6), "{f:?}");
+        // One span size: all of it per chunk.
+        let f = fit_span_cost(&[(1, 36e-6), (1, 36e-6)]).unwrap();
+        assert!(close(f.call_s, 0.0) && close(f.chunk_s, 36e-6), "{f:?}");
+        // Large spans no dearer than small ones: all of it per call.
+        let f = fit_span_cost(&[(1, 30e-6), (512, 29e-6)]).unwrap();
+        assert!(close(f.call_s, 29.5e-6) && f.chunk_s == 0.0, "{f:?}");
+        // A negative intercept: through the origin instead.
+        let f = fit_span_cost(&[(1, 0.0), (2, 10e-6)]).unwrap();
+        assert!(f.call_s == 0.0 && close(f.chunk_s, 20e-6 / 5.0), "{f:?}");
+        assert_eq!(fit_span_cost(&[]), None);
+        assert_eq!(fit_span_cost(&[(0, 1e-6)]), None);
+        assert_eq!(fit_span_cost(&[(4, f64::NAN)]), None);
+    }
+
+    #[test]
+    fn measured_prices_load_over_a_base_profile() {
+        let m = DriverPrices {
+            name: "measured: test".into(),
+            create_s: 1e-6,
+            map_s: 2e-6,
+            set_access_s: 3e-6,
+            set_access_call_s: 4e-6,
+            unmap_s: 5e-6,
+            unmap_call_s: 6e-6,
+            release_s: 7e-6,
+            reserve_s: 8e-6,
+            synchronize_s: 9e-6,
+        };
+        let base = Profile::h200();
+        let p = Profile::with_overrides(&base, &m.json()).unwrap();
+        let got = (p.create_s, p.map_s, p.set_access_s, p.set_access_call_s, p.unmap_s, p.unmap_call_s);
+        assert_eq!(got, (1e-6, 2e-6, 3e-6, 4e-6, 5e-6, 6e-6));
+        assert_eq!((p.release_s, p.reserve_s, p.synchronize_s, p.name.as_str()), (7e-6, 8e-6, 9e-6, "measured: test"));
+        assert_eq!(
+            (p.peak_flops, p.cpu_step_s, p.event_record_s),
+            (base.peak_flops, base.cpu_step_s, base.event_record_s)
+        );
+    }
+
+    #[test]
+    fn per_call_parts_are_charged_per_call() {
+        let p = Profile {
+            set_access_s: 1e-6,
+            unmap_s: 2e-6,
+            set_access_call_s: 10e-6,
+            unmap_call_s: 20e-6,
+            ..Profile::with_overrides(&Profile::h200(), include_str!("../kv_serving/profiles/zero-driver-cost.json"))
+                .unwrap()
+        };
+        let c = Calls { set_access: 2, set_access_chunks: 100, unmap: 3, unmap_chunks: 50, ..Calls::default() };
+        let want = 2.0 * 10e-6 + 100.0 * 1e-6 + 3.0 * 20e-6 + 50.0 * 2e-6;
+        assert!((p.driver_s(&c) - want).abs() < 1e-15, "{} vs {want}", p.driver_s(&c));
     }
 }

@@ -108,6 +108,12 @@ struct Opts {
     /// The `arena` rows' prefetch: bytes kept mapped past each KV tensor's size.
     #[arg(long, default_value = "2MiB", value_parser = parse_size)]
     map_ahead: u64,
+    /// Chunked prefill: the most tokens a step computes (prefill chunks and
+    /// one per decoding request), as vLLM V1's max_num_batched_tokens (8192
+    /// for its API server on an H100/H200-class GPU); 0 computes each
+    /// prompt whole in its admission step.
+    #[arg(long, default_value_t = 0)]
+    max_num_batched_tokens: u64,
     /// GPU profile of the step-time model.
     #[arg(long, default_value = "h200", value_parser = ["h200", "a100"])]
     profile: String,
@@ -277,7 +283,12 @@ fn setup(o: &Opts) -> Setup {
     let max_tokens = o.max_tokens.unwrap_or_else(|| trace.requests.iter().map(|q| q.output).max().unwrap_or(1));
     let build = BuildOptions { arena, prefix_caching: o.prefix_caching == OnOff::On, max_tokens };
     let jobs = o.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
-    let mut cfg = SchedConfig { max_batch, kv_bytes_per_token: shape.kv_bytes_per_token, profile };
+    let mut cfg = SchedConfig {
+        max_batch,
+        kv_bytes_per_token: shape.kv_bytes_per_token,
+        profile,
+        max_num_batched_tokens: o.max_num_batched_tokens,
+    };
     if tp_degree > 1 {
         // The replay models one device's step (every device runs the same
         // step at once; the all-reduce between them is not modeled): its
@@ -363,10 +374,14 @@ fn main() {
     );
     let p = &s.cfg.profile;
     println!(
-        "  device    {} capacity for every manager; max batch {}; GPU profile {} ({:.1} TB/s, {:.0} TFLOPS, \
+        "  device    {} capacity for every manager; max batch {}; {}; GPU profile {} ({:.1} TB/s, {:.0} TFLOPS, \
          prefill MFU {:.2}, CPU {:.1} ms/step); host backend (sparse), driver calls counted and priced",
         fmt_bytes(o.capacity),
         s.cfg.max_batch,
+        match s.cfg.max_num_batched_tokens {
+            0 => "whole prompts".to_string(),
+            n => format!("chunked prefill, {n} tokens a step"),
+        },
         p.name,
         p.hbm_bytes_per_s / 1e12,
         p.peak_flops / 1e12,
@@ -642,6 +657,7 @@ fn to_json(results: &[RunResult], o: &Opts, s: &Setup) -> Value {
             "allocations_per_request": s.shape.n_allocs(),
             "reservation_tokens": s.shape.max_context,
             "max_batch": s.cfg.max_batch,
+            "max_num_batched_tokens": s.cfg.max_num_batched_tokens,
             "tp": s.tp,
             "activation_mean_bytes": if s.tp > 1 { json!(s.noise.mean_bytes) } else { Value::Null },
             "activation_spread": if s.tp > 1 { json!(s.noise.spread) } else { Value::Null },

@@ -49,6 +49,12 @@ pub struct ArenaMgr {
     stage_stats: StageStats,
     /// The queue's front that admission waits for, and for how many steps.
     front_wait: (usize, u64, u64),
+    /// Chunked prefill: growths made between steps (`prepare_growth`), and
+    /// those of them that failed.
+    prepared_growth: (u64, u64),
+    /// Chunked prefill: some of the next step's growth is not made yet
+    /// (`prepare_growth` could not), so no admission is prepared.
+    growth_pending: bool,
 }
 
 /// An admission whose allocation is being mapped over several steps: it
@@ -112,6 +118,15 @@ struct ArenaSeq {
     ids: Vec<Id>,
     /// Tokens every allocation has room for.
     cap: u64,
+    /// Chunked prefill with the prefix cache: the request, while full hash
+    /// blocks of its prompt are still to be computed (and cached).
+    uncached: Option<Request>,
+}
+
+/// The request, where its first `computed` tokens leave full hash blocks
+/// of its prompt to be computed later (chunked prefill).
+fn uncached_after(q: &Request, computed: u64) -> Option<Request> {
+    (computed / HASH_BLOCK_TOKENS < q.full_hash_blocks()).then(|| q.clone())
 }
 
 /// The arena's virtual range for a KV workload: the arena's default (4 ×
@@ -202,6 +217,8 @@ impl ArenaMgr {
             staged: None,
             stage_stats: StageStats::default(),
             front_wait: (usize::MAX, 0, 0),
+            prepared_growth: (0, 0),
+            growth_pending: false,
         })
     }
 
@@ -265,12 +282,16 @@ impl ArenaMgr {
     }
 
     /// Admission proper (see [`KvManager::admit`]).
+    ///
+    /// With chunked prefill `tokens` covers the hit and the first chunk
+    /// only; later chunks come through [`KvManager::grow`].
     fn admit_now(&mut self, seq: usize, tokens: u64, q: &Request) -> Result<u64, Fail> {
         let size = self.bytes_for(tokens);
         let max = size.max(self.bytes_for(self.shape.max_context));
         if let Some(p) = self.prefix.as_mut() {
-            let (id, hit) = p.admit(&self.arena, size, max, q, self.discard).map_err(|e| self.fail(e, size))?;
-            *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids: vec![id], cap: size / self.shape.bpt() });
+            let (id, hit) = p.admit(&self.arena, size, max, q, tokens, self.discard).map_err(|e| self.fail(e, size))?;
+            let uncached = uncached_after(q, tokens);
+            *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids: vec![id], cap: size / self.shape.bpt(), uncached });
             return Ok(hit);
         }
         let n = self.shape.n_allocs() as usize;
@@ -289,7 +310,7 @@ impl ArenaMgr {
                 }
             }
         }
-        *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids, cap: size / self.shape.bpt() });
+        *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids, cap: size / self.shape.bpt(), uncached: None });
         Ok(0)
     }
 
@@ -359,10 +380,12 @@ impl ArenaMgr {
     /// The staged admission is fully mapped and admitted: it runs.
     fn stage_finish(&mut self, q: &Request) -> (usize, Result<u64, Fail>, u64) {
         let s = self.staged.take().expect("a staged admission");
+        let mut uncached = None;
         if let Some(p) = self.prefix.as_mut() {
-            p.finish(&self.arena, s.id, q);
+            p.finish(&self.arena, s.id, q, s.tokens);
+            uncached = uncached_after(q, s.tokens);
         }
-        *slot_vec(&mut self.seqs, s.seq) = Some(ArenaSeq { ids: vec![s.id], cap: s.size / self.shape.bpt() });
+        *slot_vec(&mut self.seqs, s.seq) = Some(ArenaSeq { ids: vec![s.id], cap: s.size / self.shape.bpt(), uncached });
         (s.seq, Ok(s.hit), s.shared_bytes)
     }
 
@@ -530,6 +553,17 @@ impl ArenaMgr {
         Ok(())
     }
 
+    /// Chunked prefill: request `seq` computes up to `tokens` tokens in
+    /// the next (or this) step: the full hash blocks among them are cached.
+    fn cache_chunk(&mut self, seq: usize, tokens: u64) {
+        let s = self.seqs[seq].as_mut().expect("live");
+        if let (Some(q), Some(p)) = (s.uncached.as_ref(), self.prefix.as_mut()) {
+            if p.cache_computed(s.ids[0], q, tokens) {
+                s.uncached = None;
+            }
+        }
+    }
+
     /// Shared live bytes counting prepared admissions as running.
     fn shared_live_bytes_all(&self) -> u64 {
         self.prefix.as_ref().map_or(0, |p| p.shared_live_bytes())
@@ -593,11 +627,32 @@ impl KvManager for ArenaMgr {
         }
         let left = self.prepared.drain();
         self.give_back(left);
-        if self.staging() {
-            self.prepare_staged(front, budget);
+        if std::mem::take(&mut self.growth_pending) {
+            // Chunked prefill: the next step grows a running request before
+            // it admits, and that growth was not done now: an admission
+            // prepared now could take its memory.
+            self.prepared.deferred += 1;
             return;
         }
-        for &(seq, tokens, q) in front {
+        // The tokens each admission asks for, worked out as the replay
+        // will, request after request (a hit may follow from the one
+        // prepared before).
+        let mut tokens_left = Budget(budget.tokens_left);
+        if self.staging() {
+            let mut sized = Vec::new();
+            for &(seq, total, q) in front {
+                let Some((tokens, _)) = admission_tokens(total, || self.prefix_hit(seq, q), &mut tokens_left) else {
+                    break;
+                };
+                sized.push((seq, tokens, q));
+            }
+            self.prepare_staged(&sized, budget);
+            return;
+        }
+        for &(seq, total, q) in front {
+            let Some((tokens, _)) = admission_tokens(total, || self.prefix_hit(seq, q), &mut tokens_left) else {
+                break;
+            };
             // Memory freed on the stream in this step is not reusable before
             // the GPU has finished it: an admission that may need it would
             // wait on its event here (a drain, which unhides all of this
@@ -627,6 +682,57 @@ impl KvManager for ArenaMgr {
                 self.grow_once(seq, tokens, stored)
             }
             r => r,
+        }?;
+        self.cache_chunk(seq, tokens);
+        Ok(())
+    }
+
+    fn prefix_hit(&mut self, seq: usize, q: &Request) -> u64 {
+        if let Some(hit) = self.prepared.hit_of(seq) {
+            return hit;
+        }
+        if let Some(s) = self.staged.as_ref().filter(|s| s.seq == seq) {
+            return s.hit;
+        }
+        self.prefix.as_ref().map_or(0, |p| p.hit_tokens(q))
+    }
+
+    fn prepare_growth(&mut self, grows: &[(usize, u64, u64)], _budget: &StepBudget<'_>) {
+        self.growth_pending = false;
+        if self.mode == ArenaMode::Sync || !self.prepare {
+            return;
+        }
+        let mut batch: Vec<(usize, u64, u64)> = Vec::new();
+        let mut more = 0;
+        for &(seq, tokens, stored) in grows {
+            let s = self.seqs[seq].as_ref().expect("live sequence");
+            let bytes = s.ids.len() as u64 * self.bytes_for(tokens).saturating_sub(self.bytes_for(s.cap));
+            if bytes > 0 {
+                batch.push((seq, tokens, stored));
+                more += bytes;
+            }
+        }
+        if !batch.is_empty() {
+            // As for prepared admissions: memory freed on the stream in this
+            // step is left to the next step, which finds it idle.
+            if !self.fits_without_pending(more) {
+                self.growth_pending = true;
+                return;
+            }
+            self.prepared_growth.0 += batch.len() as u64;
+            if self.grow_batch_once(&batch).is_err() {
+                // Unchanged (all or nothing): the next step's growth tries
+                // again, and preempts where it must.
+                self.prepared_growth.1 += batch.len() as u64;
+                self.growth_pending = true;
+                return;
+            }
+        }
+        // The next step's growth is made, and it cannot fail now: the hash
+        // blocks its chunks compute are cached now, as the next step's
+        // admission will find them (its `grow` calls find this done).
+        for &(seq, tokens, _) in grows {
+            self.cache_chunk(seq, tokens);
         }
     }
 
@@ -733,6 +839,8 @@ impl KvManager for ArenaMgr {
             ("staged_admissions_finished_critical".into(), self.stage_stats.finished_critical.to_string()),
             ("staging_short_of_idle_chunks".into(), self.stage_stats.short_of_idle.to_string()),
             ("staging".into(), self.staging().to_string()),
+            ("prepared_growths".into(), self.prepared_growth.0.to_string()),
+            ("prepared_growth_failures".into(), self.prepared_growth.1.to_string()),
             ("release_retired_syncs".into(), self.release_syncs.to_string()),
             ("arena_caller_driver_calls".into(), s.caller_driver_calls.to_string()),
             ("arena_caller_creates".into(), s.caller_creates.to_string()),

@@ -36,6 +36,7 @@ use super::arena_prefix_cache::ArenaPrefixCache;
 use super::caching::CachingAllocator;
 use super::counted::{is_host_limit, Calls, Counted};
 use super::prepared::{Prepared, PreparedAdmissions, Take};
+use super::replay::{admission_tokens, Budget};
 use super::trace::{Request, HASH_BLOCK_TOKENS};
 
 /// The host backend in sparse mode, counted, capped at `capacity`.
@@ -95,11 +96,14 @@ impl KvShape {
 }
 
 /// What the step being computed leaves for between-steps work: its GPU
-/// time, and the prices of driver calls (the profile's).
+/// time, and the prices of driver calls (the profile's); and the next
+/// step's token budget left for admissions once its running requests have
+/// theirs (chunked prefill; `u64::MAX`: whole prompts).
 #[derive(Clone, Copy, Debug)]
 pub struct StepBudget<'a> {
     pub gpu_s: f64,
     pub profile: &'a super::timing::Profile,
+    pub tokens_left: u64,
 }
 
 /// A failed allocation or growth.
@@ -170,9 +174,12 @@ pub trait KvManager {
     /// Called between steps, just before [`KvManager::between_steps`] (its
     /// driver time is counted and hidden as that hook's), with the front of
     /// the waiting queue that the next step's admission will try first, in
-    /// order (`seq`, `tokens`, request, as [`KvManager::admit`] takes them),
-    /// no more than the batch has room for, and only when admission will be
-    /// tried. Nothing changes the manager between this call and that
+    /// order (`seq`, the tokens it stores before it decodes, request), no
+    /// more than the batch has room for, and only when admission will be
+    /// tried. The tokens each asks of [`KvManager::admit`] follow from its
+    /// hit and the budget ([`super::replay::admission_tokens`] with
+    /// `budget.tokens_left`, request after request: `total + 1` for whole
+    /// prompts). Nothing changes the manager between this call and that
     /// admission (new arrivals join the queue's tail), so a manager may do
     /// the admissions' memory work now, while the GPU computes, and hand the
     /// results out from `admit`, as an engine with asynchronous scheduling
@@ -184,6 +191,28 @@ pub trait KvManager {
     /// default does nothing: `admit` does the work.
     fn prepare_admissions(&mut self, front: &[(usize, u64, &Request)], budget: &StepBudget<'_>) {
         let _ = (front, budget);
+    }
+    /// Chunked prefill: the prompt tokens [`KvManager::admit`] would find
+    /// cached for request `seq` now (nothing is counted or changed; for an
+    /// admission prepared between steps, the hit it was prepared with), so
+    /// that the scheduler sizes the first chunk past them. The default:
+    /// none.
+    fn prefix_hit(&mut self, seq: usize, q: &Request) -> u64 {
+        let _ = (seq, q);
+        0
+    }
+    /// Chunked prefill: called between steps, before
+    /// [`KvManager::prepare_admissions`], with the growth the next step
+    /// asks of every running request (`seq`, `tokens`, `stored`, as
+    /// [`KvManager::grow`] takes them, in running order), which that step
+    /// does before it admits. A manager may make that room now, while the
+    /// GPU computes (its driver time is counted and hidden as
+    /// `between_steps`'); the next step's `grow` then finds it done.
+    /// Nothing may fail here: what it cannot do now, `grow` does then
+    /// (and a manager that prepares admissions must not prepare any then:
+    /// that growth comes before them). The default does nothing.
+    fn prepare_growth(&mut self, grows: &[(usize, u64, u64)], budget: &StepBudget<'_>) {
+        let _ = (grows, budget);
     }
     /// Asked before each admission while requests run: whether the
     /// request's KV is ready to be admitted now. A manager that maps an

@@ -39,6 +39,9 @@ pub struct VllmMgr {
     /// The cached hash block (and index in it) a block holds.
     block_hash: Vec<Option<(u64, u32)>>,
     seqs: Vec<Option<Vec<u32>>>,
+    /// Chunked prefill: running requests whose prompt has full hash blocks
+    /// not computed yet (their hashes, and the count of full blocks).
+    uncached: std::collections::HashMap<usize, (std::sync::Arc<[u64]>, usize)>,
     hit_blocks: u64,
     evicted_blocks: u64,
     /// Blocks mapped by more than one running request, once per extra one.
@@ -86,6 +89,7 @@ impl VllmMgr {
             cache: Default::default(),
             block_hash: vec![None; nb],
             seqs: Vec::new(),
+            uncached: Default::default(),
             hit_blocks: 0,
             evicted_blocks: 0,
             shared_live_blocks: 0,
@@ -183,6 +187,28 @@ impl VllmMgr {
         hit
     }
 
+    /// Caches a request's first `computed` full hash blocks (`blocks` are
+    /// its blocks, `hashes` its prompt's), as vLLM caches a block once it
+    /// is computed. A cut chain is completed with the request's blocks;
+    /// blocks already cached are left (calling again with more is fine).
+    fn cache_computed(&mut self, blocks: &[u32], hashes: &[u64], computed: usize) {
+        let per_hash = (HASH_BLOCK_TOKENS / VLLM_BLOCK_TOKENS) as usize;
+        for (j, &h) in hashes[..computed].iter().enumerate() {
+            let own = &blocks[j * per_hash..(j + 1) * per_hash];
+            let entry = self.cache.entry(h).or_default();
+            if entry.len() == per_hash || own[..entry.len()] != entry[..] {
+                continue; // complete, or computed apart from this request
+            }
+            for (i, &b) in own.iter().enumerate().skip(entry.len()) {
+                if self.block_hash[b as usize].is_some() {
+                    break; // another prefix's cached block (cannot happen: blocks are new)
+                }
+                self.block_hash[b as usize] = Some((h, i as u32));
+                entry.push(b);
+            }
+        }
+    }
+
     /// Drops a request's references; blocks nobody uses go to the free
     /// queue, last block first (so a request's tail is evicted first).
     fn release(&mut self, blocks: Vec<u32>) {
@@ -261,23 +287,13 @@ impl KvManager for VllmMgr {
         let mut blocks = hit;
         blocks.extend(new);
         if self.prefix_caching {
-            // The prompt's full hash blocks are computed in this step: cache them.
-            let per_hash = (HASH_BLOCK_TOKENS / VLLM_BLOCK_TOKENS) as usize;
-            // A cut chain is completed with this request's blocks.
-            for j in 0..q.full_hash_blocks() as usize {
-                let h = q.hash_ids[j];
-                let own = &blocks[j * per_hash..(j + 1) * per_hash];
-                let entry = self.cache.entry(h).or_default();
-                if entry.len() == per_hash || own[..entry.len()] != entry[..] {
-                    continue; // complete, or computed apart from this request
-                }
-                for (i, &b) in own.iter().enumerate().skip(entry.len()) {
-                    if self.block_hash[b as usize].is_some() {
-                        break; // another prefix's cached block (cannot happen: blocks are new)
-                    }
-                    self.block_hash[b as usize] = Some((h, i as u32));
-                    entry.push(b);
-                }
+            // The full hash blocks computed in this step (the whole prompt's,
+            // or, with chunked prefill, those inside its first chunk).
+            let full = q.full_hash_blocks() as usize;
+            let computed = full.min((tokens / HASH_BLOCK_TOKENS) as usize);
+            self.cache_computed(&blocks, &q.hash_ids, computed);
+            if computed < full {
+                self.uncached.insert(seq, (q.hash_ids.clone(), full));
             }
         }
         *slot_vec(&mut self.seqs, seq) = Some(blocks);
@@ -287,18 +303,28 @@ impl KvManager for VllmMgr {
     fn grow(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
         let have = self.seqs[seq].as_ref().expect("live").len() as u64;
         let need = tokens.div_ceil(VLLM_BLOCK_TOKENS);
-        if need <= have {
-            return Ok(());
+        if need > have {
+            let more = self.take(need - have)?;
+            for &b in &more {
+                self.refs[b as usize] = 1;
+            }
+            self.seqs[seq].as_mut().expect("live").extend(more);
         }
-        let more = self.take(need - have)?;
-        for &b in &more {
-            self.refs[b as usize] = 1;
+        // Chunked prefill: the hash blocks this chunk computes are cached.
+        if let Some((hashes, full)) = self.uncached.get(&seq).cloned() {
+            let computed = full.min((tokens / HASH_BLOCK_TOKENS) as usize);
+            let blocks = self.seqs[seq].take().expect("live");
+            self.cache_computed(&blocks, &hashes, computed);
+            self.seqs[seq] = Some(blocks);
+            if computed == full {
+                self.uncached.remove(&seq);
+            }
         }
-        self.seqs[seq].as_mut().expect("live").extend(more);
         Ok(())
     }
 
     fn free(&mut self, seq: usize) {
+        self.uncached.remove(&seq);
         if let Some(blocks) = self.seqs[seq].take() {
             self.release(blocks);
         }
@@ -349,5 +375,9 @@ impl KvManager for VllmMgr {
 
     fn shared_live_bytes(&self) -> u64 {
         self.shared_live_blocks * VLLM_BLOCK_TOKENS * self.shape.kv_bytes_per_token
+    }
+
+    fn prefix_hit(&mut self, _seq: usize, q: &Request) -> u64 {
+        self.lookup(q).len() as u64 * VLLM_BLOCK_TOKENS
     }
 }
