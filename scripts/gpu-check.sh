@@ -7,11 +7,15 @@
 #                                        out/gpu-check), with this script.
 #   DIR/gpu-check.sh run [RESULTS]       there, on the GPU machine: no Rust, no
 #                                        network. Every step runs, times out and
-#                                        reports on its own; writes exactly four
-#                                        files into RESULTS (default $OUT, else
+#                                        reports on its own; writes four files
+#                                        into RESULTS (default $OUT, else
 #                                        DIR/results): summary.txt,
 #                                        driver_latency.md, pytorch_comparison.md
-#                                        and gpu-check-logs.tar.gz (every log).
+#                                        and gpu-check-logs.tar.gz (every log);
+#                                        and a fifth, kv-profile.json (the
+#                                        measured driver prices, for
+#                                        kv_serving --profile-file), when
+#                                        gpu_measure wrote one.
 #
 # `run` exits 0 when no step FAILED or hit its TIMEOUT (SKIPPED is not a
 # failure, but summary.txt says why: e.g. "no GPU"), 1 otherwise, and 2 when
@@ -19,7 +23,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 }
 
@@ -216,7 +220,8 @@ skip() {
     echo "gpu-check run: $1: SKIPPED $2" >&2
 }
 
-# Writes the four result files; runs on every exit, even an interrupted one.
+# Writes the four result files (five with kv-profile.json); runs on every
+# exit, even an interrupted one.
 finalize() {
     [[ -n ${WORK:-} && -d ${WORK:-} ]] || return 0
     local total=$((SECONDS - RUN_START))
@@ -248,9 +253,12 @@ finalize() {
         echo
         cat "$WORK/status.txt" 2>/dev/null
         echo
-        echo "files: summary.txt, driver_latency.md, pytorch_comparison.md, gpu-check-logs.tar.gz (every log)"
+        echo "files: summary.txt, driver_latency.md, pytorch_comparison.md, gpu-check-logs.tar.gz (every log)$([[ -s $WORK/kv-profile.json && $MEASURE_STATUS == ok ]] && echo ', kv-profile.json')"
     } >"$WORK/summary.txt"
     cp "$WORK/summary.txt" "$OUT_DIR/summary.txt"
+    if [[ -s $WORK/kv-profile.json && $MEASURE_STATUS == ok ]]; then
+        cp "$WORK/kv-profile.json" "$OUT_DIR/kv-profile.json"
+    fi
     cp "$OUT_DIR/driver_latency.md" "$OUT_DIR/pytorch_comparison.md" "$WORK/" 2>/dev/null
     tar -czf "$OUT_DIR/gpu-check-logs.tar.gz" -C "$WORK" . 2>/dev/null ||
         echo "gpu-check run: could not write the log tarball" >&2

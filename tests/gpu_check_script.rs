@@ -209,7 +209,8 @@ fn with_a_gpu_the_measurements_reach_the_markdown_tables() {
         &bin.join("gpu_measure"),
         "#!/bin/sh\n[ \"$1\" = --out ] || exit 9\n\
          printf '# CUDA VMM measurements\\n\\n| call | median |\\n|---|---|\\n| `cuMemCreate` | 12.5 |\\n' >\"$2/gpu-measure.md\"\n\
-         echo '{\"status\": \"ok\"}' >\"$2/gpu-measure.json\"\n",
+         echo '{\"status\": \"ok\"}' >\"$2/gpu-measure.json\"\n\
+         echo '{\"name\": \"measured\", \"set_access_call_s\": 2e-05}' >\"$2/kv-profile.json\"\n",
     );
     std::fs::write(
         bundle.join("torch_check.py"),
@@ -240,7 +241,12 @@ fn with_a_gpu_the_measurements_reach_the_markdown_tables() {
     assert!(latency.contains("| `cuMemCreate` | 12.5 |"), "{latency}");
     let torch = std::fs::read_to_string(out.join("pytorch_comparison.md")).unwrap();
     assert!(torch.contains("| vmm-arena | 42 |"), "{torch}");
-    let expected: BTreeSet<String> = RESULT_FILES.iter().map(|s| s.to_string()).collect();
+    // The four files, and the measured profile beside them.
+    let mut expected: BTreeSet<String> = RESULT_FILES.iter().map(|s| s.to_string()).collect();
+    expected.insert("kv-profile.json".into());
     assert_eq!(files_in(&out), expected);
+    let profile = std::fs::read_to_string(out.join("kv-profile.json")).unwrap();
+    assert!(profile.contains("set_access_call_s"), "{profile}");
+    assert!(s.contains("kv-profile.json"), "the summary names it:\n{s}");
     assert!(tar_listing(&out).contains("gpu-measure.json"));
 }
