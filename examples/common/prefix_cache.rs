@@ -488,8 +488,14 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
     /// where they are mapped, where a new allocation would have to unmap
     /// them there and map them again. Returns the entry and the other
     /// entries that changed.
+    ///
+    /// An entry that maps exactly `hit` (nothing of its own past it) is
+    /// taken over even when nothing is to be evicted: it evicts nothing,
+    /// and the hit is used where the entry maps it instead of being mapped
+    /// at a new allocation's addresses (a request back after a preemption,
+    /// or the next turn of a conversation, finds its own prefix so).
     pub fn take_over(&mut self, hit: &[u32], need: u64) -> Option<(K, Vec<(K, Release)>)> {
-        if need == 0 {
+        if need == 0 && hit.is_empty() {
             return None;
         }
         // The hit leaves the queue first: eviction must not take it.
@@ -520,10 +526,16 @@ impl<K: Copy + Eq + Hash + std::fmt::Debug> PrefixCache<K> {
         // An entry fits if its units past the hit are the oldest queued:
         // all among the max(need, its tail) oldest.
         let fits = |h: &Holder| {
-            if h.running || h.units.len() <= m || h.units[..m] != *hit {
+            if h.running || h.units.len() < m || h.units[..m] != *hit {
                 return false;
             }
             let tail = &h.units[m..];
+            if tail.is_empty() {
+                return m > 0; // nothing of its own to evict
+            }
+            if need == 0 {
+                return false; // its tail would go before LRU takes it
+            }
             let n = need.max(tail.len() as u64);
             let Some(&bound) = self.lru.keys().nth(n as usize - 1) else { return false };
             tail.iter().all(|&u| {
@@ -710,5 +722,30 @@ mod tests {
         // Entry 2's tail is not among the 2 oldest now (c1 c0 are), but for 3
         // units a request without a hit takes nothing: h10's units are in use.
         assert_eq!(c.take_over(&[], 3), None);
+    }
+
+    #[test]
+    fn an_entry_that_is_exactly_the_hit_is_taken_over_with_nothing_to_evict() {
+        let mut c = cache();
+        admit(&mut c, 1, 17, &[10, 11]); // a0 a1 b0 b1
+        c.release(1); // queue: b1 b0 a1 a0
+        let hit = c.lookup(17, &[10, 11], 2);
+        assert_eq!((hit.units.len(), hit.source), (4, Some(1)));
+        let (k, others) = c.take_over(&hit.units, 0).expect("entry 1 maps exactly the hit");
+        assert_eq!((k, others), (1, vec![]));
+        assert_eq!((c.stats.evicted_units, c.stats.take_overs, c.stats.hits), (0, 1, 1));
+        assert_eq!(c.queued_units(), 0, "the hit left the queue, nothing was evicted");
+        c.check().unwrap();
+        // Running now: not taken over again (another request shares it).
+        assert_eq!(c.take_over(&hit.units, 0), None);
+        c.check().unwrap();
+        // A shorter hit than entry 1 holds does not take its tail early
+        // when nothing is to be evicted.
+        c.release(1);
+        let short = c.lookup(9, &[10], 1);
+        assert_eq!(short.units.len(), 2);
+        assert_eq!(c.take_over(&short.units, 0), None);
+        assert_eq!(c.queued_units(), 4, "the failed take-over put the hit back");
+        c.check().unwrap();
     }
 }
