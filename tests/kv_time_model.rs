@@ -565,3 +565,73 @@ fn chunked_prefill_hits_what_earlier_chunks_computed() {
         }
     }
 }
+
+/// [`run_chunked`] with a batch limit and the prefix caches on or off.
+fn run_batch(
+    name: &str,
+    kvpt: u64,
+    capacity: u64,
+    reqs: &[Request],
+    budget: u64,
+    batch: usize,
+    prefix: bool,
+) -> RunResult {
+    let shape = KvShape { kv_bytes_per_token: kvpt, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
+    let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, batch));
+    let opts = BuildOptions { arena, prefix_caching: prefix, max_tokens: 16 };
+    let mut m = managers::build(name, shape, opts).expect("manager");
+    let cfg =
+        SchedConfig { max_batch: batch, kv_bytes_per_token: kvpt, profile: profile(), max_num_batched_tokens: budget };
+    let r = replay(m.as_mut(), reqs, &cfg, &AtomicU64::new(0));
+    assert_eq!(r.integrity_errors, 0, "{name}: every tag read back");
+    r
+}
+
+/// A request whose KV cannot fit even alone (4,001 tokens of 32 KiB on a
+/// 64 MiB device: 2,048) is rejected with chunked prefill as with whole
+/// prompts, although its first chunk fits: its own later chunk fails
+/// while it runs alone. (It used to preempt itself and be admitted again
+/// until the replay gave up.)
+#[test]
+fn a_request_larger_than_the_device_is_rejected_under_chunked_prefill() {
+    let reqs = [req(0.0, 4000, 2, &[])];
+    for (name, budget) in [("vllm-paged", 0), ("vllm-paged", 1000), ("arena", 0), ("arena", 1000)] {
+        let r = run_batch(name, 32 << 10, 64 << 20, &reqs, budget, 8, true);
+        assert_eq!((r.rejected_requests, r.completed_requests), (1, 0), "{name}, budget {budget}");
+        assert!(r.aborted.is_none() && r.steps < 10, "{name}, budget {budget}: {} steps, {:?}", r.steps, r.aborted);
+    }
+}
+
+/// The batch limit holds under chunked prefill: a request that ends in a
+/// step holds its place until the step has run (its KV is freed then), so
+/// with room for one request B waits for A's last step, as with whole
+/// prompts: 3 steps.
+#[test]
+fn chunked_prefill_keeps_the_batch_limit() {
+    let reqs = [req(0.0, 10, 2, &[]), req(0.0, 10, 1, &[])];
+    for budget in [0, 1000] {
+        let r = run_batch("vllm-paged", 1024, 64 << 20, &reqs, budget, 1, true);
+        assert_eq!((r.steps, r.completed_requests), (3, 2), "budget {budget}");
+    }
+}
+
+/// Recomputation counts only tokens computed before: B (1,500 tokens)
+/// computes a first chunk of 999 beside A, cannot grow, preempts itself,
+/// and comes back as memory allows; its last 501 tokens were never
+/// computed before. Every prompt token is computed once, plus the
+/// recomputations: prefill - recomputed = 1,000 + 1,500.
+#[test]
+fn recomputation_counts_only_tokens_computed_before() {
+    // vLLM's pool of 2 MiB at 1 KiB a token: 127 blocks of 16 tokens.
+    let reqs = [req(0.0, 1000, 50, &[]), req(0.0, 1500, 1, &[])];
+    let r = run_batch("vllm-paged", 1024, 2 << 20, &reqs, 1000, 8, false);
+    assert_eq!((r.completed_requests, r.rejected_requests), (2, 0));
+    assert!(r.preemptions >= 1 && r.recomputed_tokens > 0, "{} preemptions", r.preemptions);
+    assert_eq!(
+        r.prefill_tokens - r.recomputed_tokens,
+        2500,
+        "{} computed, {} again",
+        r.prefill_tokens,
+        r.recomputed_tokens
+    );
+}

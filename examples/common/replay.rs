@@ -219,8 +219,6 @@ struct Live {
     /// Tokens to store before it decodes (its prompt, plus the tokens
     /// generated before a preemption): it prefills while `stored < target`.
     target: u64,
-    /// Admitted again after a preemption: what it computes is recomputation.
-    again: bool,
 }
 
 /// The tokens a running request has room for after computing `n` more:
@@ -336,6 +334,9 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
     let prof = &cfg.profile;
     let n = requests.len();
     let mut generated = vec![0u64; n];
+    // Tokens each request had stored when last preempted: computing them
+    // again is recomputation.
+    let mut computed_before = vec![0u64; n];
     let mut admitted_at: Vec<Option<f64>> = vec![None; n];
     let mut first_token_at: Vec<Option<f64>> = vec![None; n];
     let mut latencies: Vec<f64> = Vec::with_capacity(n);
@@ -407,7 +408,9 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                         }
                         grow_from = running.len();
                     }
-                    while running.len() < cfg.max_batch && blocked_at != Some(freed_gen) {
+                    // A request ending in this step keeps its place until
+                    // the step has run.
+                    while running.len() + ending.len() < cfg.max_batch && blocked_at != Some(freed_gen) {
                         let Some(&seq) = waiting.front() else { break };
                         let q = &requests[seq];
                         let total = q.prompt + generated[seq];
@@ -439,12 +442,10 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                                 }
                                 work.prefill_tokens += stored - hit;
                                 r.prefill_tokens += stored - hit;
-                                let again = admitted_at[seq].is_some();
-                                if again {
-                                    r.recomputed_tokens += stored - hit;
-                                }
+                                // What it had computed before a preemption is computed again.
+                                r.recomputed_tokens += stored.min(computed_before[seq]).saturating_sub(hit);
                                 admitted_at[seq].get_or_insert(now);
-                                running.push(Live { seq, stored, target: total, again });
+                                running.push(Live { seq, stored, target: total });
                                 // Its first chunk is computed: it decodes
                                 // in this step if that ends its prompt.
                                 plan.push(u64::from(stored == total));
@@ -502,7 +503,16 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                             r.integrity_errors += retire(mgr, &victim);
                             live_now -= victim.stored * kvpt;
                             freed_gen += 1;
+                            if chunked && victim.seq == seq && running.is_empty() && ending.is_empty() {
+                                // Alone, it cannot grow: it can never run (its
+                                // first chunk fitting let admission take it).
+                                r.rejected_requests += 1;
+                                progress.fetch_add(1, Relaxed);
+                                ok = false;
+                                break;
+                            }
                             r.preemptions += 1;
+                            computed_before[victim.seq] = computed_before[victim.seq].max(victim.stored);
                             waiting.push_front(victim.seq);
                             if victim.seq == seq {
                                 ok = false;
@@ -523,9 +533,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                             r.tags_written += n;
                             work.prefill_tokens += n;
                             r.prefill_tokens += n;
-                            if running[i].again {
-                                r.recomputed_tokens += n;
-                            }
+                            r.recomputed_tokens += (stored + n).min(computed_before[seq]).saturating_sub(stored);
                             running[i].stored += n;
                             live_now += n * kvpt;
                             sample(&mut r, live_now, mgr.shared_live_bytes());
@@ -720,7 +728,7 @@ mod tests {
     use super::*;
 
     fn live(stored: u64, target: u64) -> Live {
-        Live { seq: 0, stored, target, again: false }
+        Live { seq: 0, stored, target }
     }
 
     #[test]

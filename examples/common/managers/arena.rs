@@ -798,6 +798,9 @@ impl KvManager for ArenaMgr {
     }
 
     fn between_steps(&mut self) {
+        // `prepare_growth`'s word is for this step's `prepare_admissions`
+        // only (the next step may have no running request to grow).
+        self.growth_pending = false;
         // Old ranges of moved allocations stay mapped (and valid for kernels
         // still using them) until released; between steps nothing uses them.
         let syncs_before = self.dev.calls().synchronize;
