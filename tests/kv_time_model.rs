@@ -635,3 +635,20 @@ fn recomputation_counts_only_tokens_computed_before() {
         r.recomputed_tokens
     );
 }
+
+/// Staged admissions are for whole prompts: under chunked prefill a
+/// prompt's chunks are grown between steps anyway, so `arena-staged`
+/// admits as `arena` does (staging keyed by a chunk's token count, which
+/// changes with every plan, gave its mapping up step after step).
+#[test]
+fn staging_is_off_under_chunked_prefill() {
+    let reqs: Vec<Request> =
+        (0..12).map(|i| req(0.0, 3000 + 100 * i, 20, &[i as u64 % 3 + 1, 10 + i as u64])).collect();
+    let kvpt = 128 << 10;
+    let a = run_batch("arena", kvpt, 1 << 30, &reqs, 1000, 8, true);
+    let s = run_batch("arena-staged", kvpt, 1 << 30, &reqs, 1000, 8, true);
+    assert_eq!((s.steps, s.prefix_hit_tokens, s.preemptions), (a.steps, a.prefix_hit_tokens, a.preemptions));
+    assert_eq!(s.admissions_waiting_for_kv, 0);
+    let staging = s.extra.iter().find(|(k, _)| k == "staging").map(|(_, v)| v.clone());
+    assert_eq!(staging.as_deref(), Some("false"));
+}

@@ -514,3 +514,42 @@ fn an_admission_that_cannot_fit_evicts_nothing() {
     p.release(&arena, id, false);
     p.books.check().unwrap();
 }
+
+/// An admission begun over an entry it took over (the entry is exactly its
+/// hit) and then given up (a staged admission the queue moved past) leaves
+/// the entry an entry: its units stay cached with their holder, so the next
+/// request hits them. Giving it up used to drop the entry's books outright,
+/// leaving cached units whose holder was gone (the next lookup panicked).
+#[test]
+fn a_given_up_admission_over_a_taken_over_entry_keeps_the_entry() {
+    use common::arena_prefix_cache::ArenaPrefixCache;
+    use std::sync::Arc;
+    let (c, bpt) = (2 * MIB, 128 << 10);
+    let d = Arc::new(vmm_arena::driver::mock::MockDriver::with_streams(c, 1 << 40));
+    let cfg = vmm_arena::ArenaConfig {
+        capacity_bytes: 256 * c,
+        reserve_bytes: 4096 * c,
+        chunk_bytes: c,
+        ..Default::default()
+    };
+    let arena = vmm_arena::Arena::with_driver(d, cfg).unwrap();
+    let mut p = ArenaPrefixCache::new(c, bpt).unwrap();
+    p.stream = Some(0);
+    let req = |prompt: u64, ids: &[u64]| trace::Request { arrival_s: 0.0, prompt, output: 1, hash_ids: ids.into() };
+    let max = 128 * c;
+    // A's entry: exactly its hash block (32 units).
+    let a = req(512, &[1]);
+    let (id, _) = p.admit(&arena, 513 * bpt, max, &a, u64::MAX, false).unwrap();
+    p.release(&arena, id, false);
+    // B hits all of it (its prompt goes on): it takes the entry over.
+    let b = req(1024, &[1, 2]);
+    let (bid, hit) = p.begin(&arena, 1025 * bpt, max, &b, false, 16 * c).unwrap();
+    assert_eq!((bid, hit), (id, 512), "the entry, taken over");
+    p.give_up(&arena, bid, false);
+    p.books.check().unwrap();
+    assert_eq!(p.hit_tokens(&b), 512, "A's block is still cached");
+    let (cid, hit) = p.admit(&arena, 1025 * bpt, max, &b, u64::MAX, false).unwrap();
+    assert_eq!(hit, 512);
+    p.release(&arena, cid, false);
+    p.books.check().unwrap();
+}

@@ -43,6 +43,9 @@ pub struct ArenaPrefixCache {
     /// a failed call; the books count the memory as evicted).
     errors: u64,
     last_error: Option<String>,
+    /// Admissions begun (`begin`) over an entry they took over and not
+    /// finished yet: given up, such an entry goes back to being one.
+    taken_over: std::collections::HashSet<Id>,
 }
 
 impl ArenaPrefixCache {
@@ -67,6 +70,7 @@ impl ArenaPrefixCache {
             reused_bytes: 0,
             errors: 0,
             last_error: None,
+            taken_over: Default::default(),
         })
     }
 
@@ -136,6 +140,7 @@ impl ArenaPrefixCache {
             }
         }
         if let Some(id) = self.take_over(arena, &hit.units, whole, size, discard) {
+            self.taken_over.insert(id);
             return Ok((id, hit_tokens));
         }
         let id = match hit.source {
@@ -176,6 +181,7 @@ impl ArenaPrefixCache {
     /// `computed` tokens are computed in this step): its own units of them
     /// are cached.
     pub fn finish(&mut self, arena: &Arena, id: Id, q: &Request, computed: u64) {
+        self.taken_over.remove(&id);
         self.cache_computed(id, q, computed);
         self.note_peaks(arena);
         self.peak_entries = self.peak_entries.max(self.books.entries());
@@ -196,8 +202,16 @@ impl ArenaPrefixCache {
     /// run: the hit goes back to the queue where it was, and the
     /// allocation (never used by the GPU) is freed, on the stream unless
     /// `now` asks for its memory at once (a plain free: stealing it then
-    /// synchronizes, but nothing waits for an event).
+    /// synchronizes, but nothing waits for an event). An admission that
+    /// took an entry over gives it back as an entry (released as a
+    /// finished request's: its units queued, shrunk to them, quiesced).
     pub fn give_up(&mut self, arena: &Arena, id: Id, now: bool) {
+        if self.taken_over.remove(&id) {
+            // An entry before: it is one again (never used by the GPU
+            // meanwhile, so its promise of no more work holds as made anew).
+            self.release(arena, id, false);
+            return;
+        }
         self.books.abort(id);
         let done = match self.stream {
             Some(stream) if !now => arena.free_on_stream(id, stream),

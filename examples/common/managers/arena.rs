@@ -55,6 +55,8 @@ pub struct ArenaMgr {
     /// Chunked prefill: some of the next step's growth is not made yet
     /// (`prepare_growth` could not), so no admission is prepared.
     growth_pending: bool,
+    /// The replay schedules chunked prefill (learnt from its token budget).
+    chunked: bool,
 }
 
 /// An admission whose allocation is being mapped over several steps: it
@@ -219,6 +221,7 @@ impl ArenaMgr {
             front_wait: (usize::MAX, 0, 0),
             prepared_growth: (0, 0),
             growth_pending: false,
+            chunked: false,
         })
     }
 
@@ -335,9 +338,12 @@ impl ArenaMgr {
     }
 
     /// Whether admissions are mapped over several steps (`Stream` mode,
-    /// preparation and staging on, one allocation per request).
+    /// preparation and staging on, one allocation per request, whole
+    /// prompts: under chunked prefill each chunk is grown between steps
+    /// anyway, and a staging keyed by a chunk's token count would restart
+    /// whenever the step's plan changes).
     fn staging(&self) -> bool {
-        self.mode == ArenaMode::Stream && self.prepare && self.stage && self.shape.n_allocs() == 1
+        self.mode == ArenaMode::Stream && self.prepare && self.stage && self.shape.n_allocs() == 1 && !self.chunked
     }
 
     /// Chunks another address can take now without a device synchronize
@@ -627,6 +633,11 @@ impl KvManager for ArenaMgr {
         }
         let left = self.prepared.drain();
         self.give_back(left);
+        if budget.tokens_left != u64::MAX && !self.chunked {
+            // Chunked prefill: no staging from now on.
+            self.chunked = true;
+            self.stage_give_up(false);
+        }
         if std::mem::take(&mut self.growth_pending) {
             // Chunked prefill: the next step grows a running request before
             // it admits, and that growth was not done now: an admission
@@ -699,6 +710,7 @@ impl KvManager for ArenaMgr {
 
     fn prepare_growth(&mut self, grows: &[(usize, u64, u64)], _budget: &StepBudget<'_>) {
         self.growth_pending = false;
+        self.chunked = true;
         if self.mode == ArenaMode::Sync || !self.prepare {
             return;
         }
