@@ -642,8 +642,7 @@ fn recomputation_counts_only_tokens_computed_before() {
 /// changes with every plan, gave its mapping up step after step).
 #[test]
 fn staging_is_off_under_chunked_prefill() {
-    let reqs: Vec<Request> =
-        (0..12).map(|i| req(0.0, 3000 + 100 * i, 20, &[i as u64 % 3 + 1, 10 + i as u64])).collect();
+    let reqs: Vec<Request> = (0..12).map(|i| req(0.0, 3000 + 100 * i, 20, &[i % 3 + 1, 10 + i])).collect();
     let kvpt = 128 << 10;
     let a = run_batch("arena", kvpt, 1 << 30, &reqs, 1000, 8, true);
     let s = run_batch("arena-staged", kvpt, 1 << 30, &reqs, 1000, 8, true);
