@@ -483,20 +483,8 @@ fn shared_traces_parse() {
 /// chunks at 128 KiB per token: a unit is a chunk, a hash block 32.
 #[test]
 fn an_admission_that_cannot_fit_evicts_nothing() {
-    use common::arena_prefix_cache::ArenaPrefixCache;
-    use std::sync::Arc;
     let (c, bpt) = (2 * MIB, 128 << 10);
-    let d = Arc::new(vmm_arena::driver::mock::MockDriver::with_streams(c, 1 << 40));
-    let cfg = vmm_arena::ArenaConfig {
-        capacity_bytes: 48 * c,
-        reserve_bytes: 1024 * c,
-        chunk_bytes: c,
-        ..Default::default()
-    };
-    let arena = vmm_arena::Arena::with_driver(d, cfg).unwrap();
-    let mut p = ArenaPrefixCache::new(c, bpt).unwrap();
-    p.stream = Some(0);
-    let req = |prompt: u64, ids: &[u64]| trace::Request { arrival_s: 0.0, prompt, output: 1, hash_ids: ids.into() };
+    let (arena, mut p) = prefix_cache_on_a_mock(48, 1024);
     let max = 128 * c;
     let a = req(520, &[1]);
     let (id, _) = p.admit(&arena, 520 * bpt, max, &a, u64::MAX, false).unwrap();
@@ -522,20 +510,8 @@ fn an_admission_that_cannot_fit_evicts_nothing() {
 /// leaving cached units whose holder was gone (the next lookup panicked).
 #[test]
 fn a_given_up_admission_over_a_taken_over_entry_keeps_the_entry() {
-    use common::arena_prefix_cache::ArenaPrefixCache;
-    use std::sync::Arc;
     let (c, bpt) = (2 * MIB, 128 << 10);
-    let d = Arc::new(vmm_arena::driver::mock::MockDriver::with_streams(c, 1 << 40));
-    let cfg = vmm_arena::ArenaConfig {
-        capacity_bytes: 256 * c,
-        reserve_bytes: 4096 * c,
-        chunk_bytes: c,
-        ..Default::default()
-    };
-    let arena = vmm_arena::Arena::with_driver(d, cfg).unwrap();
-    let mut p = ArenaPrefixCache::new(c, bpt).unwrap();
-    p.stream = Some(0);
-    let req = |prompt: u64, ids: &[u64]| trace::Request { arrival_s: 0.0, prompt, output: 1, hash_ids: ids.into() };
+    let (arena, mut p) = prefix_cache_on_a_mock(256, 4096);
     let max = 128 * c;
     // A's entry: exactly its hash block (32 units).
     let a = req(512, &[1]);
@@ -552,4 +528,30 @@ fn a_given_up_admission_over_a_taken_over_entry_keeps_the_entry() {
     assert_eq!(hit, 512);
     p.release(&arena, cid, false);
     p.books.check().unwrap();
+}
+
+/// An arena of `capacity` 2 MiB chunks (and `reserve` of address space) on
+/// the mock driver with streams, and the prefix cache on it, freeing on
+/// stream 0 (128 KiB per token: a 16-token unit is one chunk).
+fn prefix_cache_on_a_mock(
+    capacity: u64,
+    reserve: u64,
+) -> (vmm_arena::Arena, common::arena_prefix_cache::ArenaPrefixCache) {
+    let c = 2 * MIB;
+    let d = std::sync::Arc::new(vmm_arena::driver::mock::MockDriver::with_streams(c, 1 << 40));
+    let cfg = vmm_arena::ArenaConfig {
+        capacity_bytes: capacity * c,
+        reserve_bytes: reserve * c,
+        chunk_bytes: c,
+        ..Default::default()
+    };
+    let arena = vmm_arena::Arena::with_driver(d, cfg).unwrap();
+    let mut p = common::arena_prefix_cache::ArenaPrefixCache::new(c, 128 << 10).unwrap();
+    p.stream = Some(0);
+    (arena, p)
+}
+
+/// A request of `prompt` tokens and hash blocks `ids`, arriving at 0.
+fn req(prompt: u64, ids: &[u64]) -> trace::Request {
+    trace::Request { arrival_s: 0.0, prompt, output: 1, hash_ids: ids.into() }
 }
