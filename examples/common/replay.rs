@@ -45,6 +45,18 @@
 //! of step 5 (prepared admissions included) hide under the GPU's time,
 //! unless a drain happens there (see `timing.rs` for the rule).
 //!
+//! That is the whole-prompt schedule (`max_num_batched_tokens` 0). With a
+//! token budget the replay schedules chunked prefill as vLLM V1 does
+//! (DESIGN.md, "Chunked prefill"): the running requests take the budget
+//! first, in order (one token to decode, or the next chunk of a prompt),
+//! and grow first; admission follows only if that growth preempted
+//! nothing, into the budget left, allocating a request's hit and first
+//! chunk only ([`admission_tokens`], with the hit from
+//! [`KvManager::prefix_hit`]); requests that end in the step are freed
+//! once it has run; a request whose growth fails while it runs alone is
+//! rejected; between steps the manager may make the next step's growth
+//! too ([`KvManager::prepare_growth`]).
+//!
 //! A step is *warm* when its instantaneous peak of live KV does not exceed
 //! that of an earlier step: the memory it needs has been needed before, so a
 //! manager that keeps memory should not have to create any. Chunk creations
