@@ -116,12 +116,18 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
 /// emptied a slab): give back pooled memory beyond the retain watermark.
 /// Best effort: the operation itself has succeeded, so a driver failure
 /// only keeps the memory pooled (counted in `release_failures`).
+///
+/// Chunks a prefetch round has in flight count as pooled (as in
+/// `Stats::pooled_bytes`): they land in the pool or in a window when the
+/// round commits, so the pool keeps room for them and the watermark holds
+/// whenever the lock is free, also while a round runs.
 pub(super) fn enforce_watermark(inner: &mut Inner, ctx: &Ctx<'_>) {
     let st = &mut inner.st;
-    if st.retain_bytes == u64::MAX || st.pooled_pages() * st.chunk <= st.retain_bytes {
+    let inflight = st.inflight_pages * st.chunk;
+    if st.retain_bytes == u64::MAX || st.pooled_pages() * st.chunk + inflight <= st.retain_bytes {
         return;
     }
-    if trim_pool(st, ctx, st.retain_bytes).is_err() {
+    if trim_pool(st, ctx, st.retain_bytes.saturating_sub(inflight)).is_err() {
         inner.release_failures += 1;
     }
 }

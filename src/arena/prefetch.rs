@@ -173,6 +173,13 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
         };
         progressed = true;
         let failed = commit(&mut inner, round, done);
+        // A round's pages commit where they now lie: if their allocation was
+        // freed meanwhile they are cached at free pages, which are pooled,
+        // and may carry the pool past the watermark that the free applied
+        // (it could not count pages in flight). Applied now, before the next
+        // round lets go of the lock: every other thread, and the stats,
+        // find the watermark kept, also while this maintain goes on.
+        super::pool::enforce_watermark(&mut inner, &ctx);
         sh.round_done.notify_all();
         match failed {
             Ok(()) => {}
@@ -188,9 +195,8 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
             }
         }
     };
-    // A round's pages commit where they now lie: if their allocation was
-    // freed meanwhile they are cached at free pages, which are pooled, and
-    // may carry the pool past the watermark that the free applied.
+    // And once more for what this call reaped first (completed frees
+    // pooled), if no round applied it since.
     super::pool::enforce_watermark(&mut inner, &ctx);
     inner.maintaining = false;
     inner.st.note_peak();
