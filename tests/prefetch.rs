@@ -432,15 +432,7 @@ fn the_retain_watermark_holds_while_maintain_goes_on() {
     let a = Arc::new(Arena::with_driver(d.clone(), cfg).unwrap());
     let (g, _) = a.alloc_growable(3 * C, 16 * C).unwrap();
     let (_h, _) = a.alloc_growable(C, 16 * C).unwrap();
-    a.set_prefetch(4 * C, 0).unwrap();
-    a.maintain().unwrap();
-    a.set_prefetch(0, 2 * C).unwrap();
-    d.armed_map.store(true, Ordering::SeqCst);
-    let m = {
-        let a = a.clone();
-        thread::spawn(move || a.maintain())
-    };
-    d.wait_blocked();
+    let m = maintain_blocked_in_a_map(&a, &d, 4, 2);
     // The first round's first map; its second, then the next round's first.
     d.second_at.store(d.maps.load(Ordering::SeqCst) + 1, Ordering::SeqCst);
     a.free(g).unwrap();
