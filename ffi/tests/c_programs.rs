@@ -105,6 +105,14 @@ enum Link {
     None,
 }
 
+/// test_api's translation units: its `main` and the tests, by area.
+fn test_api_sources() -> Vec<PathBuf> {
+    ["test_api.c", "api_create.c", "api_moves.c", "api_sleep_share.c", "api_stats.c", "api_stream.c"]
+        .iter()
+        .map(|f| source(&format!("c/{f}")))
+        .collect()
+}
+
 /// Compiles `sources` into `name` with `include` first on the include path.
 fn compile(name: &str, lang: Lang, sources: &[PathBuf], include: &Path, link: Link) -> PathBuf {
     let t = toolchain();
@@ -209,13 +217,13 @@ fn run_and_expect_pass(program: &Path) {
 
 #[test]
 fn c_api_test_shared_library() {
-    let exe = compile("test_api", Lang::C, &[source("c/test_api.c")], &our_include(), Link::Shared);
+    let exe = compile("test_api", Lang::C, &test_api_sources(), &our_include(), Link::Shared);
     run_and_expect_pass(&exe);
 }
 
 #[test]
 fn c_api_test_static_library() {
-    let exe = compile("test_api_static", Lang::C, &[source("c/test_api.c")], &our_include(), Link::Static);
+    let exe = compile("test_api_static", Lang::C, &test_api_sources(), &our_include(), Link::Static);
     run_and_expect_pass(&exe);
 }
 
@@ -299,7 +307,7 @@ fn programs_written_from_the_contract_run_against_the_library() {
     let Some(contract) = contract_header() else { return };
     let contract_dir = contract.parent().unwrap().to_path_buf();
     for (tag, include) in [("contract", contract_dir), ("generated", our_include())] {
-        let exe = compile(&format!("contract_c_{tag}"), Lang::C, &[source("c/test_api.c")], &include, Link::Shared);
+        let exe = compile(&format!("contract_c_{tag}"), Lang::C, &test_api_sources(), &include, Link::Shared);
         run_and_expect_pass(&exe);
         let exe = compile(
             &format!("contract_cpp_{tag}"),
