@@ -59,7 +59,7 @@ impl Arena {
     /// first, never with a device-wide synchronize) only when nothing else
     /// can serve a request. Once the event has completed, the memory's
     /// chunks are known idle: reusing them elsewhere, or giving them back,
-    /// needs no device synchronize (see DESIGN.md, "Stream-ordered frees").
+    /// needs no device synchronize (see docs/design/driver_work.md, "Stream-ordered frees").
     ///
     /// On a backend without asynchronous streams (the host) it is
     /// [`Arena::free`], and so it is for an exported allocation and for an

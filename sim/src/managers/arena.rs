@@ -209,7 +209,7 @@ impl ArenaMgr {
     }
 
     /// Turns the mapping of admissions over several steps on (`Stream`
-    /// mode, the `arena-staged` row; see DESIGN.md, "Staged admissions").
+    /// mode, the `arena-staged` row; see sim/DESIGN.md, "Staged admissions").
     /// Off, each admission is prepared whole in the step before it.
     pub fn with_staged_admissions(mut self) -> ArenaMgr {
         self.stage = true;
