@@ -36,7 +36,7 @@
 //! footprint before and after `trim(0)`.
 //!
 //! `--snapshot PATH` writes the arena's snapshot (`Arena::snapshot_json`, for
-//! the `snapshot_svg` example) at `--snapshot-at` simulated seconds, by default
+//! the `snapshot_svg` program) at `--snapshot-at` simulated seconds, by default
 //! in the middle of the time when tenants A and B both receive requests.
 //!
 //! The default backend is `host-sparse` (chunks are not committed, so a
