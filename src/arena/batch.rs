@@ -78,7 +78,7 @@ impl Arena {
                     // A request may have moved or promoted another's
                     // allocation: resolve on the books as they are now.
                     let target = sim.resolve(ids[i])?;
-                    resize_target(&mut sim, ctx, &mut tx, target, ids[i], pages[i], requests[i].1, &mut evs)?;
+                    resize_target(&mut sim, &mut tx, target, ids[i], pages[i], requests[i].1, &mut evs)?;
                 }
                 ids.iter().map(|&id| address_of(&sim, id)).collect::<Result<Vec<u64>>>()
             })();
