@@ -257,7 +257,8 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
     let retain_room = if st.retain_bytes == u64::MAX {
         u64::MAX
     } else {
-        (st.retain_bytes / st.chunk).saturating_sub(st.pooled_pages() + st.inflight_pages)
+        (st.retain_bytes / st.chunk)
+            .saturating_sub(st.pooled_pages() + st.small.reclaimable_slabs() + st.inflight_pages)
     };
     let create_room = room.min(retain_room);
     // (A separate statement: the scan's borrow ends before `st` changes.)
