@@ -162,6 +162,10 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
     inner.maintaining = true;
     let result = loop {
         let Some(round) = plan_round(&mut inner) else { break Ok(()) };
+        // The round's chunks in flight count as held (and in the stats'
+        // `pooled_bytes`) from now on: recorded in the peak before anyone
+        // can read them, since a failed round takes them back.
+        inner.st.note_peak();
         let (base, chunk) = (inner.st.base, inner.st.chunk);
         drop(inner);
         // Outside the lock: other threads' operations proceed meanwhile.
