@@ -30,6 +30,7 @@ use crate::Id;
 mod alloc;
 mod batch;
 mod config;
+mod dry_run;
 mod moves;
 mod page_table;
 mod pool;
