@@ -86,10 +86,12 @@ const ASLEEP: u32 = 9;
 
 /// Calls per input at most.
 pub const MAX_CALLS: usize = 128;
-/// Capacities stay small: every chunk of the host backend is committed memory.
-const MAX_CAPACITY: u64 = 64 << 20;
-/// Page tables stay small (one entry per chunk of the reservation).
-const MAX_PAGES: u64 = 1 << 16;
+/// Capacities stay small: every chunk of the host backend is committed
+/// memory, and a fresh arena's pages fault in (zeroed) as they are touched.
+const MAX_CAPACITY: u64 = 16 << 20;
+/// Page tables stay small (one entry per chunk of the reservation, built
+/// and zeroed for every input, and walked by every snapshot).
+const MAX_PAGES: u64 = 1 << 12;
 
 /// A heap buffer of exactly `len` bytes (AddressSanitizer sees any access
 /// past it), 8-aligned, filled with 0xEE.
