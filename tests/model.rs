@@ -234,6 +234,9 @@ fn outcomes_are_reached() {
         "free of a sharer",
         "sleep of sharers",
         "sleep kept a chunk an awake allocation maps",
+        "sleep of small allocations with backup",
+        "set_tag small moved",
+        "set_tag small refused",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 0, "the search never reached: {what}");
     }
