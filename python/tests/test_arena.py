@@ -2,6 +2,7 @@
 moves, growth, compaction, sleep and wake, tags on small allocations, bad
 inputs, and a soak from two threads."""
 import random
+import sys
 import threading
 
 import numpy as np
@@ -62,8 +63,10 @@ def test_torch_view_then_compaction_moves_it_and_the_callback_fires():
     assert torch.equal(t2, (torch.arange(2 * K) % 199).to(torch.uint8))
 
 
-def test_an_exception_in_the_move_callback_does_not_poison_the_arena():
+def test_an_exception_in_the_move_callback_does_not_poison_the_arena(monkeypatch):
     a = arena()
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_value))
 
     def bad(*_):
         raise RuntimeError("callback failed")
@@ -74,6 +77,7 @@ def test_an_exception_in_the_move_callback_does_not_poison_the_arena():
     b.write(b"kept")
     hole.free()
     a.compact()
+    assert [str(e) for e in reported] == ["callback failed"], "reported once, to sys.unraisablehook"
     assert b.read(0, 4) == b"kept"
     c = a.alloc(K)
     c.free()
