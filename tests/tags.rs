@@ -11,6 +11,8 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::fixtures::{check_consistent, fault_arena as arena, pattern, read_bytes, status};
+use common::Snap;
+use vmm_arena::driver::fault::FaultKind;
 use vmm_arena::{Status, ALL_TAGS, SLEEP_BACKUP};
 
 /// Finding: whether an allocation took a tag depended on its history (one
@@ -163,4 +165,80 @@ fn a_failed_tag_move_changes_nothing() {
     assert_eq!((after.mapped_bytes, after.small_slabs, after.moves), (before.mapped_bytes, 2, before.moves));
     assert_eq!(c, a.chunk_bytes());
     check_consistent(&a, &d);
+}
+
+/// A small allocation's move to a slab of its new tag makes driver calls
+/// (a chunk for the new slab: create, map, access; the copy): each of them
+/// failing fails `set_tag` with nothing changed.
+#[test]
+fn every_driver_call_of_a_tag_move_failing_changes_nothing() {
+    let mut n = 1;
+    loop {
+        let (d, a, _c) = arena(8, 32);
+        let (x, xp) = a.alloc_tagged(3000, 1).unwrap();
+        a.write(x, 0, &pattern(4, 3000)).unwrap();
+        let before = Snap::of(&a).without_driver_counters();
+        d.fault.fail_nth(None, n, FaultKind::Driver);
+        let r = a.set_tag(x, 2);
+        if d.fault.pending() {
+            // Fewer than n calls: the move succeeded without the fault.
+            r.unwrap();
+            assert!(n > 1, "a tag move makes driver calls");
+            break;
+        }
+        assert_eq!(status(r), Status::Driver, "call {n}");
+        assert_eq!(Snap::of(&a).without_driver_counters(), before, "call {n} failed: nothing changed");
+        let info = a.query(x).unwrap();
+        assert_eq!((info.ptr, info.tag), (xp, 1), "call {n}");
+        assert_eq!(read_bytes(&a, x, 0, 3000), pattern(4, 3000), "call {n}");
+        check_consistent(&a, &d);
+        n += 1;
+    }
+}
+
+/// Sleep and wake of a tag whose allocations are small (its slabs): each
+/// driver call failing leaves every one of them as it was (awake with its
+/// bytes, or asleep with its backup), the other tag untouched.
+#[test]
+fn every_driver_call_of_a_small_tag_sleeping_or_waking_failing_changes_nothing() {
+    for waking in [false, true] {
+        let mut n = 1;
+        loop {
+            let (d, a, _c) = arena(8, 32);
+            let ws: Vec<_> = (0..3).map(|_| a.alloc_tagged(20_000, 1).unwrap().0).collect();
+            let (k, _) = a.alloc_tagged(20_000, 2).unwrap();
+            for (i, &id) in ws.iter().chain([&k]).enumerate() {
+                a.write(id, 0, &pattern(i as u64, 20_000)).unwrap();
+            }
+            if waking {
+                a.sleep(1, SLEEP_BACKUP).unwrap();
+            }
+            let before = Snap::of(&a).without_driver_counters();
+            d.fault.fail_nth(None, n, FaultKind::Driver);
+            let r = if waking { a.wake(1) } else { a.sleep(1, SLEEP_BACKUP) };
+            if d.fault.pending() {
+                r.unwrap();
+                assert!(n > 1, "driver calls were made");
+                break;
+            }
+            let after = Snap::of(&a).without_driver_counters();
+            match r {
+                Err(e) => {
+                    assert_eq!(e.status(), Status::Driver, "call {n}");
+                    assert_eq!(after, before, "waking {waking}, call {n} failed: nothing changed");
+                }
+                // A release failing after the point of no return: the sleep
+                // has happened, the chunk stays pooled (see Arena::sleep).
+                Ok(()) => assert!(!waking && a.stats().unwrap().release_failures == 1, "call {n}"),
+            }
+            check_consistent(&a, &d);
+            if a.query(ws[0]).unwrap().asleep {
+                a.wake(1).unwrap();
+            }
+            for (i, &id) in ws.iter().chain([&k]).enumerate() {
+                assert_eq!(read_bytes(&a, id, 0, 20_000), pattern(i as u64, 20_000), "waking {waking}, call {n}");
+            }
+            n += 1;
+        }
+    }
 }
