@@ -139,19 +139,29 @@ def _check(status, what):
         raise VmmArenaError(f"{what}: {_lib.vmm_arena_last_error().decode(errors='replace')}")
 
 
-def _device():
-    import torch
+def _cuda():
+    """torch.cuda where PyTorch and a device are present, else None (the
+    entry points then serve VMM_ARENA_CONF's backend, e.g. the host one in
+    tests, on device 0)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda if torch.cuda.is_available() else None
 
-    return torch.cuda.current_device()
+
+def _device():
+    cuda = _cuda()
+    return cuda.current_device() if cuda else 0
 
 
 def pause(tag=None):
     """Gives the physical memory of `tag` (None: every tag) back to the
     driver, after the device's work; addresses stay. Tags whose region asked
     for a CPU backup keep their bytes."""
-    import torch
-
-    torch.cuda.synchronize()
+    cuda = _cuda()
+    if cuda:
+        cuda.synchronize()
     lib = _load()
     dev = _device()
     tags = [tag_of(tag)] if tag is not None else sorted(set(_tags.values()) | {0})
