@@ -85,6 +85,19 @@ def test_an_exception_in_the_move_callback_does_not_poison_the_arena(monkeypatch
     assert a.stats().live_allocations == 1
 
 
+def test_a_callback_calling_into_the_arena_is_refused_without_deadlock(monkeypatch):
+    a = arena()
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_value))
+    a.set_move_callback(lambda *_: a.stats())  # the arena is locked while it runs
+    hole = a.alloc(2 * K)
+    b = a.alloc(2 * K)
+    hole.free()
+    assert a.compact()["moved_allocations"] == 1
+    assert len(reported) == 1 and isinstance(reported[0], va.InvalidArgument), reported
+    assert a.stats().live_allocations == 1
+
+
 def test_sleep_and_wake_with_backup_at_the_same_address():
     a = arena()
     w = a.alloc_growable(3 * K, max_size=8 * K, tag=1)
