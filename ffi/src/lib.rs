@@ -41,6 +41,8 @@ mod torch;
 
 use boundary::*;
 pub use types::*;
+// The fuzz target calls these through the crate's root, as the ones here.
+pub use tags::{vmm_arena_alloc_growable_tagged, vmm_arena_alloc_tagged};
 use vmm_arena_status::*;
 
 // ---------------------------------------------------------------------------

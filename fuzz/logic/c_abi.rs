@@ -437,22 +437,25 @@ impl Harness {
         let mut allowed: Vec<u32>;
         match kind {
             0..=4 => {
-                what = "alloc";
+                // One in five with a tag (vmm_arena_alloc_tagged).
+                let tag = (kind == 4).then(|| pick_tag(b));
+                what = if tag.is_some() { "alloc_tagged" } else { "alloc" };
                 let size = self.pick_size(b);
                 let (mut id, mut p) = (0xA5A5u64, 0xA5A5u64);
                 let (oid, optr) = (null_sometimes(b), null_sometimes(b));
+                let (out_id, out_ptr) =
+                    (if oid { null_mut() } else { &mut id }, if optr { null_mut() } else { &mut p });
                 // SAFETY: live handle; out-parameters are ours or NULL.
                 status = st(unsafe {
-                    ffi::vmm_arena_alloc(
-                        a,
-                        size,
-                        if oid { null_mut() } else { &mut id },
-                        if optr { null_mut() } else { &mut p },
-                    )
+                    match tag {
+                        Some(t) => ffi::vmm_arena_alloc_tagged(a, size, t, out_id, out_ptr),
+                        None => ffi::vmm_arena_alloc(a, size, out_id, out_ptr),
+                    }
                 });
                 allowed = if oid || optr || size == 0 { vec![INVALID] } else { vec![OK, INVALID, OOM, OOAS] };
                 if status == OK {
                     self.new_id(what, id, p, size);
+                    self.live.get_mut(&id).unwrap().sleep_tag = tag.unwrap_or(0);
                     self.touch(id, b.u8());
                 } else {
                     assert_eq!((id, p), (0xA5A5, 0xA5A5), "{what}: out-parameters written on failure");
