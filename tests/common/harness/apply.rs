@@ -29,8 +29,9 @@ impl Harness {
                 self.apply(inner);
                 self.fault = None;
             }
-            &Op::Alloc(size) => self.alloc(size, size, false),
-            &Op::AllocGrowable(size, max) => self.alloc(size, max, true),
+            &Op::Alloc(size) => self.alloc(size, size, false, None),
+            &Op::AllocTagged(size, tag) => self.alloc(size, size, false, Some(tag)),
+            &Op::AllocGrowable(size, max) => self.alloc(size, max, true, None),
             &Op::AllocShared { src, first, pages, extra } => self.alloc_shared(src, first, pages, extra),
             &Op::Free(i) => {
                 let Some(id) = self.nth(i) else { return };
