@@ -41,6 +41,7 @@ mod group;
 // After `group`: cbindgen emits items in declaration order, and the
 // committed header lists the group functions before the export ones.
 mod export;
+mod tags;
 
 mod testing;
 mod torch;
@@ -50,6 +51,8 @@ use boundary::*;
 pub use compact::*;
 pub use sleep::*;
 pub use types::*;
+// The fuzz target calls these through the crate's root, as the ones here.
+pub use tags::{vmm_arena_alloc_growable_tagged, vmm_arena_alloc_tagged};
 use vmm_arena_status::*;
 
 // ---------------------------------------------------------------------------

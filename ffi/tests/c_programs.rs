@@ -233,6 +233,13 @@ fn c_threads_test() {
     run_and_expect_pass(&exe);
 }
 
+/// A failed resize_many changes no byte (see the program's header).
+#[test]
+fn c_failed_batch_keeps_every_byte() {
+    let exe = compile("test_batch_bytes", Lang::C, &[source("c/test_batch_bytes.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
 /// The C ABI fault matrix (see the program's header): prints its size.
 #[test]
 fn c_fault_matrix() {
@@ -262,6 +269,20 @@ fn c_export_test() {
     let last = out.lines().last().unwrap_or("");
     assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
     assert!(out.contains("C ABI export/import fault matrix size:"), "{out}");
+}
+
+/// Tags at allocation time, small allocations included (`test_tags.c`).
+#[test]
+fn tags_from_c() {
+    let exe = compile("test_tags", Lang::C, &[source("c/test_tags.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
+/// The same through the C++ wrapper (`test_tags.cpp`).
+#[test]
+fn tags_from_cpp() {
+    let exe = compile("test_tags_cpp", Lang::Cxx, &[source("cpp/test_tags.cpp")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
 }
 
 #[test]

@@ -58,11 +58,13 @@ use ffi::{vmm_arena, vmm_arena_compact_report, vmm_arena_config, vmm_arena_stats
 #[path = "bytes.rs"]
 mod bytes;
 use bytes::Bytes;
+#[path = "c_abi/batch.rs"]
+mod batch;
 #[path = "c_abi/call.rs"]
 mod call;
 #[path = "c_abi/snapshot.rs"]
 mod snapshot;
-use snapshot::{json_u64, live_ranges, strip_driver};
+use snapshot::{json_u64, live_ranges, slab_ranges, strip_driver};
 
 // The handle is opaque to C callers: a pointer to it is FFI-safe in practice.
 #[allow(improper_ctypes)]
@@ -89,10 +91,12 @@ const ASLEEP: u32 = 9;
 
 /// Calls per input at most.
 pub const MAX_CALLS: usize = 128;
-/// Capacities stay small: every chunk of the host backend is committed memory.
-const MAX_CAPACITY: u64 = 64 << 20;
-/// Page tables stay small (one entry per chunk of the reservation).
-const MAX_PAGES: u64 = 1 << 16;
+/// Capacities stay small: every chunk of the host backend is committed
+/// memory, and a fresh arena's pages fault in (zeroed) as they are touched.
+const MAX_CAPACITY: u64 = 16 << 20;
+/// Page tables stay small (one entry per chunk of the reservation, built
+/// and zeroed for every input, and walked by every snapshot).
+const MAX_PAGES: u64 = 1 << 12;
 
 /// A heap buffer of exactly `len` bytes (AddressSanitizer sees any access
 /// past it), 8-aligned, filled with 0xEE.
@@ -216,6 +220,9 @@ struct Harness {
     /// After a resize: (id, its tag, the address it returned), checked
     /// once the move events are applied.
     resized: Option<(u64, u8, u64)>,
+    /// The configuration's retain_bytes, and the highest peak_physical_bytes read.
+    retain: u64,
+    peak: u64,
 }
 
 fn size_of_stats() -> u32 {
@@ -332,19 +339,30 @@ impl Harness {
         assert_eq!(s.live_bytes, self.live.values().map(|l| l.size).sum::<u64>(), "{what}: live_bytes");
         assert!(s.mapped_bytes + s.pooled_bytes <= s.capacity_bytes, "{what}: held memory beyond the capacity");
         assert_eq!(s.capacity_bytes, self.capacity);
+        assert!(s.peak_physical_bytes >= self.peak, "{what}: peak_physical_bytes went down");
+        assert!(s.peak_physical_bytes >= s.mapped_bytes + s.pooled_bytes, "{what}: held memory above the peak");
+        self.peak = s.peak_physical_bytes;
         if self.faulty {
             let (chunks, _) = self.driver_objects();
             assert_eq!(chunks * self.chunk, s.mapped_bytes + s.pooled_bytes, "{what}: driver chunks vs held memory");
         }
         let snap = self.snapshot();
+        if json_u64(&snap, "release_failures") == 0 {
+            // (A give-back that failed keeps its chunks pooled until one succeeds.)
+            assert!(s.pooled_bytes <= self.retain, "{what}: pooled_bytes above retain_bytes");
+        }
         // The host backend records no event: resize_on_stream is resize,
         // and quiesce_on_stream's promise holds at once.
         assert_eq!(json_u64(&snap, "stream_shrinks"), 0, "{what}: a stream shrink on the host");
         assert_eq!(json_u64(&snap, "quiesces"), 0, "{what}: a quiesce event on the host");
         let ranges = live_ranges(&snap);
+        let slabs = slab_ranges(&snap);
         for l in self.live.values() {
-            // Small allocations live in slabs, not in ranges of their own.
-            let (tag, asleep) = ranges.get(&l.id).copied().unwrap_or((0, false));
+            // Small allocations live in slabs, not in ranges of their own,
+            // and have their slab's tag and sleep.
+            let in_slab =
+                || slabs.iter().find(|&&(at, len, ..)| at <= l.ptr && l.ptr < at + len).map(|&(.., t, z)| (t, z));
+            let (tag, asleep) = ranges.get(&l.id).copied().or_else(in_slab).expect("a range or a slab");
             assert_eq!((tag, asleep), (l.sleep_tag, l.asleep), "{what}: tag and sleep of {:#x}", l.id);
         }
     }
@@ -569,6 +587,8 @@ fn run_with(data: &[u8], may_panic: bool) {
         callback: false,
         planned: false,
         resized: None,
+        retain: cfg.retain_bytes,
+        peak: 0,
     };
     if b.below(4) != 0 {
         let user: *mut Recorder = &mut *h.rec;

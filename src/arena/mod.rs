@@ -31,6 +31,7 @@ mod alias;
 mod alloc;
 mod batch;
 mod config;
+mod dry_run;
 #[cfg(unix)]
 mod export;
 mod moves;
@@ -544,7 +545,7 @@ impl Arena {
                     let a = st.alloc(slot);
                     (st.addr(a.start), a.size, a.sleep.is_some())
                 }
-                Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), false),
+                Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), alloc::small_asleep(st, ss)),
             },
         };
         match offset.checked_add(len as u64) {

@@ -1,5 +1,6 @@
 //! Reading the arena's JSON snapshot, as much as the C ABI fuzz target
-//! checks: live ranges, the snapshot without driver counters, a number.
+//! checks: live ranges, slab ranges, the snapshot without driver counters,
+//! a number.
 
 use super::*;
 
@@ -15,6 +16,18 @@ pub(super) fn live_ranges(json: &str) -> BTreeMap<u64, (u32, bool)> {
             let asleep = r.contains("\"asleep\":true");
             assert!(asleep || r.contains("\"asleep\":false"), "no asleep field in {r}");
             (id, (tag, asleep))
+        })
+        .collect()
+}
+
+/// The snapshot's slabs: (addr, bytes, tag, asleep).
+pub(super) fn slab_ranges(json: &str) -> Vec<(u64, u64, u32, bool)> {
+    json.split("{\"kind\":\"slab\",")
+        .skip(1)
+        .map(|r| {
+            let r = &r[..r.find('}').expect("a range's end")];
+            let tag = u32::try_from(json_u64(r, "tag")).expect("a u32 tag");
+            (json_u64(r, "addr"), json_u64(r, "bytes"), tag, r.contains("\"asleep\":true"))
         })
         .collect()
 }
