@@ -46,11 +46,13 @@ mod snapshot;
 mod sync;
 mod va;
 
+#[cfg(unix)]
+#[cfg(unix)]
+pub use arena::DmaBuf;
 pub use arena::{
     AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, ALL_TAGS,
     DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,
 };
-#[cfg(unix)]
 pub use arena::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
 pub use error::{Error, Result, Status};
 pub use group::{Group, GroupConfig, GroupError, GroupId};

@@ -30,6 +30,8 @@ use crate::Id;
 mod alloc;
 mod batch;
 mod config;
+#[cfg(unix)]
+mod dmabuf;
 mod moves;
 mod page_table;
 mod pool;
@@ -47,8 +49,10 @@ pub(crate) mod txn;
 mod worker;
 
 use self::alloc::{small_ptr, Target};
-use pool::enforce_watermark;
 #[cfg(unix)]
+#[cfg(unix)]
+pub use dmabuf::DmaBuf;
+use pool::enforce_watermark;
 pub use share::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
 pub use state::MoveEvent;
 use state::State;
@@ -456,6 +460,11 @@ impl Arena {
         // failed call then applies the watermark too (it changed nothing
         // else, and must not leave the pool past the watermark).
         let mut reclaimed = false;
+        // Frees that waited for their DMA-BUFs to close finish first.
+        #[cfg(unix)]
+        if !inner.shares.held.is_empty() {
+            dmabuf::reap(&mut inner, &ctx);
+        }
         if !inner.st.pending.is_empty() {
             // Frees whose events completed since the last look serve this
             // operation rather than new chunks: a poll (no wait) until the

@@ -72,7 +72,7 @@ impl Alloc {
     /// Whether no planner may move it: pinned, or asleep (its reservation
     /// must stay where the caller's pointers are).
     pub fn immovable(&self) -> bool {
-        self.pinned || self.sleep.is_some() || self.owner == Owner::Pending
+        self.pinned || self.sleep.is_some() || matches!(self.owner, Owner::Pending | Owner::DmaBuf)
     }
 }
 
@@ -113,6 +113,10 @@ pub(crate) enum Owner {
     /// complete: no id names it, and it keeps its pages and chunks where
     /// they are until the event completes (see [`Pending`]).
     Pending,
+    /// Freed while a DMA-BUF of it is open (`Arena::dmabuf`): no id names
+    /// it, and it keeps its pages and chunks where they are, out of every
+    /// plan's reach, until the last DMA-BUF closes (see `arena/dmabuf.rs`).
+    DmaBuf,
 }
 
 impl Owner {
