@@ -40,6 +40,8 @@ pub mod arena;
 mod compact;
 pub mod driver;
 pub mod error;
+#[cfg(unix)]
+pub mod fd_passing;
 pub mod group;
 mod id;
 mod snapshot;

@@ -29,6 +29,7 @@ use arena::{Arena, Error, Id, MoveEvent};
 mod types;
 
 mod boundary;
+mod dmabuf;
 mod group;
 mod share;
 mod testing;

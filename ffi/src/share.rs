@@ -274,11 +274,13 @@ pub unsafe extern "C" fn vmm_arena_import(
     })
 }
 
-/// A DMA-BUF file descriptor for the allocation's backed bytes
-/// (cuMemGetHandleForAddressRange), for RDMA stacks to register. GPU only:
-/// VMM_ARENA_ERR_UNSUPPORTED on the host backend. *out_fd receives a
-/// descriptor the caller owns and closes. Pin the allocation first if the
-/// registration must not see it move (the call does not pin it).
+/// A DMA-BUF file descriptor for the allocation's backed bytes that the
+/// caller owns and closes, with no handle: the library cannot know when the
+/// device is done with it, so the allocation stays pinned and its chunks
+/// out of reuse (a free keeps them) until the arena is destroyed. Prefer
+/// vmm_arena_dmabuf_open, whose close ends that. Otherwise as
+/// vmm_arena_dmabuf_open (GPU only: VMM_ARENA_ERR_UNSUPPORTED on the host
+/// backend).
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; `out_fd` is NULL or writable.

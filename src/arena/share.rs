@@ -125,6 +125,30 @@ impl Export {
         use std::os::fd::AsFd;
         self.fds.iter().map(|f| f.as_fd()).collect()
     }
+
+    /// Duplicates of the descriptors (close-on-exec), owned by the caller:
+    /// closing them does not affect the export. All or nothing (`OutOfMemory`
+    /// when the process is out of descriptors).
+    pub fn dup_fds(&self) -> Result<Vec<OwnedFd>> {
+        self.fds
+            .iter()
+            .map(|f| {
+                f.try_clone().map_err(|e| match e.raw_os_error() {
+                    Some(libc::EMFILE | libc::ENFILE) => {
+                        Error::OutOfMemory(format!("dup of an export descriptor: {e}"))
+                    }
+                    _ => Error::invalid(format!("dup of an export descriptor: {e}")),
+                })
+            })
+            .collect()
+    }
+
+    /// Sends the layout and the descriptors over a Unix socket, in batches
+    /// ([`crate::fd_passing::send_export`]); the receiver calls
+    /// [`Arena::import_from_socket`].
+    pub fn send(&self, sock: BorrowedFd<'_>) -> Result<()> {
+        crate::fd_passing::send_export(sock, &self.layout, &self.borrowed_fds())
+    }
 }
 
 /// An allocation that was exported.
@@ -427,8 +451,11 @@ impl Arena {
     /// until every export of it is dropped, and from now until it is freed
     /// its chunks never go back to the pool (see the module docs).
     ///
-    /// Retired ranges are released first (they may map its chunks a second
-    /// time). Errors: `InvalidArgument` for a small allocation, an import,
+    /// It first waits for the device (`synchronize`): every write queued
+    /// before the call is complete when the descriptors exist, so an
+    /// importer sees it; writes after it are the processes' to order (an
+    /// IPC event, as PyTorch sends with its handles). Retired ranges are
+    /// released next (they may map its chunks a second time). Errors: `InvalidArgument` for a small allocation, an import,
     /// or an allocation whose chunks another allocation shares (awake, or
     /// asleep and mapping them again when it wakes), `Asleep`,
     /// `Unsupported` when the driver's chunks are not exportable
@@ -469,9 +496,11 @@ impl Arena {
             let st = &mut inner.st;
             let slot = match st.resolve(id)? {
                 Target::Chunks(s) if st.alloc(s).owner == Owner::User => s,
-                _ => return Err(Error::invalid(format!(
+                _ => {
+                    return Err(Error::invalid(format!(
                     "small allocations share their slab's chunk and cannot be {what}; allocate more than half a chunk"
-                ))),
+                )))
+                }
             };
             let a = st.alloc(slot).clone();
             if a.sleep.is_some() {
@@ -495,6 +524,11 @@ impl Arena {
             let mut sim = st.clone();
             let mut tx = ctx.txn(st);
             let done = (|| {
+                // The ordering rule: the device finishes every write queued
+                // before the hand-out, so an importer (or a device reaching
+                // the DMA-BUF) sees them; later writes are the processes'
+                // to order (see DESIGN.md, "Export").
+                tx.sync()?;
                 release_retired_into(&mut sim, &mut tx)?;
                 make(ctx, &sim, &a)
             })();
@@ -586,6 +620,17 @@ impl Arena {
             let id = Id::compose(IdParts { small: false, generation: 0, tag: inner.st.tag, slot: k });
             Ok((id, base))
         })
+    }
+
+    /// Receives an export from a Unix socket ([`Export::send`] on the other
+    /// side) and imports it; the received descriptors are closed once the
+    /// import holds its own. Errors of [`crate::fd_passing::recv_export`]
+    /// and of [`Arena::import`].
+    pub fn import_from_socket(&self, sock: BorrowedFd<'_>, read_only: bool) -> Result<(Id, u64)> {
+        use std::os::fd::AsFd;
+        let (layout, fds) = crate::fd_passing::recv_export(sock)?;
+        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
+        self.import(&layout, &borrowed, read_only)
     }
 
     /// [`Arena::import`] of an [`Export`] of this process.
