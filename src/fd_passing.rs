@@ -13,7 +13,7 @@
 //!
 //! The socket may be `SOCK_STREAM` or `SOCK_SEQPACKET`, blocking; a
 //! timeout (`SO_RCVTIMEO`/`SO_SNDTIMEO`) ends a call with a driver-kind
-//! error naming `EAGAIN`. Each message carries a 48-byte header (a magic
+//! error naming `EAGAIN`. Each message carries a 56-byte header (a magic
 //! number, the layout, the batch's first chunk), so a peer that sends
 //! anything else is refused with `InvalidArgument`.
 #![allow(unsafe_code)]
@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 pub const FDS_PER_MESSAGE: usize = 253;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"VMMAEXP1");
-const HEADER: usize = 48;
+const HEADER: usize = 56;
 
 fn os_error(call: &'static str) -> Error {
     let e = std::io::Error::last_os_error();
@@ -39,7 +39,8 @@ fn os_error(call: &'static str) -> Error {
 }
 
 fn header(layout: &ExportLayout, first: u64) -> [u8; HEADER] {
-    let words = [MAGIC, layout.version as u64, layout.chunk_bytes, layout.chunk_count, layout.size, first];
+    let kind = layout.handle_type as u64 | (layout.device as u32 as u64) << 32;
+    let words = [MAGIC, layout.version as u64, layout.chunk_bytes, layout.chunk_count, layout.size, first, kind];
     let mut h = [0u8; HEADER];
     for (i, w) in words.iter().enumerate() {
         h[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
@@ -53,7 +54,8 @@ fn parse(h: &[u8; HEADER]) -> Result<(ExportLayout, u64)> {
         return Err(Error::invalid("the peer did not send an export (bad magic number)"));
     }
     let version = u32::try_from(w(1)).map_err(|_| Error::invalid("export layout version out of range"))?;
-    Ok((ExportLayout { version, chunk_bytes: w(2), chunk_count: w(3), size: w(4) }, w(5)))
+    let (handle_type, device) = (w(6) as u32, (w(6) >> 32) as u32 as i32);
+    Ok((ExportLayout { version, chunk_bytes: w(2), chunk_count: w(3), size: w(4), handle_type, device }, w(5)))
 }
 
 /// Space for a control message of `n` descriptors, aligned for `cmsghdr`.

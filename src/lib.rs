@@ -55,7 +55,10 @@ pub use arena::{
     AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, ALL_TAGS,
     DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,
 };
-pub use arena::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
+pub use arena::{
+    Export, ExportLayout, EXPORT_FORMAT_VERSION, EXPORT_HANDLE_CUDA_POSIX_FD, EXPORT_HANDLE_HOST_MEMFD,
+    EXPORT_HANDLE_UNSPECIFIED,
+};
 pub use error::{Error, Result, Status};
 pub use group::{Group, GroupConfig, GroupError, GroupId};
 pub use id::Id;

@@ -79,7 +79,14 @@ fn import_refuses_a_sealed_memfd_that_no_arena_exported() {
         assert_eq!(libc::ftruncate(raw, C as libc::off_t), 0);
         assert_eq!(libc::fcntl(raw, libc::F_ADD_SEALS, libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL), 0);
     }
-    let layout = ExportLayout { version: EXPORT_FORMAT_VERSION, chunk_bytes: C, chunk_count: 1, size: C };
+    let layout = ExportLayout {
+        version: EXPORT_FORMAT_VERSION,
+        chunk_bytes: C,
+        chunk_count: 1,
+        size: C,
+        handle_type: vmm_arena::EXPORT_HANDLE_HOST_MEMFD,
+        device: -1,
+    };
     let got = im.import(&layout, &[fd.as_fd()], false);
     assert!(matches!(got, Err(Error::InvalidArgument(_))), "a caller's memfd was imported: {got:?}");
     assert_eq!(im.stats().unwrap().imported_allocations, 0);
@@ -231,4 +238,19 @@ fn every_driver_call_of_a_dmabuf_and_its_deferred_free_fails_cleanly() {
     assert_eq!((st.exported_allocations, st.driver_releases), (0, 2), "the next call finished it: {st:?}");
     assert!(Snap::of(&a).ranges.iter().all(|r| r.kind != common::Kind::Pending));
     println!("dmabuf fault matrix: {total} injected faults");
+}
+
+#[test]
+fn a_version_1_layout_record_still_imports() {
+    let (_ed, ex) = exporter(4);
+    let (_id, im) = exporter(4);
+    let (x, _) = ex.alloc(2 * C).unwrap();
+    ex.write(x, 0, b"v1").unwrap();
+    let export = ex.export(x).unwrap();
+    let v1 =
+        ExportLayout { version: 1, handle_type: vmm_arena::EXPORT_HANDLE_UNSPECIFIED, device: -1, ..export.layout() };
+    let (y, _) = im.import(&v1, &export.borrowed_fds(), false).unwrap();
+    let mut got = [0u8; 2];
+    im.read(y, 0, &mut got).unwrap();
+    assert_eq!(&got, b"v1");
 }

@@ -111,9 +111,9 @@ fn the_callers_duplicates_are_its_own_and_received_descriptors_are_close_on_exec
 fn a_peer_that_sends_anything_else_is_refused() {
     let im = sparse(false);
     let (a, b) = socketpair();
-    // SAFETY: writes 48 bytes from a live buffer.
-    let n = unsafe { libc::write(a.as_raw_fd(), [7u8; 48].as_ptr().cast(), 48) };
-    assert_eq!(n, 48);
+    // SAFETY: writes 56 bytes from a live buffer.
+    let n = unsafe { libc::write(a.as_raw_fd(), [7u8; 56].as_ptr().cast(), 56) };
+    assert_eq!(n, 56);
     assert_eq!(im.import_from_socket(b.as_fd(), false).unwrap_err().status(), Status::InvalidArgument);
     drop(a);
     assert_eq!(im.import_from_socket(b.as_fd(), false).unwrap_err().status(), Status::InvalidArgument);

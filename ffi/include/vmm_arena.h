@@ -81,15 +81,46 @@
 #define VMM_ARENA_GROUP_PEER_ACCESS 1u
 
 /**
- * The format version of vmm_arena_export_layout this library writes and
- * accepts (the version field).
+ * The format version of vmm_arena_export_layout this library writes (the
+ * version field). It imports records of this version and of version 1.
  */
-#define VMM_ARENA_EXPORT_FORMAT_VERSION 1u
+#define VMM_ARENA_EXPORT_FORMAT_VERSION 2u
+
+/**
+ * vmm_arena_export_layout.handle_type: not said (a version 1 record); the
+ * importer assumes its own backend's.
+ */
+#define VMM_ARENA_EXPORT_HANDLE_UNSPECIFIED 0u
+
+/**
+ * vmm_arena_export_layout.handle_type: host backend chunks (sealed memfds).
+ */
+#define VMM_ARENA_EXPORT_HANDLE_HOST_MEMFD 1u
+
+/**
+ * vmm_arena_export_layout.handle_type: CUDA chunks
+ * (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR).
+ */
+#define VMM_ARENA_EXPORT_HANDLE_CUDA_POSIX_FD 2u
+
+/**
+ * The smallest struct_size a vmm_arena_export_layout may have: the
+ * version 1 record (struct_size through size, 32 bytes).
+ */
+#define VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE 32u
+
+/**
+ * Descriptors one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD):
+ * vmm_arena_export_send sends an export in messages of at most this many.
+ */
+#define VMM_ARENA_FDS_PER_MESSAGE 253u
 
 /**
  * vmm_arena_import flag: map the chunks readable only (on the host backend
  * a store through the pointer faults; on CUDA the access is
- * CU_MEM_ACCESS_FLAGS_PROT_READ).
+ * CU_MEM_ACCESS_FLAGS_PROT_READ). The importer's own choice for its own
+ * mapping, not a protection of the memory: the exporter, and any importer
+ * that did not ask for it, can still write.
  */
 #define VMM_ARENA_IMPORT_READ_ONLY 1u
 
@@ -168,6 +199,12 @@ typedef enum vmm_arena_backend {
  * Opaque arena.
  */
 typedef struct vmm_arena vmm_arena;
+
+/**
+ * Opaque open DMA-BUF of an allocation: one descriptor for its backed
+ * chunks, owned by the handle. It may outlive the arena that made it.
+ */
+typedef struct vmm_arena_dmabuf vmm_arena_dmabuf;
 
 /**
  * Opaque open export: one descriptor per chunk of an allocation and its
@@ -360,8 +397,15 @@ typedef uint64_t vmm_arena_group_id;
 
 /**
  * What an importer needs besides the descriptors: send it with them (a
- * plain struct of integers, 32 bytes). struct_size is set by whoever fills
- * it in and checked by whoever reads it.
+ * plain struct of integers, 80 bytes; vmm_arena_export_send does both).
+ *
+ * struct_size has minimum-size semantics, so two library versions read
+ * each other's records: whoever fills the struct in sets struct_size to
+ * the sizeof it knows; a reader uses the fields that fit in struct_size
+ * (at least VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE) and ignores bytes past its
+ * own sizeof; a writer writes only the fields that fit. Fields a short
+ * record lacks read as unspecified (handle_type 0, device -1, backend 0).
+ * reserved must be zero.
  */
 typedef struct vmm_arena_export_layout {
   /**
@@ -384,6 +428,29 @@ typedef struct vmm_arena_export_layout {
    * the allocation's size when it was exported
    */
   uint64_t size;
+  /**
+   * VMM_ARENA_EXPORT_HANDLE_*: an arena whose chunks are of another type
+   * refuses the record (version 2)
+   */
+  uint32_t handle_type;
+  /**
+   * the exporter's CUDA device ordinal, -1 on the host; informational
+   * (CUDA maps an import on the importing arena's device, which needs
+   * peer access when they differ) (version 2)
+   */
+  int32_t device;
+  /**
+   * the exporter's vmm_arena_backend (version 2)
+   */
+  uint32_t backend;
+  /**
+   * 0 (no flags defined)
+   */
+  uint32_t flags;
+  /**
+   * zero
+   */
+  uint64_t reserved[4];
 } vmm_arena_export_layout;
 
 #ifdef __cplusplus
@@ -839,6 +906,64 @@ enum vmm_arena_status vmm_arena_snapshot_json(struct vmm_arena *arena,
                                               size_t *out_len);
 
 /**
+ * A DMA-BUF of allocation id's backed chunks (cuMemGetHandleForAddressRange),
+ * for RDMA stacks to register (NIXL, UCX, Mooncake). *out receives a handle
+ * that owns the descriptor (vmm_arena_dmabuf_fd reads it, close-on-exec);
+ * vmm_arena_dmabuf_close closes both. GPU only: VMM_ARENA_ERR_UNSUPPORTED
+ * on the host backend.
+ *
+ * A DMA-BUF reaches the physical chunks behind the allocation when it was
+ * made, not its addresses. So while any DMA-BUF of an allocation is open,
+ * its chunks are never reused: the allocation is pinned (it never moves),
+ * vmm_arena_sleep leaves it awake, a resize below the chunks handed out is
+ * INVALID_ARGUMENT, and from its first DMA-BUF on its chunks never go back
+ * to the pool (as for vmm_arena_export_open). vmm_arena_free while a
+ * DMA-BUF is open succeeds, and the id is gone at once, but the chunks stay
+ * mapped where they were (counted in mapped_bytes and against the
+ * capacity) until the last DMA-BUF of them is closed; the next arena call
+ * after that gives them back to the driver.
+ *
+ * Close a DMA-BUF only when no device reaches the memory through it any
+ * more (after ibv_dereg_mr of every registration made from it).
+ *
+ * INVALID_ARGUMENT for a small allocation, an import (take the DMA-BUF in
+ * the exporting process), or an allocation whose chunks another allocation
+ * shares (vmm_arena_alloc_shared, awake or asleep); ASLEEP for a sleeping
+ * one. On failure nothing changed.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_dmabuf_open(struct vmm_arena *arena,
+                                            vmm_arena_id id,
+                                            struct vmm_arena_dmabuf **out);
+
+/**
+ * The DMA-BUF's descriptor (*out_fd, still owned by the handle: register
+ * it, or dup() it, but do not close it) and the bytes it spans
+ * (*out_bytes, may be NULL): the allocation's backed chunks when it was
+ * made.
+ *
+ * # Safety
+ * `handle` is NULL or a live DMA-BUF; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_dmabuf_fd(const struct vmm_arena_dmabuf *handle,
+                                          int32_t *out_fd,
+                                          uint64_t *out_bytes);
+
+/**
+ * Closes a DMA-BUF handle and its descriptor. Once every DMA-BUF of an
+ * allocation is closed, it is no longer pinned by them, and if it was freed
+ * meanwhile its chunks go back to the driver at the arena's next call.
+ * NULL is fine.
+ *
+ * # Safety
+ * `handle` is NULL or a live DMA-BUF that no other thread is using, and is
+ * not used again.
+ */
+void vmm_arena_dmabuf_close(struct vmm_arena_dmabuf *handle);
+
+/**
  * Creates a group of `count` members, member i on device devices[i]
  * (distinct ordinals; on the host backend any distinct values: N arenas
  * stand for N devices), each configured by `config` (its device field is
@@ -1004,7 +1129,13 @@ enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *grou
  * pool: vmm_arena_free unmaps and releases them, a resize below the chunks
  * it exported is INVALID_ARGUMENT, it never sleeps, and vmm_arena_alloc_shared
  * from it is INVALID_ARGUMENT (as is exporting an allocation that shares
- * chunks with another).
+ * chunks with another, awake or asleep: a sleeper that shared them would
+ * map them again when it wakes).
+ *
+ * Ordering: the call first waits for the device (cuCtxSynchronize), so
+ * every write queued before it is complete and visible to importers; the
+ * processes order later writes themselves (an IPC event sent with the
+ * layout, as PyTorch sends one with its handles).
  *
  * If the exporter frees first: the importers' mappings stay valid, with
  * their bytes, until each importer frees its import (the memory lives
@@ -1019,8 +1150,9 @@ enum vmm_arena_status vmm_arena_export_open(struct vmm_arena *arena,
                                             struct vmm_arena_export **out);
 
 /**
- * Writes the export's layout (layout->struct_size must be set by the
- * caller to sizeof(vmm_arena_export_layout)).
+ * Writes the export's layout: the fields that fit in layout->struct_size
+ * (set by the caller, at least VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE; bytes past
+ * this library's sizeof are left alone).
  *
  * # Safety
  * `handle` is NULL or a live export; `layout` is NULL or points to at least
@@ -1031,11 +1163,18 @@ enum vmm_arena_status vmm_arena_export_layout_get(const struct vmm_arena_export 
 
 /**
  * The export's descriptors, in chunk order: if cap is at least their
- * count, writes them into fds (fds may be NULL when cap is 0); either way
- * *out_count receives the count, and the status is VMM_ARENA_OK. The
- * descriptors stay owned by the export and are closed by
- * vmm_arena_export_close: pass them on (SCM_RIGHTS gives the receiver its
- * own) or dup() them before closing the export.
+ * count, writes new duplicates of them into fds (close-on-exec, owned by
+ * the caller, who closes them; closing them does not affect the export);
+ * fds may be NULL when cap is 0, and nothing is duplicated when cap is
+ * smaller than the count. Either way *out_count receives the count, and
+ * the status is VMM_ARENA_OK. OUT_OF_MEMORY when the process runs out of
+ * descriptors (none is left open then).
+ *
+ * One descriptor per chunk: a 1 GiB allocation of 2 MiB chunks is 512,
+ * which count against RLIMIT_NOFILE (often 1,024 soft) in every process
+ * holding them, and more than one SCM_RIGHTS message carries
+ * (VMM_ARENA_FDS_PER_MESSAGE): vmm_arena_export_send and
+ * vmm_arena_import_recv move an export of any size in one call each.
  *
  * # Safety
  * `handle` is NULL or a live export; `fds` is NULL or has `cap` writable
@@ -1073,11 +1212,19 @@ void vmm_arena_export_close(struct vmm_arena_export *handle);
  * vmm_arena_export_open of it are INVALID_ARGUMENT.
  *
  * INVALID_ARGUMENT: a NULL layout, fds (with count > 0), out_id or
- * out_ptr; unknown flag bits; a layout whose struct_size or version is not
- * this library's, whose chunk_bytes is not this arena's, whose chunk_count
- * is not count, or whose size does not fill its chunks; a descriptor that
- * is negative, closed, or not an exported chunk of chunk_bytes bytes. All
- * or nothing: on failure nothing is mapped or kept.
+ * out_ptr; unknown flag bits; a layout whose struct_size is below
+ * VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE, whose version is neither 1 nor
+ * VMM_ARENA_EXPORT_FORMAT_VERSION, whose handle_type is not this arena's
+ * chunks', whose flags or reserved are not zero, whose chunk_bytes is not
+ * this arena's, whose chunk_count is not count, or whose size does not
+ * fill its chunks; a descriptor that is negative, closed, or not an
+ * exported chunk of chunk_bytes bytes (on the host backend: a memfd no
+ * arena made is refused). All or nothing: on failure nothing is mapped or
+ * kept.
+ *
+ * Ordering: vmm_arena_export_open waited for the exporter's device, so
+ * every write queued before the export is visible; writes after it are
+ * for the processes to order (e.g. an IPC event sent with the layout).
  *
  * # Safety
  * `arena` is NULL or a live handle; `layout` is NULL or readable for its
@@ -1093,11 +1240,13 @@ enum vmm_arena_status vmm_arena_import(struct vmm_arena *arena,
                                        uint64_t *out_ptr);
 
 /**
- * A DMA-BUF file descriptor for the allocation's backed bytes
- * (cuMemGetHandleForAddressRange), for RDMA stacks to register. GPU only:
- * VMM_ARENA_ERR_UNSUPPORTED on the host backend. *out_fd receives a
- * descriptor the caller owns and closes. Pin the allocation first if the
- * registration must not see it move (the call does not pin it).
+ * A DMA-BUF file descriptor for the allocation's backed bytes that the
+ * caller owns and closes, with no handle: the library cannot know when the
+ * device is done with it, so the allocation stays pinned and its chunks
+ * out of reuse (a free keeps them) until the arena is destroyed. Prefer
+ * vmm_arena_dmabuf_open, whose close ends that. Otherwise as
+ * vmm_arena_dmabuf_open (GPU only: VMM_ARENA_ERR_UNSUPPORTED on the host
+ * backend).
  *
  * # Safety
  * `arena` is NULL or a live handle; `out_fd` is NULL or writable.
@@ -1117,6 +1266,38 @@ enum vmm_arena_status vmm_arena_sharing_stats(struct vmm_arena *arena,
                                               uint64_t *out_imported_allocations,
                                               uint64_t *out_imported_bytes,
                                               uint64_t *out_exported_allocations);
+
+/**
+ * Sends an export over a connected Unix socket (SOCK_STREAM or
+ * SOCK_SEQPACKET, blocking): its layout and duplicates of its descriptors,
+ * in messages of at most VMM_ARENA_FDS_PER_MESSAGE descriptors, so an
+ * export of any size goes in one call. The export is unchanged. The peer
+ * calls vmm_arena_import_recv. A socket timeout (SO_SNDTIMEO) or error is
+ * VMM_ARENA_ERR_DRIVER with the errno in vmm_arena_last_error().
+ *
+ * # Safety
+ * `handle` is NULL or a live export.
+ */
+enum vmm_arena_status vmm_arena_export_send(const struct vmm_arena_export *handle, int32_t sock);
+
+/**
+ * Receives an export that vmm_arena_export_send sent on the other end of a
+ * Unix socket and imports it, as vmm_arena_import with the received
+ * layout and descriptors (flags as there); the received descriptors are
+ * closed once the import holds its own. The receiver holds one descriptor
+ * per chunk for the call's duration: RLIMIT_NOFILE must leave room
+ * (OUT_OF_MEMORY, nothing kept, when it does not). INVALID_ARGUMENT for a
+ * peer that sent something else or closed the socket; a socket timeout
+ * (SO_RCVTIMEO) or error is VMM_ARENA_ERR_DRIVER.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_import_recv(struct vmm_arena *arena,
+                                            int32_t sock,
+                                            uint32_t flags,
+                                            vmm_arena_id *out_id,
+                                            uint64_t *out_ptr);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -19,6 +19,8 @@
  *   an exception leaving it calls std::terminate.
  * - Like the C API, an Arena may be used from many threads at once;
  *   Allocation objects themselves are not synchronized.
+ * - vmm::Export and vmm::DmaBuf own an export and a DMA-BUF handle (closed
+ *   when destroyed); vmm::Group owns a device group.
  */
 #ifndef VMM_ARENA_HPP
 #define VMM_ARENA_HPP
@@ -527,6 +529,14 @@ class Arena {
   /* Installs the move callback (an empty function removes it). Once this
    * returns, the previous callback is not running and will not run again.
    * Safe to call from several threads at once: the last install wins. */
+  /* Receives an export sent with Export::send (vmm_arena_import_recv) and
+   * imports it (flags: 0 or VMM_ARENA_IMPORT_READ_ONLY). */
+  Allocation import_recv(int sock, uint32_t flags = 0) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_import_recv(handle_, sock, flags, &id, &p));
+    return Allocation(handle_, id);
+  }
   void set_move_callback(MoveCallback callback) {
     std::unique_ptr<MoveCallback> box;
     if (callback) box = std::make_unique<MoveCallback>(std::move(callback));
@@ -558,6 +568,116 @@ class Arena {
   std::unique_ptr<MoveCallback> callback_;
   // Serializes set_move_callback; not moved (each Arena object has its own).
   std::mutex callback_mutex_;
+};
+
+/* An open export of an allocation (vmm_arena_export_open): move-only, closes
+ * the export when destroyed. The allocation stays pinned while any export of
+ * it is open. An Export may outlive its Arena (its descriptors keep the
+ * memory alive). */
+class Export {
+ public:
+  Export() noexcept = default;
+  explicit Export(vmm_arena_export *h) noexcept : handle_(h) {}
+  static Export open(Arena &arena, Id id);
+  static Result<Export> try_open(Arena &arena, Id id) noexcept;
+  Export(const Export &) = delete;
+  Export &operator=(const Export &) = delete;
+  Export(Export &&o) noexcept : handle_(std::exchange(o.handle_, nullptr)) {}
+  Export &operator=(Export &&o) noexcept {
+    if (this != &o) {
+      vmm_arena_export_close(handle_);
+      handle_ = std::exchange(o.handle_, nullptr);
+    }
+    return *this;
+  }
+  ~Export() { vmm_arena_export_close(handle_); }
+
+  vmm_arena_export *get() const noexcept { return handle_; }
+  explicit operator bool() const noexcept { return handle_ != nullptr; }
+
+  /* The layout record to send with the descriptors. */
+  vmm_arena_export_layout layout() const {
+    vmm_arena_export_layout l{};
+    l.struct_size = sizeof l;
+    detail::check(vmm_arena_export_layout_get(handle_, &l));
+    return l;
+  }
+  /* New duplicates of the descriptors, owned by the caller (close each). */
+  std::vector<int32_t> dup_fds() const {
+    size_t n = 0;
+    detail::check(vmm_arena_export_fds(handle_, nullptr, 0, &n));
+    std::vector<int32_t> fds(n, -1);
+    if (n > 0) detail::check(vmm_arena_export_fds(handle_, fds.data(), fds.size(), &n));
+    return fds;
+  }
+  /* Sends layout and descriptors over a connected Unix socket, in one call
+   * (the peer calls Arena::import_recv). */
+  void send(int sock) const { detail::check(vmm_arena_export_send(handle_, sock)); }
+
+ private:
+  vmm_arena_export *handle_ = nullptr;
+};
+
+inline Export Export::open(Arena &arena, Id id) {
+  vmm_arena_export *h = nullptr;
+  detail::check(vmm_arena_export_open(arena.get(), id, &h));
+  return Export(h);
+}
+inline Result<Export> Export::try_open(Arena &arena, Id id) noexcept {
+  vmm_arena_export *h = nullptr;
+  vmm_arena_status s = vmm_arena_export_open(arena.get(), id, &h);
+  if (s != VMM_ARENA_OK) return detail::failure<Export>(s);
+  return Export(h);
+}
+
+/* An open DMA-BUF of an allocation (vmm_arena_dmabuf_open): move-only,
+ * closes the handle and its descriptor when destroyed. While one is open the
+ * allocation's chunks are never reused; destroy it only after every
+ * registration made from fd() is gone. GPU only (Unsupported on the host). */
+class DmaBuf {
+ public:
+  DmaBuf() noexcept = default;
+  explicit DmaBuf(vmm_arena_dmabuf *h) noexcept : handle_(h) {}
+  static DmaBuf open(Arena &arena, Id id) {
+    vmm_arena_dmabuf *h = nullptr;
+    detail::check(vmm_arena_dmabuf_open(arena.get(), id, &h));
+    return DmaBuf(h);
+  }
+  static Result<DmaBuf> try_open(Arena &arena, Id id) noexcept {
+    vmm_arena_dmabuf *h = nullptr;
+    vmm_arena_status s = vmm_arena_dmabuf_open(arena.get(), id, &h);
+    if (s != VMM_ARENA_OK) return detail::failure<DmaBuf>(s);
+    return DmaBuf(h);
+  }
+  DmaBuf(const DmaBuf &) = delete;
+  DmaBuf &operator=(const DmaBuf &) = delete;
+  DmaBuf(DmaBuf &&o) noexcept : handle_(std::exchange(o.handle_, nullptr)) {}
+  DmaBuf &operator=(DmaBuf &&o) noexcept {
+    if (this != &o) {
+      vmm_arena_dmabuf_close(handle_);
+      handle_ = std::exchange(o.handle_, nullptr);
+    }
+    return *this;
+  }
+  ~DmaBuf() { vmm_arena_dmabuf_close(handle_); }
+
+  vmm_arena_dmabuf *get() const noexcept { return handle_; }
+  explicit operator bool() const noexcept { return handle_ != nullptr; }
+  /* The descriptor (still owned by this handle) and the bytes it spans. */
+  int32_t fd() const {
+    int32_t fd = -1;
+    detail::check(vmm_arena_dmabuf_fd(handle_, &fd, nullptr));
+    return fd;
+  }
+  uint64_t bytes() const {
+    int32_t fd = -1;
+    uint64_t n = 0;
+    detail::check(vmm_arena_dmabuf_fd(handle_, &fd, &n));
+    return n;
+  }
+
+ private:
+  vmm_arena_dmabuf *handle_ = nullptr;
 };
 
 }  // namespace vmm

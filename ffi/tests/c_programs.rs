@@ -256,6 +256,19 @@ fn c_share_test() {
     assert!(out.contains("C ABI export/import fault matrix size:"), "{out}");
 }
 
+/// Lifetimes of what leaves an arena from C: DMA-BUF handles (the host
+/// stand-in) and their fault matrix, caller-owned descriptors, the layout
+/// record's minimum-size semantics, an export sent to a forked child.
+#[test]
+fn c_export_lifetime_test() {
+    let exe =
+        compile("test_export_lifetime", Lang::C, &[source("c/test_export_lifetime.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI DMA-BUF fault matrix size:"), "{out}");
+}
+
 #[test]
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);
@@ -273,6 +286,19 @@ fn torch_malloc_or_throw_throws_bad_alloc() {
 #[test]
 fn cpp_wrapper_test() {
     let exe = compile("test_wrapper", Lang::Cxx, &[source("cpp/test_wrapper.cpp")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
+/// The wrapper's RAII owners of exports and DMA-BUFs.
+#[test]
+fn cpp_export_wrapper_test() {
+    let exe = compile(
+        "test_export_wrapper",
+        Lang::Cxx,
+        &[source("cpp/test_export_wrapper.cpp")],
+        &our_include(),
+        Link::Shared,
+    );
     run_and_expect_pass(&exe);
 }
 

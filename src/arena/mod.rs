@@ -53,7 +53,10 @@ use self::alloc::{small_ptr, Target};
 #[cfg(unix)]
 pub use dmabuf::DmaBuf;
 use pool::enforce_watermark;
-pub use share::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
+pub use share::{
+    Export, ExportLayout, EXPORT_FORMAT_VERSION, EXPORT_HANDLE_CUDA_POSIX_FD, EXPORT_HANDLE_HOST_MEMFD,
+    EXPORT_HANDLE_UNSPECIFIED,
+};
 pub use state::MoveEvent;
 use state::State;
 pub use stats::{AllocInfo, CompactReport, Stats};
@@ -189,6 +192,9 @@ pub struct Arena {
     driver_va: (u64, u64),
     chunk: u64,
     reserve_fallbacks: u64,
+    /// The device its exports name (`ExportLayout::device`): the CUDA
+    /// ordinal, -1 on other backends.
+    device: i32,
 }
 
 impl std::fmt::Debug for Arena {
@@ -324,6 +330,7 @@ impl Arena {
 
     /// Creates an arena over any driver (a backend, a mock, a fault injector).
     pub fn with_driver<D: Driver + 'static>(driver: D, config: ArenaConfig) -> Result<Arena> {
+        let driver_name = driver.name();
         let Granularity { minimum, recommended } = driver.granularity()?;
         let chunk = match config.chunk_bytes {
             0 => DEFAULT_CHUNK_BYTES.max(recommended).div_ceil(minimum) * minimum,
@@ -397,8 +404,16 @@ impl Arena {
             work: Condvar::new(),
             key,
         });
-        let mut arena =
-            Arena { sh, worker: None, base, reserved_bytes: reserve, driver_va, chunk, reserve_fallbacks: fallbacks };
+        let mut arena = Arena {
+            sh,
+            worker: None,
+            base,
+            reserved_bytes: reserve,
+            driver_va,
+            chunk,
+            reserve_fallbacks: fallbacks,
+            device: if driver_name == "cuda" { config.device } else { -1 },
+        };
         if config.background {
             // On failure `arena` drops and gives everything back.
             arena.worker = Some(worker::start(arena.sh.clone())?);

@@ -48,14 +48,34 @@ use super::moves::release_retired_into;
 use super::state::{self, Owner, State};
 use super::{reserve_chunk_aligned, AllocInfo, Arena, Ctx, Inner, Touch};
 
-/// The version of [`ExportLayout`]; an import of another version is refused.
-pub const EXPORT_FORMAT_VERSION: u32 = 1;
+/// The version of [`ExportLayout`] this library writes. It imports records
+/// of this version and of version 1 (which had no handle type or device);
+/// any other is refused.
+pub const EXPORT_FORMAT_VERSION: u32 = 2;
+
+/// [`ExportLayout::handle_type`]: not said (a version 1 record); the
+/// importer assumes its own backend's.
+pub const EXPORT_HANDLE_UNSPECIFIED: u32 = 0;
+/// [`ExportLayout::handle_type`]: host backend chunks, sealed memfds.
+pub const EXPORT_HANDLE_HOST_MEMFD: u32 = 1;
+/// [`ExportLayout::handle_type`]: CUDA chunks,
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+pub const EXPORT_HANDLE_CUDA_POSIX_FD: u32 = 2;
+
+/// The handle type a backend's chunks export as (by driver name).
+pub(crate) fn handle_type_of(driver: &str) -> u32 {
+    match driver {
+        "host" => EXPORT_HANDLE_HOST_MEMFD,
+        "cuda" => EXPORT_HANDLE_CUDA_POSIX_FD,
+        _ => EXPORT_HANDLE_UNSPECIFIED,
+    }
+}
 
 /// What an importer needs besides the descriptors, small enough to send in
 /// one message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExportLayout {
-    /// [`EXPORT_FORMAT_VERSION`].
+    /// [`EXPORT_FORMAT_VERSION`] (or 1, from an older library).
     pub version: u32,
     /// Bytes per chunk: the importing arena's chunk size must be the same.
     pub chunk_bytes: u64,
@@ -63,15 +83,29 @@ pub struct ExportLayout {
     pub chunk_count: u64,
     /// The allocation's size in bytes when it was exported.
     pub size: u64,
+    /// What the descriptors are (`EXPORT_HANDLE_*`): an arena of another
+    /// backend refuses them. [`EXPORT_HANDLE_UNSPECIFIED`] in version 1.
+    pub handle_type: u32,
+    /// The exporter's CUDA device ordinal, -1 on the host (and in version
+    /// 1). Informational: CUDA maps an imported chunk on the importing
+    /// arena's device, which needs peer access when the two differ.
+    pub device: i32,
 }
 
 impl ExportLayout {
-    /// Checks the record against `fds` descriptors and a chunk size.
-    pub fn check(&self, fds: usize, chunk_bytes: u64) -> Result<()> {
-        if self.version != EXPORT_FORMAT_VERSION {
+    /// Checks the record against `fds` descriptors, a chunk size and the
+    /// importer's handle type.
+    pub fn check(&self, fds: usize, chunk_bytes: u64, handle_type: u32) -> Result<()> {
+        if self.version != EXPORT_FORMAT_VERSION && self.version != 1 {
             return Err(Error::invalid(format!(
-                "export layout version {} is not {EXPORT_FORMAT_VERSION}",
+                "export layout version {} is neither {EXPORT_FORMAT_VERSION} nor 1",
                 self.version
+            )));
+        }
+        if self.handle_type != EXPORT_HANDLE_UNSPECIFIED && self.handle_type != handle_type {
+            return Err(Error::invalid(format!(
+                "exported handles of type {} cannot map into an arena whose chunks are of type {handle_type}",
+                self.handle_type
             )));
         }
         if self.chunk_bytes != chunk_bytes {
@@ -486,6 +520,7 @@ impl Arena {
         make: impl Fn(&Ctx<'_>, &State, &state::Alloc) -> Result<T>,
     ) -> Result<(T, ExportLayout, Arc<()>, Arc<()>)> {
         let chunk = self.chunk;
+        let (handle_type, device) = (handle_type_of(self.sh.driver.name()), self.device);
         self.run(Touch::Nothing, |inner, ctx, _| {
             if let Some(r) = inner.shares.import_of(&inner.st, id) {
                 r?;
@@ -561,6 +596,8 @@ impl Arena {
                 chunk_bytes: chunk,
                 chunk_count: a.backed,
                 size: a.size,
+                handle_type,
+                device,
             };
             Ok((made, layout, Arc::clone(&e.pin), Arc::clone(&e.dmabufs)))
         })
@@ -581,7 +618,7 @@ impl Arena {
     /// or nothing: on error nothing is mapped or kept.
     pub fn import(&self, layout: &ExportLayout, fds: &[BorrowedFd<'_>], read_only: bool) -> Result<(Id, u64)> {
         let chunk = self.chunk;
-        layout.check(fds.len(), chunk)?;
+        layout.check(fds.len(), chunk, handle_type_of(self.sh.driver.name()))?;
         let total = layout.chunk_count * chunk;
         self.run(Touch::Nothing, |inner, ctx, _| {
             let k = inner.shares.next_import;
