@@ -9,6 +9,9 @@
 //! member `k` undoes what members `0..k` did before the error is returned.
 //! The error ([`GroupError`]) names the member that failed.
 //!
+//! Group allocations are always of whole chunks (never in a small
+//! allocation's slab), so that an undo restores what every member maps.
+//!
 //! **Undo.** The undo of an allocation is a free; the undo of a growth is a
 //! shrink back to the old size. Both are pure bookkeeping in an arena (a
 //! shrink caches its tail chunks, a free caches all of them, or retires a
@@ -290,8 +293,13 @@ impl Group {
 
     /// Allocates `size` bytes on every member; returns the group id and each
     /// member's address (member order). All or nothing.
+    ///
+    /// A group allocation is always of whole chunks, however small: a
+    /// shard in a slab, grown past the small classes on some members and
+    /// then undone, would stay in whole chunks there (the arena cannot put
+    /// it back in a slab), and members would no longer map the same.
     pub fn alloc(&self, size: u64) -> GroupResult<(GroupId, Vec<u64>)> {
-        self.alloc_with(size, |a| a.alloc(size))
+        self.alloc_with(size, |a| a.alloc_whole(size, size, false, crate::arena::Placing::Whole))
     }
 
     /// [`Arena::alloc_growable`] on every member. All or nothing.

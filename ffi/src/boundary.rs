@@ -248,6 +248,7 @@ pub(crate) fn arena_config(c: &vmm_arena_config) -> Result<ArenaConfig, Error> {
         no_implicit_moves: c.flags & VMM_ARENA_FLAG_NO_IMPLICIT_MOVES != 0,
         exportable: c.flags & VMM_ARENA_FLAG_EXPORTABLE != 0,
         background: c.flags & VMM_ARENA_FLAG_BACKGROUND != 0,
+        deterministic_placement: c.flags & VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT != 0,
     })
 }
 

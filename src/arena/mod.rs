@@ -50,6 +50,7 @@ mod worker;
 
 use self::alloc::{small_ptr, Target};
 #[cfg(unix)]
+pub(crate) use alloc::Placing;
 #[cfg(unix)]
 pub use dmabuf::DmaBuf;
 use pool::enforce_watermark;
@@ -119,6 +120,15 @@ pub struct ArenaConfig {
     /// that this driver work stays off the callers' threads (the C flag
     /// `VMM_ARENA_FLAG_BACKGROUND`). Dropping the arena stops and joins it.
     pub background: bool,
+    /// Place allocations as a pure function of the operations and this
+    /// config, whatever the pool holds: ranks of a tensor-parallel group,
+    /// each in its own process, that apply the same operations get the
+    /// same offsets from their bases, also after a two-phase operation was
+    /// aborted on some of them (see `arena/two_phase.rs`). It gives up
+    /// preferring free ranges whose pages still hold pooled chunks (a
+    /// saving of driver calls, not of memory). The C flag
+    /// `VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT`.
+    pub deterministic_placement: bool,
 }
 
 impl Default for ArenaConfig {
@@ -133,6 +143,7 @@ impl Default for ArenaConfig {
             no_implicit_moves: false,
             exportable: false,
             background: false,
+            deterministic_placement: false,
         }
     }
 }
@@ -384,6 +395,7 @@ impl Arena {
                 }
             };
         st.tag = id_tag(key, base);
+        st.deterministic = config.deterministic_placement;
         let sh = Arc::new(Shared {
             driver: Box::new(driver),
             counts: Counters::default(),

@@ -178,6 +178,8 @@ pub(crate) struct State {
     pub cap_pages: u64,
     pub retain_bytes: u64,
     pub no_implicit_moves: bool,
+    /// Placement ignores the pool (`ArenaConfig::deterministic_placement`).
+    pub deterministic: bool,
     /// The chunk mapped at each page (backing, cached or retired), if any.
     pub mapped: PageTable,
     pub free: FreeRanges,
@@ -291,6 +293,7 @@ impl State {
             cap_pages,
             retain_bytes,
             no_implicit_moves,
+            deterministic: false,
             mapped,
             free: FreeRanges::with_range(0, pages),
             slots: Vec::new(),
