@@ -54,10 +54,22 @@
  * host backend each chunk gets a sealed memfd of its own (one descriptor
  * per chunk held by the arena); on CUDA chunks are created with the POSIX
  * file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
- * the device lacks it). (8, not 4: the contract's own program checks that
- * 4 is refused.)
+ * the device lacks it). Bit 4 is no flag: a config that sets it is
+ * INVALID_ARGUMENT, like every unknown bit.
  */
 #define VMM_ARENA_FLAG_EXPORTABLE 8u
+
+/**
+ * Config flag: allocations are placed as a pure function of the operations
+ * and the config, whatever the pool holds, so tensor-parallel ranks (one
+ * process per GPU) that apply the same operations get the same offsets
+ * from their bases, also after a two-phase operation was aborted on some
+ * of them (vmm_arena_prepare_alloc). It gives up preferring free ranges
+ * whose pages still hold pooled chunks (fewer driver calls, same memory).
+ * Stream-ordered frees (vmm_arena_free_on_stream) make reuse depend on
+ * when events complete: ranks that use them may diverge.
+ */
+#define VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT 16u
 
 /**
  * Every tag, for vmm_arena_sleep and vmm_arena_wake.
