@@ -51,6 +51,7 @@ mod va;
 #[cfg(unix)]
 #[cfg(unix)]
 pub use arena::DmaBuf;
+pub use arena::Prepared;
 pub use arena::{
     AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, ALL_TAGS,
     DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,

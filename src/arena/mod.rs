@@ -45,6 +45,7 @@ pub(crate) mod small;
 pub(crate) mod state;
 mod stats;
 mod stream;
+mod two_phase;
 pub(crate) mod txn;
 mod worker;
 
@@ -61,6 +62,7 @@ pub use share::{
 pub use state::MoveEvent;
 use state::State;
 pub use stats::{AllocInfo, CompactReport, Stats};
+pub use two_phase::Prepared;
 use txn::{Counters, Txn};
 
 /// [`Arena::sleep`] and [`Arena::wake`]: every tag.
