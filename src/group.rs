@@ -173,7 +173,10 @@ struct Entry {
 /// One arena per device, and allocations made on all of them at once
 /// (see the [module docs](self)).
 pub struct Group {
-    members: Vec<Arena>,
+    /// Shared, so that a C caller can hold a member's arena
+    /// (`vmm_arena_group_member`); it lives until the group and every such
+    /// handle are gone.
+    members: Vec<Arc<Arena>>,
     devices: Vec<i32>,
     entries: Mutex<HashMap<u64, Arc<Mutex<Entry>>>>,
     next_id: std::sync::atomic::AtomicU64,
@@ -231,13 +234,23 @@ impl Group {
     /// backend. With CUDA and `peer_access`, each member's driver gives
     /// access to every other device of the group.
     pub fn new(config: GroupConfig) -> GroupResult<Group> {
-        check_devices(&config.devices)?;
-        let mut members = Vec::with_capacity(config.devices.len());
-        for (i, &device) in config.devices.iter().enumerate() {
-            let cfg = ArenaConfig { device, ..config.arena };
-            let arena = match (config.arena.backend, config.peer_access) {
+        let configs = config.devices.iter().map(|&device| ArenaConfig { device, ..config.arena }).collect();
+        Group::with_member_configs(configs, config.peer_access)
+    }
+
+    /// Like [`Group::new`] with a configuration of its own for each member
+    /// (its `device` names the member's device; capacities, chunk sizes and
+    /// flags may differ, e.g. a device that also holds other work). The
+    /// members should share a chunk size and a backend; nothing requires it.
+    pub fn with_member_configs(configs: Vec<ArenaConfig>, peer_access: bool) -> GroupResult<Group> {
+        let devices: Vec<i32> = configs.iter().map(|c| c.device).collect();
+        check_devices(&devices)?;
+        let mut members = Vec::with_capacity(configs.len());
+        for (i, &cfg) in configs.iter().enumerate() {
+            let device = cfg.device;
+            let arena = match (cfg.backend, peer_access) {
                 (Backend::Cuda, true) => {
-                    let peers: Vec<i32> = config.devices.iter().copied().filter(|&d| d != device).collect();
+                    let peers: Vec<i32> = devices.iter().copied().filter(|&d| d != device).collect();
                     // `exportable` is the arena config's, as without peers.
                     crate::driver::cuda::CudaDriver::with_options(device, &peers, cfg.exportable)
                         .and_then(|d| Arena::with_driver(d, cfg))
@@ -247,7 +260,7 @@ impl Group {
             // Members made so far are dropped (and release everything) on error.
             members.push(arena.map_err(|e| GroupError::member(i, e))?);
         }
-        Ok(Group::assemble(members, config.devices))
+        Ok(Group::assemble(members, devices))
     }
 
     /// A group over arenas made elsewhere (any driver: a fault injector, a
@@ -261,7 +274,7 @@ impl Group {
 
     fn assemble(members: Vec<Arena>, devices: Vec<i32>) -> Group {
         Group {
-            members,
+            members: members.into_iter().map(Arc::new).collect(),
             devices,
             entries: Mutex::new(HashMap::new()),
             next_id: std::sync::atomic::AtomicU64::new(1),
@@ -284,6 +297,11 @@ impl Group {
     /// breaks the group's all-or-nothing guarantee for it.
     pub fn member(&self, i: usize) -> &Arena {
         &self.members[i]
+    }
+
+    /// Member `i`'s arena, shared: it outlives the group while held.
+    pub fn member_shared(&self, i: usize) -> Arc<Arena> {
+        Arc::clone(&self.members[i])
     }
 
     /// The device each member stands for.

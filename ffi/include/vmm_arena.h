@@ -93,6 +93,12 @@
 #define VMM_ARENA_GROUP_PEER_ACCESS 1u
 
 /**
+ * vmm_arena_prepare_alloc flag: the allocation is growable (reserving
+ * max_size), as vmm_arena_alloc_growable.
+ */
+#define VMM_ARENA_PREPARE_GROWABLE 1u
+
+/**
  * The format version of vmm_arena_export_layout this library writes (the
  * version field). It imports records of this version and of version 1.
  */
@@ -229,6 +235,12 @@ typedef struct vmm_arena_export vmm_arena_export;
  * Opaque device group: one arena per device.
  */
 typedef struct vmm_arena_group vmm_arena_group;
+
+/**
+ * Opaque prepared operation: give it to vmm_arena_commit or
+ * vmm_arena_abort (either consumes it).
+ */
+typedef struct vmm_arena_prepared vmm_arena_prepared;
 
 /**
  * Arena configuration. Defaults (vmm_arena_config_default): backend CUDA,
@@ -514,6 +526,10 @@ enum vmm_arena_status vmm_arena_create(const struct vmm_arena_config *config,
 /**
  * Unmaps and releases everything. NULL is fine. Refused (the arena stays,
  * and the last error says so) when called from the arena's own move callback.
+ * For a handle from vmm_arena_group_member, releases that handle only: the
+ * member's arena lives until its group and every handle of it are gone (a
+ * move callback installed through the handle stays installed: clear it
+ * first if its user data goes away).
  *
  * # Safety
  * `arena` is NULL or a live handle that no other thread is using, and is
@@ -998,6 +1014,52 @@ enum vmm_arena_status vmm_arena_group_create(const struct vmm_arena_config *conf
                                              struct vmm_arena_group **out);
 
 /**
+ * Like vmm_arena_group_create with a configuration of its own for each
+ * member: configs[i] (its device field names member i's device, distinct;
+ * each struct_size as for vmm_arena_create) configures member i, so
+ * capacities, chunk sizes, retain and flags may differ (a device that also
+ * holds other work, a member without VMM_ARENA_FLAG_NO_IMPLICIT_MOVES...).
+ * The members should share a chunk size and a backend; nothing requires it.
+ * Errors as vmm_arena_group_create.
+ *
+ * # Safety
+ * `configs` is NULL or has `count` readable configs, each at least its
+ * `struct_size` bytes; `out` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_create_with_configs(const struct vmm_arena_config *configs,
+                                                          uint32_t count,
+                                                          uint32_t flags,
+                                                          struct vmm_arena_group **out);
+
+/**
+ * A handle of member `member`'s own arena (*out), for everything the group
+ * calls do not do: vmm_arena_pin/unpin of a shard, a move callback per
+ * member (vmm_arena_set_move_callback), vmm_arena_export_open and
+ * vmm_arena_dmabuf_open of a shard, vmm_arena_sleep/wake by tag,
+ * vmm_arena_compact, vmm_arena_trim, vmm_arena_set_prefetch,
+ * vmm_arena_stats_get, and allocations of the member's own. The member id
+ * of a group allocation is vmm_arena_group_query's out_member_id.
+ *
+ * The group keeps no group-wide sleep, wake, compact or trim: their undo
+ * (a wake, a compaction back) can itself fail for memory or move things,
+ * so all or nothing could not be promised; call them on every member
+ * (the same calls on every member keep the members' placement the same).
+ * Freeing or resizing a group allocation's shard through the member handle
+ * breaks the group's all-or-nothing for that allocation.
+ *
+ * The caller owns the handle and releases it with vmm_arena_destroy, which
+ * for a member handle releases the handle only: the member's arena lives
+ * until the group and every handle of it are destroyed. Any number of
+ * handles of a member may exist.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_member(struct vmm_arena_group *group,
+                                             uint32_t member,
+                                             struct vmm_arena **out);
+
+/**
  * Destroys every member (unmapping and releasing everything, as
  * vmm_arena_destroy does) and the group. NULL is fine.
  *
@@ -1126,6 +1188,89 @@ enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *grou
                                                     char *buf,
                                                     size_t cap,
                                                     size_t *out_len);
+
+/**
+ * Prepares an allocation of size bytes, in whole chunks however small
+ * (flags: VMM_ARENA_PREPARE_GROWABLE to reserve max_size and grow in place
+ * up to it; without it max_size must equal size), moving no other
+ * allocation. *out_prepared, *out_id and *out_ptr receive the prepared
+ * operation and the new allocation (usable now; an abort frees it).
+ *
+ * Every rank of a tensor-parallel group calls this with the same arguments
+ * on its own arena, the engine gathers the statuses through its own
+ * collective, and then every rank calls vmm_arena_commit if all succeeded,
+ * else vmm_arena_abort (a rank whose prepare failed has nothing to abort).
+ * With VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT on every rank and the same
+ * operations in the same order, every rank's allocation is at the same
+ * offset from its arena's base, an aborted one included.
+ *
+ * OUT_OF_ADDRESS_SPACE when no free range fits without moving others
+ * (vmm_arena_compact on every rank, then prepare again); otherwise as
+ * vmm_arena_alloc. On failure nothing changed.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_alloc(struct vmm_arena *arena,
+                                              uint64_t size,
+                                              uint64_t max_size,
+                                              uint32_t flags,
+                                              struct vmm_arena_prepared **out_prepared,
+                                              vmm_arena_id *out_id,
+                                              uint64_t *out_ptr);
+
+/**
+ * Prepares a resize of an allocation of whole chunks to new_size: a growth
+ * is done now, inside its reservation (beyond it, or of a small
+ * allocation: INVALID_ARGUMENT); a shrink is only checked and done by the
+ * commit. *out_ptr receives its address (unchanged). Then commit or abort
+ * on every rank, as for vmm_arena_prepare_alloc. On failure nothing changed.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_resize(struct vmm_arena *arena,
+                                               vmm_arena_id id,
+                                               uint64_t new_size,
+                                               struct vmm_arena_prepared **out_prepared,
+                                               uint64_t *out_ptr);
+
+/**
+ * Prepares a free of an allocation of whole chunks: checks the id; the
+ * commit frees it.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_prepared` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_free(struct vmm_arena *arena,
+                                             vmm_arena_id id,
+                                             struct vmm_arena_prepared **out_prepared);
+
+/**
+ * Commits a prepared operation and consumes the handle (on any status but
+ * an INVALID_ARGUMENT for a NULL arena or prepared, which leave it with the
+ * caller). Nothing in it can fail for memory or a driver call: it fails
+ * only when the allocation was changed behind its back (freed, put to
+ * sleep), when a shrink unmaps chunks another allocation shares
+ * (vmm_arena_alloc_shared), for a prepared handle of another arena
+ * (INVALID_ARGUMENT), or when the arena is poisoned.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `prepared` is NULL or a live handle,
+ * not used again after the call.
+ */
+enum vmm_arena_status vmm_arena_commit(struct vmm_arena *arena,
+                                       struct vmm_arena_prepared *prepared);
+
+/**
+ * Aborts a prepared operation (frees a prepared allocation, shrinks a
+ * prepared growth back, forgets a prepared shrink or free) and consumes
+ * the handle, as vmm_arena_commit; fails only as it does.
+ *
+ * # Safety
+ * As for vmm_arena_commit.
+ */
+enum vmm_arena_status vmm_arena_abort(struct vmm_arena *arena, struct vmm_arena_prepared *prepared);
 
 /**
  * Exports allocation `id`: *out receives a new export holding one file

@@ -274,6 +274,20 @@ pub(crate) unsafe fn publish(
     fault: Option<Arc<FaultDriver<HostDriver>>>,
     out: NonNull<*mut vmm_arena>,
 ) -> Result<(), Error> {
+    // SAFETY: per this function's contract.
+    unsafe { publish_shared(Arc::new(arena), fault, out) }
+}
+
+/// Boxes a shared arena (a group member's, or a new one) into a new handle
+/// and writes it to `out`.
+///
+/// # Safety
+/// `out` is writable (checked by `required`).
+pub(crate) unsafe fn publish_shared(
+    arena: Arc<Arena>,
+    fault: Option<Arc<FaultDriver<HostDriver>>>,
+    out: NonNull<*mut vmm_arena>,
+) -> Result<(), Error> {
     let h = Box::into_raw(Box::new(vmm_arena { arena, poisoned: AtomicBool::new(false), fault }));
     // SAFETY: per this function's contract.
     unsafe { put(out, h) };

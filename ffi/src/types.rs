@@ -138,7 +138,9 @@ pub type vmm_arena_id = u64;
 
 /// Opaque arena.
 pub struct vmm_arena {
-    pub(crate) arena: Arena,
+    /// Shared with a group when the handle names a member of it
+    /// (`vmm_arena_group_member`).
+    pub(crate) arena: Arc<Arena>,
     /// Set when a panic was caught in a call on this arena.
     pub(crate) poisoned: AtomicBool,
     /// The fault injector under a testing arena (see `testing`).

@@ -256,6 +256,17 @@ fn c_share_test() {
     assert!(out.contains("C ABI export/import fault matrix size:"), "{out}");
 }
 
+/// Tensor-parallel groups from C: member arenas, per-member configs, the
+/// group undo, and forked ranks voting on two-phase operations.
+#[test]
+fn c_group_tp_test() {
+    let exe = compile("test_group_tp", Lang::C, &[source("c/test_group_tp.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("forked ranks:"), "{out}");
+}
+
 /// Lifetimes of what leaves an arena from C: DMA-BUF handles (the host
 /// stand-in) and their fault matrix, caller-owned descriptors, the layout
 /// record's minimum-size semantics, an export sent to a forked child.
