@@ -11,8 +11,11 @@
  *    NULL arena or a NULL required out-parameter is
  *    VMM_ARENA_ERR_INVALID_ARGUMENT (never a crash);
  *  - when several statuses apply, the first in this order is returned:
- *    INVALID_ARGUMENT, UNKNOWN_ALLOCATION, ASLEEP, PINNED, OUT_OF_MEMORY,
- *    OUT_OF_ADDRESS_SPACE;
+ *    INVALID_ARGUMENT (the call's own arguments first), INTERNAL (a poisoned
+ *    arena or group; a panic caught in this call), UNKNOWN_ALLOCATION,
+ *    ASLEEP, PINNED, UNSUPPORTED (the backend lacks the capability),
+ *    OUT_OF_MEMORY, OUT_OF_ADDRESS_SPACE, DRIVER (a driver call failed);
+ *    OK only when none applies;
  *  - a failing call sets this thread's vmm_arena_last_error(); a successful
  *    call leaves it as it was;
  *  - an arena is safe to use from many threads at once;
@@ -93,12 +96,6 @@
 #define VMM_ARENA_GROUP_PEER_ACCESS 1u
 
 /**
- * vmm_arena_prepare_alloc flag: the allocation is growable (reserving
- * max_size), as vmm_arena_alloc_growable.
- */
-#define VMM_ARENA_PREPARE_GROWABLE 1u
-
-/**
  * The format version of vmm_arena_export_layout this library writes (the
  * version field). It imports records of this version and of version 1.
  */
@@ -141,6 +138,12 @@
  * that did not ask for it, can still write.
  */
 #define VMM_ARENA_IMPORT_READ_ONLY 1u
+
+/**
+ * vmm_arena_prepare_alloc flag: the allocation is growable (reserving
+ * max_size), as vmm_arena_alloc_growable.
+ */
+#define VMM_ARENA_PREPARE_GROWABLE 1u
 
 /**
  * What every call that can fail returns. Values are never changed or reused.
@@ -233,6 +236,13 @@ typedef struct vmm_arena_export vmm_arena_export;
 
 /**
  * Opaque device group: one arena per device.
+ *
+ * Thread safety: a group may be used from many threads at once. Calls on
+ * different group allocations run concurrently (each member arena
+ * serializes its own calls); calls on one group allocation are serialized
+ * by a lock of its own, so each sees the others' results whole. A
+ * member's move callback must not call into the group (INVALID_ARGUMENT).
+ * vmm_arena_group_destroy must not race with any other call on the group.
  */
 typedef struct vmm_arena_group vmm_arena_group;
 
@@ -844,7 +854,7 @@ enum vmm_arena_status vmm_arena_set_tag(struct vmm_arena *arena, vmm_arena_id id
  *
  * The chunks are given back after the point of no return (a released
  * chunk cannot be had back): a chunk the driver refuses to release stays
- * pooled (held, not leaked), counts in release_failures, and
+ * pooled (held, not leaked: pooled_bytes counts it), and
  * vmm_arena_trim or the next sleep gives it back. The sleepers have slept,
  * so the call returns VMM_ARENA_OK: an error would say they had not.
  *
@@ -1071,9 +1081,14 @@ void vmm_arena_group_destroy(struct vmm_arena_group *group);
 
 /**
  * The member index named by this thread's last failing vmm_arena_group_*
- * call (the member whose call failed; vmm_arena_last_error() says how), or
- * -1 if it named none (a bad argument, an unknown group id) or no group
- * call has failed on this thread. A successful call leaves it as it was.
+ * call, or -1. A call that failed in a member (any status that member's
+ * arena returned, INVALID_ARGUMENT included, e.g. a size 0 that member 0
+ * refuses) names that member k; a call refused before any member acted (a
+ * NULL or misaligned pointer, unknown flags, out_ptrs_len below the member
+ * count, a member index out of range, an unknown group id, a poisoned
+ * group) names none: -1. Also -1 when no group call has failed on this
+ * thread. vmm_arena_last_error() says how the call failed. A successful
+ * call leaves it as it was.
  */
 int32_t vmm_arena_group_last_member(void);
 
@@ -1188,89 +1203,6 @@ enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *grou
                                                     char *buf,
                                                     size_t cap,
                                                     size_t *out_len);
-
-/**
- * Prepares an allocation of size bytes, in whole chunks however small
- * (flags: VMM_ARENA_PREPARE_GROWABLE to reserve max_size and grow in place
- * up to it; without it max_size must equal size), moving no other
- * allocation. *out_prepared, *out_id and *out_ptr receive the prepared
- * operation and the new allocation (usable now; an abort frees it).
- *
- * Every rank of a tensor-parallel group calls this with the same arguments
- * on its own arena, the engine gathers the statuses through its own
- * collective, and then every rank calls vmm_arena_commit if all succeeded,
- * else vmm_arena_abort (a rank whose prepare failed has nothing to abort).
- * With VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT on every rank and the same
- * operations in the same order, every rank's allocation is at the same
- * offset from its arena's base, an aborted one included.
- *
- * OUT_OF_ADDRESS_SPACE when no free range fits without moving others
- * (vmm_arena_compact on every rank, then prepare again); otherwise as
- * vmm_arena_alloc. On failure nothing changed.
- *
- * # Safety
- * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
- */
-enum vmm_arena_status vmm_arena_prepare_alloc(struct vmm_arena *arena,
-                                              uint64_t size,
-                                              uint64_t max_size,
-                                              uint32_t flags,
-                                              struct vmm_arena_prepared **out_prepared,
-                                              vmm_arena_id *out_id,
-                                              uint64_t *out_ptr);
-
-/**
- * Prepares a resize of an allocation of whole chunks to new_size: a growth
- * is done now, inside its reservation (beyond it, or of a small
- * allocation: INVALID_ARGUMENT); a shrink is only checked and done by the
- * commit. *out_ptr receives its address (unchanged). Then commit or abort
- * on every rank, as for vmm_arena_prepare_alloc. On failure nothing changed.
- *
- * # Safety
- * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
- */
-enum vmm_arena_status vmm_arena_prepare_resize(struct vmm_arena *arena,
-                                               vmm_arena_id id,
-                                               uint64_t new_size,
-                                               struct vmm_arena_prepared **out_prepared,
-                                               uint64_t *out_ptr);
-
-/**
- * Prepares a free of an allocation of whole chunks: checks the id; the
- * commit frees it.
- *
- * # Safety
- * `arena` is NULL or a live handle; `out_prepared` is NULL or writable.
- */
-enum vmm_arena_status vmm_arena_prepare_free(struct vmm_arena *arena,
-                                             vmm_arena_id id,
-                                             struct vmm_arena_prepared **out_prepared);
-
-/**
- * Commits a prepared operation and consumes the handle (on any status but
- * an INVALID_ARGUMENT for a NULL arena or prepared, which leave it with the
- * caller). Nothing in it can fail for memory or a driver call: it fails
- * only when the allocation was changed behind its back (freed, put to
- * sleep), when a shrink unmaps chunks another allocation shares
- * (vmm_arena_alloc_shared), for a prepared handle of another arena
- * (INVALID_ARGUMENT), or when the arena is poisoned.
- *
- * # Safety
- * `arena` is NULL or a live handle; `prepared` is NULL or a live handle,
- * not used again after the call.
- */
-enum vmm_arena_status vmm_arena_commit(struct vmm_arena *arena,
-                                       struct vmm_arena_prepared *prepared);
-
-/**
- * Aborts a prepared operation (frees a prepared allocation, shrinks a
- * prepared growth back, forgets a prepared shrink or free) and consumes
- * the handle, as vmm_arena_commit; fails only as it does.
- *
- * # Safety
- * As for vmm_arena_commit.
- */
-enum vmm_arena_status vmm_arena_abort(struct vmm_arena *arena, struct vmm_arena_prepared *prepared);
 
 /**
  * Exports allocation `id`: *out receives a new export holding one file
@@ -1455,6 +1387,89 @@ enum vmm_arena_status vmm_arena_import_recv(struct vmm_arena *arena,
                                             uint32_t flags,
                                             vmm_arena_id *out_id,
                                             uint64_t *out_ptr);
+
+/**
+ * Prepares an allocation of size bytes, in whole chunks however small
+ * (flags: VMM_ARENA_PREPARE_GROWABLE to reserve max_size and grow in place
+ * up to it; without it max_size must equal size), moving no other
+ * allocation. *out_prepared, *out_id and *out_ptr receive the prepared
+ * operation and the new allocation (usable now; an abort frees it).
+ *
+ * Every rank of a tensor-parallel group calls this with the same arguments
+ * on its own arena, the engine gathers the statuses through its own
+ * collective, and then every rank calls vmm_arena_commit if all succeeded,
+ * else vmm_arena_abort (a rank whose prepare failed has nothing to abort).
+ * With VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT on every rank and the same
+ * operations in the same order, every rank's allocation is at the same
+ * offset from its arena's base, an aborted one included.
+ *
+ * OUT_OF_ADDRESS_SPACE when no free range fits without moving others
+ * (vmm_arena_compact on every rank, then prepare again); otherwise as
+ * vmm_arena_alloc. On failure nothing changed.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_alloc(struct vmm_arena *arena,
+                                              uint64_t size,
+                                              uint64_t max_size,
+                                              uint32_t flags,
+                                              struct vmm_arena_prepared **out_prepared,
+                                              vmm_arena_id *out_id,
+                                              uint64_t *out_ptr);
+
+/**
+ * Prepares a resize of an allocation of whole chunks to new_size: a growth
+ * is done now, inside its reservation (beyond it, or of a small
+ * allocation: INVALID_ARGUMENT); a shrink is only checked and done by the
+ * commit. *out_ptr receives its address (unchanged). Then commit or abort
+ * on every rank, as for vmm_arena_prepare_alloc. On failure nothing changed.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_resize(struct vmm_arena *arena,
+                                               vmm_arena_id id,
+                                               uint64_t new_size,
+                                               struct vmm_arena_prepared **out_prepared,
+                                               uint64_t *out_ptr);
+
+/**
+ * Prepares a free of an allocation of whole chunks: checks the id; the
+ * commit frees it.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_prepared` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_free(struct vmm_arena *arena,
+                                             vmm_arena_id id,
+                                             struct vmm_arena_prepared **out_prepared);
+
+/**
+ * Commits a prepared operation and consumes the handle (on any status but
+ * an INVALID_ARGUMENT for a NULL arena or prepared, which leave it with the
+ * caller). Nothing in it can fail for memory or a driver call: it fails
+ * only when the allocation was changed behind its back (freed, put to
+ * sleep), when a shrink unmaps chunks another allocation shares
+ * (vmm_arena_alloc_shared), for a prepared handle of another arena
+ * (INVALID_ARGUMENT), or when the arena is poisoned.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `prepared` is NULL or a live handle,
+ * not used again after the call.
+ */
+enum vmm_arena_status vmm_arena_commit(struct vmm_arena *arena,
+                                       struct vmm_arena_prepared *prepared);
+
+/**
+ * Aborts a prepared operation (frees a prepared allocation, shrinks a
+ * prepared growth back, forgets a prepared shrink or free) and consumes
+ * the handle, as vmm_arena_commit; fails only as it does.
+ *
+ * # Safety
+ * As for vmm_arena_commit.
+ */
+enum vmm_arena_status vmm_arena_abort(struct vmm_arena *arena, struct vmm_arena_prepared *prepared);
 
 #ifdef __cplusplus
 }  // extern "C"

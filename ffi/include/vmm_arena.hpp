@@ -554,6 +554,7 @@ class Arena {
   void clear_move_callback() { set_move_callback(MoveCallback()); }
 
  private:
+  friend class Group;
   explicit Arena(vmm_arena *h) noexcept : handle_(h) {}
   void destroy() noexcept {
     vmm_arena_destroy(std::exchange(handle_, nullptr));
@@ -678,6 +679,148 @@ class DmaBuf {
 
  private:
   vmm_arena_dmabuf *handle_ = nullptr;
+};
+
+/* A prepared two-phase operation (vmm_arena_prepare_*): move-only; commit()
+ * or abort() consumes it, and one destroyed untouched is aborted. Every
+ * rank prepares, the engine's collective agrees, every rank commits (or
+ * aborts). It must not outlive its Arena. */
+class Prepared {
+ public:
+  Prepared() noexcept = default;
+  Prepared(vmm_arena *arena, vmm_arena_prepared *p, Id id, uint64_t ptr) noexcept
+      : arena_(arena), handle_(p), id_(id), ptr_(ptr) {}
+  Prepared(const Prepared &) = delete;
+  Prepared &operator=(const Prepared &) = delete;
+  Prepared(Prepared &&o) noexcept
+      : arena_(o.arena_), handle_(std::exchange(o.handle_, nullptr)), id_(o.id_), ptr_(o.ptr_) {}
+  Prepared &operator=(Prepared &&o) noexcept {
+    if (this != &o) {
+      try_abort();
+      arena_ = o.arena_;
+      handle_ = std::exchange(o.handle_, nullptr);
+      id_ = o.id_;
+      ptr_ = o.ptr_;
+    }
+    return *this;
+  }
+  ~Prepared() { try_abort(); }
+
+  explicit operator bool() const noexcept { return handle_ != nullptr; }
+  /* The allocation it acts on, and its address when prepared. */
+  Id id() const noexcept { return id_; }
+  uint64_t ptr() const noexcept { return ptr_; }
+
+  static Prepared alloc(Arena &arena, uint64_t size, uint64_t max_size, bool growable) {
+    vmm_arena_prepared *p = nullptr;
+    Id id = 0;
+    uint64_t ptr = 0;
+    detail::check(vmm_arena_prepare_alloc(arena.get(), size, max_size, growable ? VMM_ARENA_PREPARE_GROWABLE : 0, &p,
+                                          &id, &ptr));
+    return Prepared(arena.get(), p, id, ptr);
+  }
+  static Prepared resize(Arena &arena, Id id, uint64_t new_size) {
+    vmm_arena_prepared *p = nullptr;
+    uint64_t ptr = 0;
+    detail::check(vmm_arena_prepare_resize(arena.get(), id, new_size, &p, &ptr));
+    return Prepared(arena.get(), p, id, ptr);
+  }
+  static Prepared free(Arena &arena, Id id) {
+    vmm_arena_prepared *p = nullptr;
+    detail::check(vmm_arena_prepare_free(arena.get(), id, &p));
+    return Prepared(arena.get(), p, id, 0);
+  }
+  void commit() { detail::check(vmm_arena_commit(arena_, std::exchange(handle_, nullptr))); }
+  void abort() { detail::check(vmm_arena_abort(arena_, std::exchange(handle_, nullptr))); }
+
+ private:
+  void try_abort() noexcept {
+    if (handle_) (void)vmm_arena_abort(arena_, std::exchange(handle_, nullptr));
+  }
+  vmm_arena *arena_ = nullptr;
+  vmm_arena_prepared *handle_ = nullptr;
+  Id id_ = 0;
+  uint64_t ptr_ = 0;
+};
+
+/* A device group (vmm_arena_group_create): move-only, destroys the group
+ * (every member) when destroyed. Safe to use from many threads at once, as
+ * the C group. */
+class Group {
+ public:
+  Group() noexcept = default;
+  /* One member per device, each configured by `config`. */
+  Group(const Config &config, const std::vector<int32_t> &devices, uint32_t flags = 0) {
+    detail::check(vmm_arena_group_create(&config.raw(), devices.data(), static_cast<uint32_t>(devices.size()),
+                                         flags, &handle_));
+  }
+  /* A configuration per member (its device field names the member's device). */
+  static Group with_configs(const std::vector<Config> &configs, uint32_t flags = 0) {
+    std::vector<vmm_arena_config> raw;
+    for (const Config &c : configs) raw.push_back(c.raw());
+    Group g;
+    detail::check(vmm_arena_group_create_with_configs(raw.data(), static_cast<uint32_t>(raw.size()), flags,
+                                                      &g.handle_));
+    return g;
+  }
+  Group(const Group &) = delete;
+  Group &operator=(const Group &) = delete;
+  Group(Group &&o) noexcept : handle_(std::exchange(o.handle_, nullptr)) {}
+  Group &operator=(Group &&o) noexcept {
+    if (this != &o) {
+      vmm_arena_group_destroy(handle_);
+      handle_ = std::exchange(o.handle_, nullptr);
+    }
+    return *this;
+  }
+  ~Group() { vmm_arena_group_destroy(handle_); }
+
+  vmm_arena_group *get() const noexcept { return handle_; }
+  uint32_t size() const {
+    uint32_t n = 0;
+    detail::check(vmm_arena_group_member_count(handle_, &n));
+    return n;
+  }
+  /* Member k's own arena (vmm_arena_group_member): an Arena whose
+   * destruction releases the handle only; it may outlive the Group. */
+  Arena member(uint32_t k) const {
+    vmm_arena *h = nullptr;
+    detail::check(vmm_arena_group_member(handle_, k, &h));
+    return Arena(h);
+  }
+  /* Allocates on every member, all or nothing; returns the group id and
+   * each member's address. The caller frees it with free(). */
+  vmm_arena_group_id alloc(uint64_t size, std::vector<uint64_t> *ptrs = nullptr) {
+    std::vector<uint64_t> p(size_());
+    vmm_arena_group_id id = 0;
+    detail::check(vmm_arena_group_alloc(handle_, size, &id, p.data(), static_cast<uint32_t>(p.size())));
+    if (ptrs) *ptrs = std::move(p);
+    return id;
+  }
+  vmm_arena_group_id alloc_growable(uint64_t size, uint64_t max_size, std::vector<uint64_t> *ptrs = nullptr) {
+    std::vector<uint64_t> p(size_());
+    vmm_arena_group_id id = 0;
+    detail::check(
+        vmm_arena_group_alloc_growable(handle_, size, max_size, &id, p.data(), static_cast<uint32_t>(p.size())));
+    if (ptrs) *ptrs = std::move(p);
+    return id;
+  }
+  std::vector<uint64_t> resize(vmm_arena_group_id id, uint64_t new_size) {
+    std::vector<uint64_t> p(size_());
+    detail::check(vmm_arena_group_resize(handle_, id, new_size, p.data(), static_cast<uint32_t>(p.size())));
+    return p;
+  }
+  void free(vmm_arena_group_id id) { detail::check(vmm_arena_group_free(handle_, id)); }
+  /* Member k's own id of a group allocation. */
+  Id member_id(vmm_arena_group_id id, uint32_t k) const {
+    Id m = 0;
+    detail::check(vmm_arena_group_query(handle_, id, k, nullptr, nullptr, &m));
+    return m;
+  }
+
+ private:
+  size_t size_() const { return size(); }
+  vmm_arena_group *handle_ = nullptr;
 };
 
 }  // namespace vmm

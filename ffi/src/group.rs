@@ -32,6 +32,13 @@ const KNOWN_GROUP_FLAGS: u32 = VMM_ARENA_GROUP_PEER_ACCESS;
 pub type vmm_arena_group_id = u64;
 
 /// Opaque device group: one arena per device.
+///
+/// Thread safety: a group may be used from many threads at once. Calls on
+/// different group allocations run concurrently (each member arena
+/// serializes its own calls); calls on one group allocation are serialized
+/// by a lock of its own, so each sees the others' results whole. A
+/// member's move callback must not call into the group (INVALID_ARGUMENT).
+/// vmm_arena_group_destroy must not race with any other call on the group.
 pub struct vmm_arena_group {
     pub(crate) group: Group,
     poisoned: AtomicBool,
@@ -295,9 +302,14 @@ pub unsafe extern "C" fn vmm_arena_group_destroy(group: *mut vmm_arena_group) {
 }
 
 /// The member index named by this thread's last failing vmm_arena_group_*
-/// call (the member whose call failed; vmm_arena_last_error() says how), or
-/// -1 if it named none (a bad argument, an unknown group id) or no group
-/// call has failed on this thread. A successful call leaves it as it was.
+/// call, or -1. A call that failed in a member (any status that member's
+/// arena returned, INVALID_ARGUMENT included, e.g. a size 0 that member 0
+/// refuses) names that member k; a call refused before any member acted (a
+/// NULL or misaligned pointer, unknown flags, out_ptrs_len below the member
+/// count, a member index out of range, an unknown group id, a poisoned
+/// group) names none: -1. Also -1 when no group call has failed on this
+/// thread. vmm_arena_last_error() says how the call failed. A successful
+/// call leaves it as it was.
 #[no_mangle]
 pub extern "C" fn vmm_arena_group_last_member() -> i32 {
     crate::guarded(-1, || LAST_MEMBER.try_with(Cell::get).unwrap_or(-1))

@@ -46,5 +46,30 @@ int main() {
   vmm::Result<vmm::DmaBuf> d = vmm::DmaBuf::try_open(ex, z.id());
   CHECK(!d.ok() && d.status() == vmm::Status::Unsupported);
   z.resize(K);  // not marked by the failed DMA-BUF
+
+  // Groups: RAII, per-member configs, a member's own arena, and a
+  // two-phase allocation aborted by its destructor, then one committed.
+  vmm::Config c0 = vmm::Config::host().capacity(16 * K).chunk(K).device(3);
+  vmm::Config c1 = vmm::Config::host().capacity(8 * K).chunk(K).device(4);
+  vmm::Group g = vmm::Group::with_configs({c0, c1});
+  CHECK(g.size() == 2);
+  std::vector<uint64_t> ptrs;
+  vmm_arena_group_id gid = g.alloc(1000, &ptrs);
+  CHECK(ptrs.size() == 2 && ptrs[0] != 0);
+  vmm::Arena m1 = g.member(1);
+  CHECK(vmm_arena_pin(m1.get(), g.member_id(gid, 1)) == VMM_ARENA_OK);
+  {
+    vmm::Prepared p = vmm::Prepared::alloc(m1, 2 * K, 4 * K, true);
+    CHECK(static_cast<bool>(p) && p.ptr() != 0);
+  }  // aborted
+  vmm::Prepared q = vmm::Prepared::alloc(m1, 2 * K, 4 * K, true);
+  q.commit();
+  CHECK(!q);
+  vmm::Prepared grow = vmm::Prepared::resize(m1, q.id(), 4 * K);
+  grow.commit();
+  uint64_t size = 0;
+  CHECK(vmm_arena_query(m1.get(), q.id(), nullptr, &size) == VMM_ARENA_OK && size == 4 * K);
+  CHECK(vmm_arena_unpin(m1.get(), g.member_id(gid, 1)) == VMM_ARENA_OK);
+  g.free(gid);
   FINISH("test_export_wrapper");
 }
