@@ -348,9 +348,10 @@ typedef struct vmm_arena_stats {
    */
   uint64_t live_bytes;
   /**
-   * physical bytes backing live allocations (each chunk once); every
-   * other chunk held is in pooled_bytes (a slab holding only retired
-   * objects included)
+   * physical bytes backing live allocations (each chunk once), and the
+   * chunks of freed allocations that an open DMA-BUF still holds (not
+   * reusable, so not pooled); every other chunk held is in pooled_bytes
+   * (a slab holding only retired objects included)
    */
   uint64_t mapped_bytes;
   /**

@@ -190,9 +190,10 @@ pub struct vmm_arena_stats {
     pub live_allocations: u64,
     /// sum of the sizes callers asked for
     pub live_bytes: u64,
-    /// physical bytes backing live allocations (each chunk once); every
-    /// other chunk held is in pooled_bytes (a slab holding only retired
-    /// objects included)
+    /// physical bytes backing live allocations (each chunk once), and the
+    /// chunks of freed allocations that an open DMA-BUF still holds (not
+    /// reusable, so not pooled); every other chunk held is in pooled_bytes
+    /// (a slab holding only retired objects included)
     pub mapped_bytes: u64,
     /// physical bytes held but backing no live allocation
     pub pooled_bytes: u64,
