@@ -9,7 +9,7 @@
 //! [`DmaBuf`] is a handle, closed by dropping it, and the arena keeps its
 //! chunks out of reach while any is open:
 //! - the allocation is *exported* from the first DMA-BUF on (the
-//!   bookkeeping of `arena/share.rs`): pinned while a DMA-BUF or an export
+//!   bookkeeping of `arena/export.rs`): pinned while a DMA-BUF or an export
 //!   is open, never asleep (`sleep` leaves it awake), never shrunk below
 //!   the chunks handed out (`InvalidArgument`), its chunks never pooled;
 //! - a `free` while a DMA-BUF is open keeps the chunks mapped where they
@@ -27,7 +27,7 @@ use std::sync::Arc;
 use crate::error::Result;
 use crate::Id;
 
-use super::share::free_exported;
+use super::export::free_exported;
 use super::state::{Owner, State};
 use super::{Arena, Ctx, Inner};
 

@@ -27,19 +27,19 @@ use crate::error::{Error, Result};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 use crate::Id;
 
+mod alias;
 mod alloc;
 mod batch;
 mod config;
 #[cfg(unix)]
 mod dmabuf;
+#[cfg(unix)]
+mod export;
 mod moves;
 mod page_table;
 mod pool;
 mod prefetch;
 mod quiesce;
-#[cfg(unix)]
-mod share;
-mod shared;
 mod sleep;
 pub(crate) mod small;
 pub(crate) mod state;
@@ -50,15 +50,15 @@ pub(crate) mod txn;
 mod worker;
 
 use self::alloc::{small_ptr, Target};
-#[cfg(unix)]
 pub(crate) use alloc::Placing;
 #[cfg(unix)]
 pub use dmabuf::DmaBuf;
-use pool::enforce_watermark;
-pub use share::{
+#[cfg(unix)]
+pub use export::{
     Export, ExportLayout, EXPORT_FORMAT_VERSION, EXPORT_HANDLE_CUDA_POSIX_FD, EXPORT_HANDLE_HOST_MEMFD,
     EXPORT_HANDLE_UNSPECIFIED,
 };
+use pool::enforce_watermark;
 pub use state::MoveEvent;
 use state::State;
 pub use stats::{AllocInfo, CompactReport, Stats};
@@ -157,9 +157,9 @@ struct Inner {
     st: State,
     callback: Option<MoveCallback>,
     release_failures: u64,
-    /// Exports and imports (`share.rs`).
+    /// Exports and imports (`export.rs`).
     #[cfg(unix)]
-    shares: share::Shares,
+    shares: export::Shares,
     /// Whether the background worker waits for work (a caller's operation
     /// that made some wakes it, once).
     worker_waiting: bool,
@@ -407,7 +407,7 @@ impl Arena {
                 callback: None,
                 release_failures: 0,
                 #[cfg(unix)]
-                shares: share::Shares::default(),
+                shares: export::Shares::default(),
                 worker_waiting: false,
                 maintaining: false,
                 pressure_waiters: 0,
