@@ -146,6 +146,30 @@ const PROJECT_ONLY: &[&str] = &[
     "vmm_arena_import",
     "vmm_arena_export_dmabuf",
     "vmm_arena_sharing_stats",
+    // Export descriptors, the layout record's version 2, DMA-BUF handles.
+    "VMM_ARENA_EXPORT_HANDLE_UNSPECIFIED",
+    "VMM_ARENA_EXPORT_HANDLE_HOST_MEMFD",
+    "VMM_ARENA_EXPORT_HANDLE_CUDA_POSIX_FD",
+    "VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE",
+    "VMM_ARENA_FDS_PER_MESSAGE",
+    "vmm_arena_export_send",
+    "vmm_arena_import_recv",
+    "vmm_arena_dmabuf",
+    "vmm_arena_dmabuf_open",
+    "vmm_arena_dmabuf_fd",
+    "vmm_arena_dmabuf_close",
+    // Tensor-parallel groups: members from C, per-member configs, ranks
+    // in separate processes (deterministic placement, two-phase operations).
+    "vmm_arena_group_create_with_configs",
+    "vmm_arena_group_member",
+    "VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT",
+    "VMM_ARENA_PREPARE_GROWABLE",
+    "vmm_arena_prepared",
+    "vmm_arena_prepare_alloc",
+    "vmm_arena_prepare_resize",
+    "vmm_arena_prepare_free",
+    "vmm_arena_commit",
+    "vmm_arena_abort",
 ];
 
 /// What the header adds from the contract of the open work
