@@ -57,8 +57,8 @@
  * host backend each chunk gets a sealed memfd of its own (one descriptor
  * per chunk held by the arena); on CUDA chunks are created with the POSIX
  * file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
- * the device lacks it). Bit 4 is no flag: a config that sets it is
- * INVALID_ARGUMENT, like every unknown bit.
+ * the device lacks it). Bits 4 and 16 are no flags: a config that sets
+ * either is INVALID_ARGUMENT, like every unknown bit.
  */
 #define VMM_ARENA_FLAG_EXPORTABLE 8u
 
@@ -72,7 +72,7 @@
  * Stream-ordered frees (vmm_arena_free_on_stream) make reuse depend on
  * when events complete: ranks that use them may diverge.
  */
-#define VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT 16u
+#define VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT 32u
 
 /**
  * Every tag, for vmm_arena_sleep and vmm_arena_wake.

@@ -33,8 +33,8 @@ pub const VMM_ARENA_FLAG_BACKGROUND: u32 = 2u32;
 /// host backend each chunk gets a sealed memfd of its own (one descriptor
 /// per chunk held by the arena); on CUDA chunks are created with the POSIX
 /// file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
-/// the device lacks it). Bit 4 is no flag: a config that sets it is
-/// INVALID_ARGUMENT, like every unknown bit.
+/// the device lacks it). Bits 4 and 16 are no flags: a config that sets
+/// either is INVALID_ARGUMENT, like every unknown bit.
 pub const VMM_ARENA_FLAG_EXPORTABLE: u32 = 8u32;
 
 /// Config flag: allocations are placed as a pure function of the operations
@@ -45,7 +45,7 @@ pub const VMM_ARENA_FLAG_EXPORTABLE: u32 = 8u32;
 /// whose pages still hold pooled chunks (fewer driver calls, same memory).
 /// Stream-ordered frees (vmm_arena_free_on_stream) make reuse depend on
 /// when events complete: ranks that use them may diverge.
-pub const VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT: u32 = 16u32;
+pub const VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT: u32 = 32u32;
 
 /// Every flag bit this version knows.
 pub(crate) const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES
