@@ -959,8 +959,10 @@ enum vmm_arena_status vmm_arena_snapshot_json(struct vmm_arena *arena,
  * to the pool (as for vmm_arena_export_open). vmm_arena_free while a
  * DMA-BUF is open succeeds, and the id is gone at once, but the chunks stay
  * mapped where they were (counted in mapped_bytes and against the
- * capacity) until the last DMA-BUF of them is closed; the next arena call
- * after that gives them back to the driver.
+ * capacity) until the last DMA-BUF of them is closed; the arena's next
+ * operation after that (an alloc, free, resize, trim, compact...; not a
+ * read-only call such as vmm_arena_stats_get) gives them back to the
+ * driver.
  *
  * Close a DMA-BUF only when no device reaches the memory through it any
  * more (after ibv_dereg_mr of every registration made from it).
@@ -993,7 +995,8 @@ enum vmm_arena_status vmm_arena_dmabuf_fd(const struct vmm_arena_dmabuf *handle,
 /**
  * Closes a DMA-BUF handle and its descriptor. Once every DMA-BUF of an
  * allocation is closed, it is no longer pinned by them, and if it was freed
- * meanwhile its chunks go back to the driver at the arena's next call.
+ * meanwhile its chunks go back to the driver at the arena's next
+ * operation (see vmm_arena_dmabuf_open).
  * NULL is fine.
  *
  * # Safety

@@ -14,9 +14,10 @@
 //!   the chunks handed out (`InvalidArgument`), its chunks never pooled;
 //! - a `free` while a DMA-BUF is open keeps the chunks mapped where they
 //!   are, in an allocation no id names (`Owner::DmaBuf`, still counted in
-//!   `mapped_bytes` and against the capacity); the first arena call after
-//!   the last DMA-BUF closes unmaps them and gives them back to the driver,
-//!   never to the pool.
+//!   `mapped_bytes` and against the capacity); the first operation after
+//!   the last DMA-BUF closes (an alloc, free, resize, trim...; not `stats`
+//!   or `query`) unmaps them and gives them back to the driver, never to
+//!   the pool.
 //!
 //! Closing a handle is the caller's word that no device reaches the memory
 //! through it any more: deregister the memory (`ibv_dereg_mr`) first.
