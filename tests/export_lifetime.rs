@@ -60,6 +60,7 @@ fn an_allocation_whose_chunks_a_sleeper_shares_cannot_be_exported() {
     a.sleep(7, 0).unwrap();
     let got = a.export(x);
     assert!(matches!(got, Err(Error::InvalidArgument(_))), "export of an allocation a sleeper shares: {got:?}");
+    assert_eq!(a.dmabuf(x).unwrap_err().status(), Status::InvalidArgument, "nor a DMA-BUF of it");
     a.wake(7).unwrap();
     a.free(x).unwrap();
     let st = a.stats().unwrap();
