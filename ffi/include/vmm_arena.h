@@ -965,7 +965,9 @@ enum vmm_arena_status vmm_arena_snapshot_json(struct vmm_arena *arena,
  * driver.
  *
  * Close a DMA-BUF only when no device reaches the memory through it any
- * more (after ibv_dereg_mr of every registration made from it).
+ * more (after ibv_dereg_mr of every registration made from it). The handle
+ * may outlive its arena, but vmm_arena_destroy releases every chunk: close
+ * the DMA-BUFs (and deregister) before destroying the arena.
  *
  * INVALID_ARGUMENT for a small allocation, an import (take the DMA-BUF in
  * the exporting process), or an allocation whose chunks another allocation

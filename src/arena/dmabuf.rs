@@ -21,6 +21,8 @@
 //!
 //! Closing a handle is the caller's word that no device reaches the memory
 //! through it any more: deregister the memory (`ibv_dereg_mr`) first.
+//! Dropping the arena releases every chunk, held ones included: close the
+//! DMA-BUFs before.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
