@@ -31,9 +31,9 @@ mod alias;
 mod alloc;
 mod batch;
 mod config;
-mod dry_run;
 #[cfg(unix)]
 mod dmabuf;
+mod dry_run;
 #[cfg(unix)]
 mod export;
 mod moves;
