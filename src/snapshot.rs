@@ -86,11 +86,15 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                     // whose event has not completed.
                     let _ = write!(
                         s,
-                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{class},\"objects\":{},\"used\":{live},\"retired_bytes\":{},\"pending_bytes\":{},\"pinned\":{}}}",
+                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{class},\"objects\":{},\"used\":{live},\"retired_bytes\":{},\"pending_bytes\":{},\"pinned\":{},\"tag\":{},\"asleep\":{},\"mapped_bytes\":{},\"backup_bytes\":{}}}",
                         sl.members.len(),
                         sl.retired as u64 * class,
                         (sl.used - live - sl.retired) as u64 * class,
-                        a.pinned
+                        a.pinned,
+                        sl.tag,
+                        a.sleep.is_some(),
+                        a.backed * c,
+                        a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len() as u64)
                     );
                     continue;
                 }

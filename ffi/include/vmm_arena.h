@@ -823,10 +823,17 @@ enum vmm_arena_status vmm_arena_unpin(struct vmm_arena *arena, vmm_arena_id id);
  * backup). Compaction never moves it; like a pinned allocation, it can be
  * why a request gets OUT_OF_ADDRESS_SPACE.
  *
- * Small allocations (at most half a chunk, from vmm_arena_alloc) share
- * slabs with others and never sleep: set_tag on one is
- * VMM_ARENA_ERR_INVALID_ARGUMENT. Allocate more than half a chunk, or with
- * vmm_arena_alloc_growable, to tag an allocation.
+ * Every allocation takes a tag, whatever its size or history. One of whole
+ * chunks keeps its place (asleep or pinned too). A small allocation (in a
+ * slab: at most half a chunk, from vmm_arena_alloc or
+ * vmm_arena_alloc_tagged) shares its slab only with allocations of its
+ * tag, so a new tag moves it: its bytes are copied into a slab of the new
+ * tag, as a resize past its size class does (the address changes, the
+ * move callback reports it, bytes_copied counts it). That move is refused
+ * for a pinned one (VMM_ARENA_ERR_PINNED) and a sleeping one
+ * (VMM_ARENA_ERR_ASLEEP) and needs a slab's room (OUT_OF_MEMORY or
+ * OUT_OF_ADDRESS_SPACE); on any error nothing changed. Setting the tag it
+ * has is a no-op. Small allocations sleep with their slab.
  *
  * # Safety
  * `arena` is NULL or a live handle.
@@ -1399,6 +1406,34 @@ enum vmm_arena_status vmm_arena_import_recv(struct vmm_arena *arena,
                                             uint32_t flags,
                                             vmm_arena_id *out_id,
                                             uint64_t *out_ptr);
+
+/**
+ * vmm_arena_alloc with a tag: the allocation sleeps and wakes with `tag`
+ * (see vmm_arena_set_tag). A small allocation (at most half a chunk) is
+ * placed in a slab holding allocations of this tag only. Any tag value is
+ * allowed; VMM_ARENA_ALL_TAGS as a tag is selected by every sleep and wake.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_alloc_tagged(struct vmm_arena *arena,
+                                             uint64_t size,
+                                             uint32_t tag,
+                                             vmm_arena_id *out_id,
+                                             uint64_t *out_ptr);
+
+/**
+ * vmm_arena_alloc_growable with a tag (see vmm_arena_alloc_tagged).
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_alloc_growable_tagged(struct vmm_arena *arena,
+                                                      uint64_t size,
+                                                      uint64_t max_size,
+                                                      uint32_t tag,
+                                                      vmm_arena_id *out_id,
+                                                      uint64_t *out_ptr);
 
 /**
  * Prepares an allocation of size bytes, in whole chunks however small

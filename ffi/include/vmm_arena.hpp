@@ -309,8 +309,9 @@ class Allocation {
   }
   void pin() { detail::check(vmm_arena_pin(arena_, id_)); }
   void unpin() { detail::check(vmm_arena_unpin(arena_, id_)); }
-  /* The tag Arena::sleep and Arena::wake select by; InvalidArgument for a
-     small allocation (see vmm_arena_set_tag). */
+  /* The tag Arena::sleep and Arena::wake select by. Every allocation takes
+     one; a small one moves (by copy) into a slab of the new tag, which a
+     pinned (Pinned) or sleeping (Asleep) one refuses (see vmm_arena_set_tag). */
   void set_tag(uint32_t tag) { detail::check(vmm_arena_set_tag(arena_, id_, tag)); }
   Result<void> try_set_tag(uint32_t tag) noexcept {
     vmm_arena_status s = vmm_arena_set_tag(arena_, id_, tag);
@@ -400,6 +401,35 @@ class Arena {
     Id id = 0;
     uint64_t p = 0;
     vmm_arena_status s = vmm_arena_alloc(handle_, size, &id, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
+    return Allocation(handle_, id);
+  }
+  /* alloc with a tag: it sleeps and wakes with tag; a small one goes into a
+   * slab of that tag only (see vmm_arena_alloc_tagged). */
+  Allocation alloc_tagged(uint64_t size, uint32_t tag) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_alloc_tagged(handle_, size, tag, &id, &p));
+    return Allocation(handle_, id);
+  }
+  Result<Allocation> try_alloc_tagged(uint64_t size, uint32_t tag) noexcept {
+    Id id = 0;
+    uint64_t p = 0;
+    vmm_arena_status s = vmm_arena_alloc_tagged(handle_, size, tag, &id, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
+    return Allocation(handle_, id);
+  }
+  /* alloc_growable with a tag (see alloc_tagged). */
+  Allocation alloc_growable_tagged(uint64_t size, uint64_t max_size, uint32_t tag) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_alloc_growable_tagged(handle_, size, max_size, tag, &id, &p));
+    return Allocation(handle_, id);
+  }
+  Result<Allocation> try_alloc_growable_tagged(uint64_t size, uint64_t max_size, uint32_t tag) noexcept {
+    Id id = 0;
+    uint64_t p = 0;
+    vmm_arena_status s = vmm_arena_alloc_growable_tagged(handle_, size, max_size, tag, &id, &p);
     if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
     return Allocation(handle_, id);
   }

@@ -35,6 +35,7 @@ mod group;
 // After `group`: cbindgen emits items in declaration order, and the
 // committed header lists the group functions before the export ones.
 mod export;
+mod tags;
 
 mod testing;
 mod torch;
@@ -42,6 +43,8 @@ mod two_phase;
 
 use boundary::*;
 pub use types::*;
+// The fuzz target calls these through the crate's root, as the ones here.
+pub use tags::{vmm_arena_alloc_growable_tagged, vmm_arena_alloc_tagged};
 use vmm_arena_status::*;
 
 // ---------------------------------------------------------------------------
@@ -570,10 +573,17 @@ pub unsafe extern "C" fn vmm_arena_unpin(arena: *mut vmm_arena, id: vmm_arena_id
 /// backup). Compaction never moves it; like a pinned allocation, it can be
 /// why a request gets OUT_OF_ADDRESS_SPACE.
 ///
-/// Small allocations (at most half a chunk, from vmm_arena_alloc) share
-/// slabs with others and never sleep: set_tag on one is
-/// VMM_ARENA_ERR_INVALID_ARGUMENT. Allocate more than half a chunk, or with
-/// vmm_arena_alloc_growable, to tag an allocation.
+/// Every allocation takes a tag, whatever its size or history. One of whole
+/// chunks keeps its place (asleep or pinned too). A small allocation (in a
+/// slab: at most half a chunk, from vmm_arena_alloc or
+/// vmm_arena_alloc_tagged) shares its slab only with allocations of its
+/// tag, so a new tag moves it: its bytes are copied into a slab of the new
+/// tag, as a resize past its size class does (the address changes, the
+/// move callback reports it, bytes_copied counts it). That move is refused
+/// for a pinned one (VMM_ARENA_ERR_PINNED) and a sleeping one
+/// (VMM_ARENA_ERR_ASLEEP) and needs a slab's room (OUT_OF_MEMORY or
+/// OUT_OF_ADDRESS_SPACE); on any error nothing changed. Setting the tag it
+/// has is a no-op. Small allocations sleep with their slab.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle.

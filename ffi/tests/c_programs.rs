@@ -287,6 +287,20 @@ fn c_export_lifetime_test() {
     assert!(out.contains("C ABI DMA-BUF fault matrix size:"), "{out}");
 }
 
+/// Tags at allocation time, small allocations included (`test_tags.c`).
+#[test]
+fn tags_from_c() {
+    let exe = compile("test_tags", Lang::C, &[source("c/test_tags.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
+/// The same through the C++ wrapper (`test_tags.cpp`).
+#[test]
+fn tags_from_cpp() {
+    let exe = compile("test_tags_cpp", Lang::Cxx, &[source("cpp/test_tags.cpp")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
 #[test]
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);

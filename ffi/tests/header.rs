@@ -51,8 +51,8 @@ fn generated_header_parses_to_the_whole_api() {
     // 23 from the contracts, 3 from the open work's stream-ordered frees and
     // prefetch, and the project's own: resize_many, resize_on_stream,
     // quiesce_on_stream, unquiesce, 13 of the device groups, 12 of export,
-    // import and DMA-BUFs, 5 of two-phase operations.
-    assert_eq!(functions, 23 + 3 + 4 + 13 + 12 + 5, "{items:#?}");
+    // import and DMA-BUFs, 5 of two-phase operations, 2 of tagged allocation.
+    assert_eq!(functions, 23 + 3 + 4 + 13 + 12 + 5 + 2, "{items:#?}");
     // The testing hooks are not part of the header.
     assert!(items.keys().all(|k| !k.contains("testing")), "{:?}", items.keys());
     match &items["vmm_arena_stats"].decl {
@@ -170,6 +170,9 @@ const PROJECT_ONLY: &[&str] = &[
     "vmm_arena_prepare_free",
     "vmm_arena_commit",
     "vmm_arena_abort",
+    // Tags at allocation time.
+    "vmm_arena_alloc_tagged",
+    "vmm_arena_alloc_growable_tagged",
 ];
 
 /// What the header adds from the contract of the open work

@@ -583,7 +583,7 @@ impl Arena {
                     let a = st.alloc(slot);
                     (st.addr(a.start), a.size, a.sleep.is_some())
                 }
-                Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), false),
+                Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), alloc::small_asleep(st, ss)),
             },
         };
         match offset.checked_add(len as u64) {
