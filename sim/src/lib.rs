@@ -30,6 +30,7 @@
 pub mod arena_prefix_cache;
 pub mod caching;
 pub mod counted;
+pub mod idle_footprint;
 pub mod managers;
 pub mod multi_tenant;
 pub mod prefix_cache;
