@@ -329,7 +329,7 @@ impl ArenaEngine {
         }
     }
 
-    fn to_lru(&mut self, b: (u64, u64)) {
+    fn push_lru(&mut self, b: (u64, u64)) {
         self.lru.insert(self.next_stamp, b);
         self.lru_stamp.insert(b, self.next_stamp);
         self.next_stamp += 1;
@@ -437,7 +437,7 @@ impl IdleEngine for ArenaEngine {
         let hit: Vec<(u64, u64)> = e.hit.iter().rev().copied().collect();
         for j in own {
             if !self.refs.contains_key(&(id, j)) {
-                self.to_lru((id, j));
+                self.push_lru((id, j));
             }
         }
         for b in hit {
@@ -446,7 +446,7 @@ impl IdleEngine for ArenaEngine {
             if *r == 0 {
                 self.refs.remove(&b);
                 if self.block_hash.contains_key(&b) {
-                    self.to_lru(b);
+                    self.push_lru(b);
                 }
             }
         }

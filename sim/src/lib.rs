@@ -32,6 +32,7 @@ pub mod caching;
 pub mod counted;
 pub mod idle_footprint;
 pub mod managers;
+pub mod multi_model;
 pub mod multi_tenant;
 pub mod prefix_cache;
 pub mod prepared;

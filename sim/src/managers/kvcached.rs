@@ -158,6 +158,8 @@ pub struct PageAllocator {
     prealloc_needed: bool,
     hbm: SharedHbm,
     calls: Calls,
+    /// The calls the pre-allocation thread made (off the scheduler's path).
+    background_calls: Calls,
     peak_mapped_pages: u64,
 }
 
@@ -189,6 +191,7 @@ impl PageAllocator {
             prealloc_needed: false,
             hbm,
             calls: Calls::default(),
+            background_calls: Calls::default(),
             peak_mapped_pages: 0,
         }
     }
@@ -267,7 +270,10 @@ impl PageAllocator {
         if pages.is_empty() {
             return;
         }
-        match self.map_pages(&pages) {
+        let before = self.calls;
+        let mapped = self.map_pages(&pages);
+        self.background_calls = self.background_calls.plus(&self.calls.since(&before));
+        match mapped {
             Ok(()) => self.reserved_page_list.extend(pages),
             Err(_) => {
                 for &p in pages.iter().rev() {
@@ -349,6 +355,12 @@ impl PageAllocator {
 
     pub fn calls(&self) -> Calls {
         self.calls
+    }
+
+    /// The calls made on the caller's thread (all but the pre-allocation
+    /// thread's): what an allocation or a free waits for.
+    pub fn foreground_calls(&self) -> Calls {
+        self.calls.since(&self.background_calls)
     }
 
     /// `get_page_id`.

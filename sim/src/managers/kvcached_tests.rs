@@ -57,6 +57,8 @@ fn the_reserve_is_refilled_to_its_minimum_and_parks_up_to_its_maximum() {
     assert_eq!(m.page_allocator.num_inuse_pages(), 1);
     assert_eq!(m.page_allocator.num_reserved_pages(), 5);
     assert_eq!(m.page_allocator.calls().create, 6);
+    // Page 0 was mapped on the caller's path, the reserve by the thread.
+    assert_eq!(m.page_allocator.foreground_calls().create, 1);
     assert_eq!(m.alloc(3), Some(vec![1, 2, 3]));
     // Page 1 comes from the reserve (4 left < 5): page 6 is mapped into it.
     assert_eq!(m.alloc(4), Some(vec![4, 5, 6, 7]));
