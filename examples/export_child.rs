@@ -37,6 +37,7 @@ fn main() -> Result<(), Error> {
 
     let mut cmd = Command::new(std::env::current_exe().expect("own executable"));
     cmd.arg("child").arg(layout.chunk_bytes.to_string()).arg(layout.size.to_string());
+    cmd.arg(layout.handle_type.to_string()).arg(layout.device.to_string());
     for fd in export.fds() {
         // SAFETY: F_GETFD/F_SETFD change only this descriptor's
         // close-on-exec flag; the descriptor is open (owned by `export`).
@@ -65,12 +66,14 @@ fn main() -> Result<(), Error> {
 /// The child: imports the inherited descriptors and checks the bytes.
 fn child(args: &[String]) -> Result<(), Error> {
     let num = |s: &String| s.parse::<u64>().expect("a number");
-    let fds: Vec<i32> = args[2..].iter().map(|s| s.parse().expect("a descriptor")).collect();
+    let fds: Vec<i32> = args[4..].iter().map(|s| s.parse().expect("a descriptor")).collect();
     let layout = ExportLayout {
         version: EXPORT_FORMAT_VERSION,
         chunk_bytes: num(&args[0]),
         chunk_count: fds.len() as u64,
         size: num(&args[1]),
+        handle_type: args[2].parse().expect("a handle type"),
+        device: args[3].parse().expect("a device ordinal"),
     };
     // SAFETY: the parent passed these descriptors open, and this process
     // keeps them open for the import (which keeps duplicates of its own).

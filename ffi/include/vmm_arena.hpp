@@ -19,6 +19,8 @@
  *   an exception leaving it calls std::terminate.
  * - Like the C API, an Arena may be used from many threads at once;
  *   Allocation objects themselves are not synchronized.
+ * - vmm::Export and vmm::DmaBuf own an export and a DMA-BUF handle (closed
+ *   when destroyed); vmm::Group owns a device group.
  */
 #ifndef VMM_ARENA_HPP
 #define VMM_ARENA_HPP
@@ -557,6 +559,14 @@ class Arena {
   /* Installs the move callback (an empty function removes it). Once this
    * returns, the previous callback is not running and will not run again.
    * Safe to call from several threads at once: the last install wins. */
+  /* Receives an export sent with Export::send (vmm_arena_import_recv) and
+   * imports it (flags: 0 or VMM_ARENA_IMPORT_READ_ONLY). */
+  Allocation import_recv(int sock, uint32_t flags = 0) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_import_recv(handle_, sock, flags, &id, &p));
+    return Allocation(handle_, id);
+  }
   void set_move_callback(MoveCallback callback) {
     std::unique_ptr<MoveCallback> box;
     if (callback) box = std::make_unique<MoveCallback>(std::move(callback));
@@ -574,6 +584,7 @@ class Arena {
   void clear_move_callback() { set_move_callback(MoveCallback()); }
 
  private:
+  friend class Group;
   explicit Arena(vmm_arena *h) noexcept : handle_(h) {}
   void destroy() noexcept {
     vmm_arena_destroy(std::exchange(handle_, nullptr));
@@ -591,5 +602,9 @@ class Arena {
 };
 
 }  // namespace vmm
+
+/* The owners of exports, DMA-BUFs, prepared two-phase operations and
+ * groups. */
+#include "vmm_arena_handles.hpp"
 
 #endif /* VMM_ARENA_HPP */

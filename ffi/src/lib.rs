@@ -36,6 +36,7 @@ mod sleep;
 
 mod compact;
 
+mod dmabuf;
 mod group;
 
 // After `group`: cbindgen emits items in declaration order, and the
@@ -45,6 +46,7 @@ mod tags;
 
 mod testing;
 mod torch;
+mod two_phase;
 
 use boundary::*;
 // At the crate root as before (the fuzz logic calls them as `ffi::...`).
@@ -125,6 +127,10 @@ pub unsafe extern "C" fn vmm_arena_create(
 
 /// Unmaps and releases everything. NULL is fine. Refused (the arena stays,
 /// and the last error says so) when called from the arena's own move callback.
+/// For a handle from vmm_arena_group_member, releases that handle only: the
+/// member's arena lives until its group and every handle of it are gone (a
+/// move callback installed through the handle stays installed: clear it
+/// first if its user data goes away).
 ///
 /// # Safety
 /// `arena` is NULL or a live handle that no other thread is using, and is

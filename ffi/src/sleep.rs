@@ -60,7 +60,7 @@ pub unsafe extern "C" fn vmm_arena_set_tag(arena: *mut vmm_arena, id: vmm_arena_
 ///
 /// The chunks are given back after the point of no return (a released
 /// chunk cannot be had back): a chunk the driver refuses to release stays
-/// pooled (held, not leaked), counts in release_failures, and
+/// pooled (held, not leaked: pooled_bytes counts it), and
 /// vmm_arena_trim or the next sleep gives it back. The sleepers have slept,
 /// so the call returns VMM_ARENA_OK: an error would say they had not.
 ///

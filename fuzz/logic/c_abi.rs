@@ -571,7 +571,10 @@ fn run_with(data: &[u8], may_panic: bool) {
         unsafe { ffi::vmm_arena_destroy(a) };
         return;
     }
-    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | ffi::VMM_ARENA_FLAG_BACKGROUND | ffi::VMM_ARENA_FLAG_EXPORTABLE;
+    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES
+        | ffi::VMM_ARENA_FLAG_BACKGROUND
+        | ffi::VMM_ARENA_FLAG_EXPORTABLE
+        | ffi::VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT;
     assert_eq!(cfg.flags & !known, 0, "unknown flag bits accepted");
     let mut h = Harness {
         a,

@@ -16,14 +16,24 @@ impl Arena {
     /// Allocates `size` bytes (rounded up to whole chunks). Returns the id and
     /// the address, chunk-aligned.
     pub fn alloc(&self, size: u64) -> Result<(Id, u64)> {
-        self.alloc_inner(size, size, false, 0)
+        self.alloc_inner(size, size, false, 0, Placing::Any)
+    }
+
+    /// [`Arena::alloc`] in whole chunks however small `size` is (never in a
+    /// slab), placed as `placing` says: what group and two-phase
+    /// allocations use (see `group.rs` and `arena/two_phase.rs`).
+    pub(crate) fn alloc_whole(&self, size: u64, max_size: u64, growable: bool, placing: Placing) -> Result<(Id, u64)> {
+        if max_size < size {
+            return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
+        }
+        self.alloc_inner(size, max_size, growable, 0, placing)
     }
 
     /// [`Arena::alloc`] with a tag (see [`Arena::set_tag`]): the allocation
     /// sleeps and wakes with `tag`. A small one (at most half a chunk) goes
     /// into a slab of that tag only.
     pub fn alloc_tagged(&self, size: u64, tag: u32) -> Result<(Id, u64)> {
-        self.alloc_inner(size, size, false, tag)
+        self.alloc_inner(size, size, false, tag, Placing::Any)
     }
 
     /// Allocates `size` bytes inside a reservation of `max_size`, so the
@@ -37,17 +47,26 @@ impl Arena {
         if max_size < size {
             return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
         }
-        self.alloc_inner(size, max_size, true, tag)
+        self.alloc_inner(size, max_size, true, tag, Placing::Any)
     }
 
-    fn alloc_inner(&self, size: u64, max_size: u64, growable: bool, tag: u32) -> Result<(Id, u64)> {
+    fn alloc_inner(&self, size: u64, max_size: u64, growable: bool, tag: u32, placing: Placing) -> Result<(Id, u64)> {
         let chunk = self.chunk;
         let pages = pages_for(size, chunk, "size")?;
         let reserved = pages_for(max_size, chunk, "max_size")?;
         self.run(Touch::Nothing, |inner, ctx, events| {
             let st = &mut inner.st;
             let mut tx = ctx.txn(st);
-            let small = if growable { None } else { st.small.classes.class_of(size) };
+            let small = match (growable, placing) {
+                (false, Placing::Any) => st.small.classes.class_of(size),
+                _ => None,
+            };
+            // A two-phase prepare moves nothing: its abort (a free) could not
+            // move anything back, and ranks would no longer agree.
+            let implicit_moves_were_off = st.no_implicit_moves;
+            if placing == Placing::WholeNoMoves {
+                st.no_implicit_moves = true;
+            }
             let placed = match small {
                 Some(class) => alloc_small(st, &mut tx, tag, class, size, events).map(Target::Small),
                 None => alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events).map(|slot| {
@@ -55,6 +74,7 @@ impl Arena {
                     Target::Chunks(slot)
                 }),
             };
+            st.no_implicit_moves = implicit_moves_were_off;
             match placed {
                 Ok(Target::Small(ss)) => {
                     tx.commit();
@@ -376,6 +396,17 @@ fn grow_in_place(st: &mut State, tx: &mut Txn<'_>, slot: u32, np: u64, new_size:
     Ok(())
 }
 
+/// How an allocation may be placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placing {
+    /// As `alloc` places it: a small one in a slab, moving others if needed.
+    Any,
+    /// In whole chunks, moving others if needed (group allocations).
+    Whole,
+    /// In whole chunks, moving nothing (two-phase prepares).
+    WholeNoMoves,
+}
+
 /// Places a new allocation of whole chunks: best fit, else after releasing
 /// retired ranges and compacting. Returns its slot. On error the state is
 /// unchanged and the caller rolls `tx` back.
@@ -453,6 +484,11 @@ fn alloc_pages(
 /// adoption is never slower.
 fn best_fit_adopting(st: &State, reserved: u64, pages: u64) -> Option<u64> {
     let candidates = st.free.best_fits(reserved, 16);
+    if st.deterministic {
+        // Placement must not depend on what the pool holds, which an
+        // aborted two-phase operation leaves different on one rank.
+        return candidates.into_iter().min();
+    }
     let cached_at = |t: u64| st.cached.range(t..t + pages).count();
     let mut best: Option<(usize, u64)> = None;
     for t in candidates {
