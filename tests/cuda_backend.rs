@@ -68,8 +68,13 @@ impl Span {
         d.set_access(self.base, self.chunk * chunks.len() as u64).unwrap();
     }
 
+    /// One `unmap` per mapping: `cuMemUnmap`'s text asks for "the entire
+    /// contiguous address range that was mapped to", and a strict driver
+    /// refuses a span of separate mappings.
     fn unmap_all(&self, d: &CudaDriver, n: usize) {
-        d.unmap(self.base, self.chunk * n as u64).unwrap();
+        for i in 0..n as u64 {
+            d.unmap(self.base + i * self.chunk, self.chunk).unwrap();
+        }
     }
 
     fn free(self, d: &CudaDriver) {
@@ -248,6 +253,42 @@ fn creating_more_than_the_device_holds_is_out_of_memory() {
         Err(Error::OutOfMemory(msg)) => assert!(msg.contains("cuMemCreate"), "{msg}"),
         other => panic!("expected OutOfMemory, got {other:?}"),
     }
+}
+
+/// The calling thread's current context, straight from the driver.
+fn current_context() -> usize {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: libcuda is loaded (the caller opened a `CudaDriver`); the
+    // out-pointer is a valid local.
+    let r = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut ctx) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    ctx as usize
+}
+
+/// A thread that had no context has none after calling in: the backend
+/// restores what was current. Left current, the primary context outlives
+/// the last arena on that thread, and once the driver resets it (its last
+/// reference released) the thread's own next driver call fails with
+/// CUDA_ERROR_CONTEXT_IS_DESTROYED.
+#[test]
+fn a_thread_without_a_context_has_none_after_calling_in() {
+    let Some(d) = gpu("a_thread_without_a_context_has_none_after_calling_in") else { return };
+    let d = Arc::new(d);
+    std::thread::spawn(move || {
+        assert_eq!(current_context(), 0, "a fresh thread has no context");
+        let c = chunk_size(&d);
+        let h = d.create(c).unwrap();
+        assert_eq!(current_context(), 0, "after cuMemCreate");
+        d.release(h).unwrap();
+        let cfg = ArenaConfig { capacity_bytes: 4 * c, chunk_bytes: c, ..Default::default() };
+        let a = Arena::with_driver(Arc::clone(&d), cfg).unwrap();
+        let (x, _) = a.alloc(2 * c).unwrap();
+        a.free(x).unwrap();
+        drop(a);
+        assert_eq!(current_context(), 0, "after an arena's life");
+    })
+    .join()
+    .unwrap();
 }
 
 #[test]

@@ -299,9 +299,9 @@ impl Shares {
 
     /// At the arena's drop (after its synchronize): unmaps and releases
     /// every import, releases the leftovers. Best effort, never panics.
-    pub(super) fn drop_all(&mut self, drv: &dyn crate::driver::Driver, chunk: u64) {
+    pub(super) fn drop_all(&mut self, drv: &dyn crate::driver::Driver, chunk: u64, mode: super::unmap::UnmapMode) {
         for (_, i) in std::mem::take(&mut self.imports) {
-            let _ = drv.unmap(i.base, i.chunks.len() as u64 * chunk);
+            super::unmap::unmap_pages(drv, None, mode, i.base, chunk, i.chunks.len() as u64);
             for h in i.chunks {
                 let _ = drv.release(h);
             }
@@ -337,8 +337,7 @@ fn free_import(inner: &mut Inner, ctx: &Ctx<'_>, k: u32) -> Result<()> {
     let i = &inner.shares.imports[&k];
     ctx.drv.synchronize()?;
     bump(&ctx.counts.syncs);
-    ctx.drv.unmap(i.base, i.chunks.len() as u64 * chunk)?;
-    bump(&ctx.counts.unmaps);
+    super::unmap::unmap_run(ctx.drv, ctx.counts, ctx.unmaps, i.base, chunk, &i.chunks)?;
     let i = inner.shares.imports.remove(&k).expect("listed import");
     for h in i.chunks {
         match ctx.drv.release(h) {
@@ -521,9 +520,7 @@ impl Arena {
             })();
             if let Err(e) = done {
                 // Nothing touched the new mappings: no synchronize needed.
-                if mapped > 0 && ctx.drv.unmap(base, mapped * chunk).is_ok() {
-                    bump(&ctx.counts.unmaps);
-                }
+                super::unmap::unmap_pages(ctx.drv, Some(ctx.counts), ctx.unmaps, base, chunk, mapped);
                 for h in handles {
                     if ctx.drv.release(h).is_ok() {
                         bump(&ctx.counts.releases);

@@ -27,8 +27,8 @@
 //! in [`CudaDriver::new`] and released in `Drop`. Every driver method first
 //! makes it current on the calling thread, so any thread may call in and the
 //! memory is shared with code using the CUDA runtime API (which also uses the
-//! primary context). If the calling thread had another (non-primary) context
-//! current, it is restored when the method returns.
+//! primary context). Whatever the calling thread had current before (another
+//! context, or none) is current again when the method returns.
 //!
 //! Host buffers ([`Driver::alloc_host`], the backups of sleeping
 //! allocations) are page-locked memory from `cuMemHostAlloc`, which the
