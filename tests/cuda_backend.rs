@@ -568,3 +568,39 @@ fn stream_ordered_frees_prefetch_and_resize_many_on_the_device() {
     a.free(h).unwrap();
     drop(a); // destroys the pending event, releases everything
 }
+
+/// `Driver::import_chunk` refuses a descriptor of another size than the
+/// one claimed, as the trait says, with `InvalidArgument`: a chunk twice
+/// the claimed size (its second half would be silently missing) and one
+/// half of it (`cuMemMap` would fail later with a driver error).
+#[test]
+fn imports_of_another_size_are_invalid_arguments() {
+    let test = "imports_of_another_size_are_invalid_arguments";
+    let Some(d) = gpu(test) else { return };
+    let c = chunk_size(&d);
+    let d = match CudaDriver::with_options(0, &[], true) {
+        Ok(d) => d,
+        Err(e) => return eprintln!("{test}: skipped, no exportable chunks here: {e}"),
+    };
+    let big = d.create(2 * c).unwrap();
+    let small = d.create(c).unwrap();
+    let big_fd = d.export_chunk(big).unwrap();
+    let small_fd = d.export_chunk(small).unwrap();
+    use std::os::fd::AsFd;
+    for (fd, claimed, what) in [(&big_fd, c, "twice the claimed size"), (&small_fd, 2 * c, "half the claimed size")] {
+        match d.import_chunk(fd.as_fd(), claimed, false) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("size"), "{what}: {m}"),
+            Ok(h) => {
+                d.release(h).unwrap();
+                panic!("{what}: accepted");
+            }
+            Err(e) => panic!("{what}: {e:?}"),
+        }
+    }
+    for (fd, size) in [(&big_fd, 2 * c), (&small_fd, c)] {
+        let h = d.import_chunk(fd.as_fd(), size, false).unwrap();
+        d.release(h).unwrap();
+    }
+    d.release(big).unwrap();
+    d.release(small).unwrap();
+}
