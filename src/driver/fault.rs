@@ -45,13 +45,22 @@ struct FaultState {
     injected: u64,
     /// The kind of call the last injected failure hit.
     last_injected: Option<CallKind>,
+    /// The last injected failure hit an event poll (`event_complete`) or
+    /// an event's destroy (`destroy_event`): calls whose failure the arena
+    /// absorbs (a poll reads as "not complete yet", a destroy leaks one
+    /// event).
+    last_injected_absorbable: bool,
+    /// Events whose `destroy_event` failed by injection: the wrapped driver
+    /// still has them, and this wrapper destroys them when dropped, so that
+    /// an injected failure leaks nothing from the process.
+    undestroyed_events: Vec<u64>,
     chunks: BTreeSet<ChunkHandle>,
     mappings: BTreeMap<u64, u64>,
 }
 
 /// Wraps a driver and fails the Nth call of a kind on request.
 #[derive(Debug)]
-pub struct FaultDriver<D> {
+pub struct FaultDriver<D: Driver> {
     inner: D,
     state: Mutex<FaultState>,
     /// Host buffers lent through this wrapper and not yet dropped (shared
@@ -84,6 +93,16 @@ impl Drop for TrackedHostBuffer {
     }
 }
 
+impl<D: Driver> Drop for FaultDriver<D> {
+    fn drop(&mut self) {
+        // Best effort, never a panic: a failure here leaks one event.
+        let events = std::mem::take(&mut self.st().undestroyed_events);
+        for event in events {
+            let _ = self.inner.destroy_event(event);
+        }
+    }
+}
+
 impl<D: Driver> FaultDriver<D> {
     /// Wraps `inner`; no failure is planned.
     pub fn new(inner: D) -> FaultDriver<D> {
@@ -109,6 +128,14 @@ impl<D: Driver> FaultDriver<D> {
             None => s.any_calls,
         };
         s.plan = Some((kind, base + n.max(1), fault));
+    }
+
+    /// Whether the last injected failure hit an event poll or an event's
+    /// destroy, whose failures the arena absorbs (a poll reads as "not
+    /// complete yet"; a destroy leaks one event, which this wrapper
+    /// destroys when dropped).
+    pub fn last_injected_into_a_poll_or_destroy(&self) -> bool {
+        self.st().last_injected_absorbable
     }
 
     /// Cancels a planned failure that has not fired.
@@ -178,6 +205,7 @@ impl<D: Driver> FaultDriver<D> {
                 s.plan = None;
                 s.injected += 1;
                 s.last_injected = Some(kind);
+                s.last_injected_absorbable = false;
                 return Err(fault.error(kind));
             }
         }
@@ -256,7 +284,10 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.inner.record_event(stream)
     }
     fn event_complete(&self, event: u64) -> Result<bool> {
-        self.enter(CallKind::Event)?;
+        if let Err(e) = self.enter(CallKind::Event) {
+            self.st().last_injected_absorbable = true;
+            return Err(e);
+        }
         self.inner.event_complete(event)
     }
     fn wait_event(&self, event: u64) -> Result<()> {
@@ -264,7 +295,12 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.inner.wait_event(event)
     }
     fn destroy_event(&self, event: u64) -> Result<()> {
-        self.enter(CallKind::Event)?;
+        if let Err(e) = self.enter(CallKind::Event) {
+            let mut s = self.st();
+            s.undestroyed_events.push(event);
+            s.last_injected_absorbable = true;
+            return Err(e);
+        }
         self.inner.destroy_event(event)
     }
     fn alloc_host(&self, len: usize) -> Result<HostBuffer> {
