@@ -23,7 +23,9 @@ struct standin S = {.lock = PTHREAD_MUTEX_INITIALIZER};
 struct context {
   int alive;
   int magic;
+  struct context *next; /* every incarnation stays listed (and reachable) */
 };
+static struct context *all_contexts;
 #define CTX_MAGIC 0x43545821
 static struct context *primary;  /* the current incarnation, or NULL */
 static int primary_refs;
@@ -214,6 +216,8 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) {
         primary = calloc(1, sizeof *primary);
         primary->alive = 1;
         primary->magic = CTX_MAGIC;
+        primary->next = all_contexts;
+        all_contexts = primary;
       }
       primary_refs++;
       *ctx = primary;

@@ -172,7 +172,9 @@ struct event {
   int recorded;
   uint64_t seq;   /* work before it: [.., seq) */
   int polls_left; /* NOT_READY answers still to give */
+  struct event *next; /* every event stays listed (and reachable), destroyed or not */
 };
+static struct event *all_events;
 #define EVENT_MAGIC 0x45564e54
 static int events_live;
 
@@ -194,6 +196,8 @@ CUresult cuEventCreate(void **ev, unsigned flags) {
   } else {
     struct event *e = calloc(1, sizeof *e);
     e->magic = EVENT_MAGIC;
+    e->next = all_events;
+    all_events = e;
     events_live++;
     *ev = e;
   }
