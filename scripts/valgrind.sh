@@ -51,7 +51,7 @@ programs=(
     test_torch:c:ffi/tests/c/test_torch.c
     test_faults:c:ffi/tests/c/test_faults.c
     test_group:c:ffi/tests/c/test_group.c
-    test_share:c:ffi/tests/c/test_share.c
+    test_export:c:ffi/tests/c/test_export.c
     test_wrapper:cpp:ffi/tests/cpp/test_wrapper.cpp
     test_torch_throw:cpp:ffi/tests/cpp/test_torch_throw.cpp
     contract_program:cpp:ffi/tests/cpp/contract_program.cpp

@@ -1107,8 +1107,10 @@ enum vmm_arena_status vmm_arena_export_dmabuf(struct vmm_arena *arena,
                                               int32_t *out_fd);
 
 /**
- * Imported allocations and the chunk bytes they map, and allocations
- * exported at least once and not yet freed (each out-parameter may be NULL).
+ * Cross-process sharing counts: imported allocations and the chunk bytes
+ * they map, and allocations exported at least once and not yet freed (each
+ * out-parameter may be NULL). Chunks aliased inside one arena
+ * (vmm_arena_alloc_shared) are not counted here.
  *
  * # Safety
  * `arena` is NULL or a live handle; the out-parameters are NULL or writable.

@@ -257,8 +257,8 @@ fn c_group_test() {
 /// Export and import from C: one process, refusals, the fault matrix, and
 /// two processes (fork, SCM_RIGHTS).
 #[test]
-fn c_share_test() {
-    let exe = compile("test_share", Lang::C, &[source("c/test_share.c")], &our_include(), Link::Shared);
+fn c_export_test() {
+    let exe = compile("test_export", Lang::C, &[source("c/test_export.c")], &our_include(), Link::Shared);
     let out = run(&exe);
     let last = out.lines().last().unwrap_or("");
     assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");

@@ -67,7 +67,7 @@ impl Arena {
     pub fn free(&self, id: Id) -> Result<()> {
         self.run(Touch::Nothing, |inner, _ctx, _| {
             #[cfg(unix)]
-            if let Some(r) = super::share::free_shared(inner, _ctx, id) {
+            if let Some(r) = super::export::free_shared(inner, _ctx, id) {
                 return r;
             }
             let target = inner.st.resolve(id)?;

@@ -27,17 +27,17 @@ use crate::error::{Error, Result};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 use crate::Id;
 
+mod alias;
 mod alloc;
 mod batch;
 mod config;
+#[cfg(unix)]
+mod export;
 mod moves;
 mod page_table;
 mod pool;
 mod prefetch;
 mod quiesce;
-#[cfg(unix)]
-mod share;
-mod shared;
 mod sleep;
 pub(crate) mod small;
 pub(crate) mod state;
@@ -48,9 +48,9 @@ mod unmap;
 mod worker;
 
 use self::alloc::{small_ptr, Target};
-use pool::enforce_watermark;
 #[cfg(unix)]
-pub use share::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
+pub use export::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
+use pool::enforce_watermark;
 pub use state::MoveEvent;
 use state::State;
 pub use stats::{AllocInfo, CompactReport, Stats};
@@ -138,9 +138,9 @@ struct Inner {
     st: State,
     callback: Option<MoveCallback>,
     release_failures: u64,
-    /// Exports and imports (`share.rs`).
+    /// Exports and imports (`export.rs`).
     #[cfg(unix)]
-    shares: share::Shares,
+    shares: export::Shares,
     /// Whether the background worker waits for work (a caller's operation
     /// that made some wakes it, once).
     worker_waiting: bool,
@@ -389,7 +389,7 @@ impl Arena {
                 callback: None,
                 release_failures: 0,
                 #[cfg(unix)]
-                shares: share::Shares::default(),
+                shares: export::Shares::default(),
                 worker_waiting: false,
                 maintaining: false,
                 pressure_waiters: 0,

@@ -5,9 +5,9 @@ use crate::driver::ChunkHandle;
 use crate::error::{Error, Result};
 use crate::Id;
 
+use super::alias;
 use super::alloc::Target;
 use super::moves::release_retired_into;
-use super::shared;
 use super::state::{self, Alloc, State};
 use super::txn;
 use super::{Arena, Ctx, Inner, Touch, ALL_TAGS, SLEEP_BACKUP};
@@ -164,13 +164,13 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
     // Apply (infallible): the sleepers keep their reservations and map
     // nothing; every chunk they had and every pooled chunk is to release.
     // A chunk that an awake allocation also maps is not released (see
-    // `shared::sleep_books`).
+    // `alias::sleep_books`).
     let mut doomed: Vec<ChunkHandle> = Vec::new();
     for (&slot, backup) in targets.iter().zip(backups) {
         // Waking restores its bytes and its caller's work: no promise of
         // none survives a sleep.
         sim.alloc_mut(slot).quiet = Default::default();
-        doomed.extend(shared::sleep_books(&mut sim, slot, backup));
+        doomed.extend(alias::sleep_books(&mut sim, slot, backup));
     }
     for p in std::mem::take(&mut sim.cached) {
         doomed.push(sim.mapped[p as usize].take().expect("cached page is mapped"));
@@ -205,7 +205,7 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
     // new ones up to the capacity.
     // Pages that map again a chunk an awake allocation maps need none, and
     // a group of sleepers that shared a chunk needs one for all of them.
-    let needed = shared::wake_needs(st, &targets);
+    let needed = alias::wake_needs(st, &targets);
     if needed > st.obtainable_pages() {
         return Err(Error::OutOfMemory(format!(
             "waking needs {needed} chunks of {} bytes; {} are obtainable under the capacity",
@@ -221,7 +221,7 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
         // chunk, or a pooled, stolen or new one.
         let mut woken = Vec::with_capacity(targets.len());
         for &slot in &targets {
-            woken.push(shared::wake_one(&mut sim, &mut tx, slot)?);
+            woken.push(alias::wake_one(&mut sim, &mut tx, slot)?);
         }
         // The backups (in the books before the wake), to the pages that got
         // a new chunk: a page mapping a chunk again keeps its bytes as they
@@ -238,7 +238,7 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
                 }
             }
             for &(i, g) in &w.group_pages {
-                for piece in shared::group_sources(st, g) {
+                for piece in alias::group_sources(st, g) {
                     let src = st.alloc(piece.slot);
                     let b = src.sleep.as_ref().and_then(|s| s.backup.as_ref()).expect("a backup");
                     let at = piece.page * c;

@@ -16,8 +16,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+use super::alias::ShareGroups;
 use super::page_table::PageTable;
-use super::shared::ShareGroups;
 use super::small::SmallTable;
 use super::txn::Txn;
 use crate::driver::{ChunkHandle, HostBuffer};
@@ -83,7 +83,7 @@ pub(crate) struct Sleep {
     pub backed: u64,
     /// Its pages that shared a chunk when it fell asleep: (page index,
     /// sharing group), so that it shares again when it wakes (see
-    /// `arena/shared.rs`).
+    /// `arena/alias.rs`).
     pub shares: Vec<(u64, u64)>,
     /// When it fell asleep (a counter): each byte of a group's new chunk
     /// comes from the member that slept last with a backup covering it.

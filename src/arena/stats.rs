@@ -112,9 +112,9 @@ pub struct Stats {
     /// Driver failures in `maintain` or the background worker; each left
     /// the arena consistent and lost nothing.
     pub maintain_failures: u64,
-    /// Physical bytes mapped by more than one live allocation (see
-    /// [`Arena::alloc_shared`]), each chunk once; they count once in
-    /// `mapped_bytes` too.
+    /// Physical bytes mapped by more than one live allocation of this arena
+    /// (aliasing, see [`Arena::alloc_shared`]), each chunk once; they count
+    /// once in `mapped_bytes` too. Exports and imports count apart.
     pub shared_bytes: u64,
 }
 

@@ -74,7 +74,7 @@ impl Arena {
             // orders the unmap after the work on every stream, `stream`'s
             // included). No event is recorded.
             #[cfg(unix)]
-            if let Some(r) = super::share::free_shared(inner, ctx, id) {
+            if let Some(r) = super::export::free_shared(inner, ctx, id) {
                 return r;
             }
             let target = inner.st.resolve(id)?;

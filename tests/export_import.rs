@@ -2,7 +2,7 @@
 //! pinning while an export is open, the exporter freeing first, read-only
 //! imports, what is refused, stats; and a fault matrix over export, import
 //! and the frees of both, plain and on a stream (every driver call of the
-//! operation fails in turn, with each fault kind). The two-process test is `tests/share_two_process.rs`.
+//! operation fails in turn, with each fault kind). The two-process test is `tests/export_two_process.rs`.
 
 mod common;
 

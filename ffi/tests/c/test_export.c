@@ -475,5 +475,5 @@ int main(void) {
   unsigned long ef = export_faults(), imf = import_faults();
   printf("C ABI export/import fault matrix size: %lu (export %lu, import %lu)\n", ef + imf, ef, imf);
   test_two_processes();
-  FINISH("test_share");
+  FINISH("test_export");
 }

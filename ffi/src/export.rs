@@ -1,5 +1,5 @@
 //! The C ABI of exports and imports: sharing an allocation with another
-//! process through file descriptors (see `vmm_arena::arena::share` for the
+//! process through file descriptors (see `vmm_arena::arena::export` for the
 //! semantics). Conventions as in the rest of the header.
 
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -300,8 +300,10 @@ pub unsafe extern "C" fn vmm_arena_export_dmabuf(
     })
 }
 
-/// Imported allocations and the chunk bytes they map, and allocations
-/// exported at least once and not yet freed (each out-parameter may be NULL).
+/// Cross-process sharing counts: imported allocations and the chunk bytes
+/// they map, and allocations exported at least once and not yet freed (each
+/// out-parameter may be NULL). Chunks aliased inside one arena
+/// (vmm_arena_alloc_shared) are not counted here.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; the out-parameters are NULL or writable.
