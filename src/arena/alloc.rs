@@ -16,7 +16,7 @@ impl Arena {
     /// Allocates `size` bytes (rounded up to whole chunks). Returns the id and
     /// the address, chunk-aligned.
     pub fn alloc(&self, size: u64) -> Result<(Id, u64)> {
-        self.alloc_inner(size, size, false)
+        self.alloc_inner(size, size, false, None)
     }
 
     /// Allocates `size` bytes inside a reservation of `max_size`, so the
@@ -25,10 +25,19 @@ impl Arena {
         if max_size < size {
             return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
         }
-        self.alloc_inner(size, max_size, true)
+        self.alloc_inner(size, max_size, true, None)
     }
 
-    fn alloc_inner(&self, size: u64, max_size: u64, growable: bool) -> Result<(Id, u64)> {
+    /// The body of the `alloc*` calls; `stream`: the one the new
+    /// allocation's work is ordered on, if the caller said (see
+    /// `stream_reuse.rs`).
+    pub(super) fn alloc_inner(
+        &self,
+        size: u64,
+        max_size: u64,
+        growable: bool,
+        stream: Option<u64>,
+    ) -> Result<(Id, u64)> {
         let chunk = self.chunk;
         let pages = pages_for(size, chunk, "size")?;
         let reserved = pages_for(max_size, chunk, "max_size")?;
@@ -39,7 +48,12 @@ impl Arena {
             let placed = match small {
                 Some(class) => alloc_small(st, &mut tx, class, size, events).map(Target::Small),
                 None => {
-                    alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events).map(Target::Chunks)
+                    // Only an allocation of whole chunks reuses by stream: a
+                    // slab serves objects whose work may be on any stream.
+                    st.reuse.op_stream = stream;
+                    let placed = alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events);
+                    st.reuse.op_stream = None;
+                    placed.map(Target::Chunks)
                 }
             };
             match placed {

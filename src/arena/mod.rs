@@ -43,6 +43,7 @@ pub(crate) mod small;
 pub(crate) mod state;
 mod stats;
 mod stream;
+mod stream_reuse;
 pub(crate) mod txn;
 mod worker;
 
