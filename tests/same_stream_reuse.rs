@@ -104,6 +104,34 @@ fn growth_on_the_same_stream_steals_a_shrunk_entrys_chunks_without_a_synchronize
 }
 
 #[test]
+fn a_batch_grown_on_the_same_stream_reuses_without_waiting() {
+    // Capacity of four chunks: two live growables, two chunks freed on 1.
+    let (d, a) = stream_arena(4, 32);
+    let (g, g_ptr) = a.alloc_growable_on_stream(C, 8 * C, 1).unwrap();
+    let (h, h_ptr) = a.alloc_growable_on_stream(C, 8 * C, 1).unwrap();
+    freed_with_queued_work(&d, &a, 2);
+    let before = a.stats().unwrap();
+    let ptrs = a.resize_many_on_stream(&[(g, 2 * C), (h, 2 * C)], 1).unwrap();
+    assert_eq!(ptrs, vec![g_ptr, h_ptr]);
+    let s = a.stats().unwrap();
+    assert_eq!((d.events_waited(), s.driver_syncs - before.driver_syncs), (0, 0));
+    assert_eq!(a.stream_reused_chunks().unwrap(), 2);
+    d.enqueue_write(1, g_ptr, &vec![0xBB; (2 * C) as usize]).unwrap();
+    d.enqueue_write(1, h_ptr, &vec![0xCC; (2 * C) as usize]).unwrap();
+    d.complete_stream(1);
+    assert!(d.faults().is_empty(), "{:?}", d.faults());
+    assert!(read_at(&d, g_ptr, (2 * C) as usize).iter().all(|&b| b == 0xBB));
+    assert!(read_at(&d, h_ptr, (2 * C) as usize).iter().all(|&b| b == 0xCC));
+    // The same batch on another stream waits instead.
+    let (d, a) = stream_arena(4, 32);
+    let (g, _) = a.alloc_growable_on_stream(C, 8 * C, 2).unwrap();
+    let (h, _) = a.alloc_growable_on_stream(C, 8 * C, 2).unwrap();
+    freed_with_queued_work(&d, &a, 2);
+    a.resize_many_on_stream(&[(g, 2 * C), (h, 2 * C)], 2).unwrap();
+    assert_eq!((d.events_waited(), a.stream_reused_chunks().unwrap()), (1, 0));
+}
+
+#[test]
 fn cross_stream_reuse_waits_for_the_event() {
     let (d, a) = stream_arena(2, 16);
     let _x_ptr = freed_with_queued_work(&d, &a, 2);

@@ -469,7 +469,11 @@ fn alloc_small(st: &mut State, tx: &mut Txn<'_>, class: u16, size: u64, events: 
         Some(s) => s,
         None => {
             let chunk = st.chunk;
-            let slot = alloc_pages(st, tx, 1, 1, chunk, false, Owner::Slab(u32::MAX), events)?;
+            // A slab serves objects of any stream: no reuse by stream.
+            let stream = st.reuse.op_stream.take();
+            let placed = alloc_pages(st, tx, 1, 1, chunk, false, Owner::Slab(u32::MAX), events);
+            st.reuse.op_stream = stream;
+            let slot = placed?;
             let slab = st.small.add_slab(class, slot);
             st.alloc_mut(slot).owner = Owner::Slab(slab);
             slab

@@ -241,6 +241,16 @@ impl super::Arena {
         self.alloc_inner(size, max_size, true, Some(stream))
     }
 
+    /// [`resize_many`](super::Arena::resize_many) whose growth is work
+    /// ordered on `stream`: it may take memory freed or shrunk on the same
+    /// stream at once, as [`alloc_on_stream`](super::Arena::alloc_on_stream)
+    /// does (a decode batch growing on the engine's stream). Shrinks in the
+    /// batch are plain shrinks (no event is recorded). Errors: as
+    /// `resize_many`.
+    pub fn resize_many_on_stream(&self, requests: &[(crate::Id, u64)], stream: u64) -> Result<Vec<u64>> {
+        self.resize_many_ordered(requests, Some(stream))
+    }
+
     /// Chunks that operations ordered on a stream took, ever, from memory
     /// given up on that same stream before its event completed.
     pub fn stream_reused_chunks(&self) -> Result<u64> {

@@ -257,7 +257,13 @@ impl ArenaMgr {
         let n = self.shape.n_allocs() as usize;
         let mut ids = Vec::with_capacity(n);
         for k in 0..n {
-            match self.arena.alloc_growable(size, max) {
+            let placed = match self.mode {
+                // Ordered on the engine's stream: what this step freed there
+                // serves it at once (no event wait, no synchronize).
+                ArenaMode::Stream => self.arena.alloc_growable_on_stream(size, max, ENGINE_STREAM),
+                ArenaMode::Sync => self.arena.alloc_growable(size, max),
+            };
+            match placed {
                 Ok((id, _)) => ids.push(id),
                 Err(e) => {
                     let f = self.fail(e, (n - k) as u64 * size);
@@ -310,7 +316,11 @@ impl ArenaMgr {
             return Ok(());
         }
         for (k, &id) in ids.iter().enumerate() {
-            if let Err(e) = self.arena.resize(id, new_size) {
+            let resized = match self.mode {
+                ArenaMode::Stream => self.arena.resize_on_stream(id, new_size, ENGINE_STREAM),
+                ArenaMode::Sync => self.arena.resize(id, new_size),
+            };
+            if let Err(e) = resized {
                 return Err(self.fail(e, (ids.len() - k) as u64 * (new_size - old_size)));
             }
         }
@@ -343,7 +353,7 @@ impl ArenaMgr {
         match self.prefix.as_mut() {
             // The cache gives up what the batch needs first.
             Some(p) => p.resize_many(&self.arena, &targets, new_total - old_total, self.discard),
-            None => self.arena.resize_many(&targets).map(|_| ()),
+            None => self.arena.resize_many_on_stream(&targets, ENGINE_STREAM).map(|_| ()),
         }
         .map_err(|e| self.fail(e, new_total - old_total))?;
         for (seq, cap) in grown {
