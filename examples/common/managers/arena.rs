@@ -291,15 +291,6 @@ impl ArenaMgr {
         }
     }
 
-    /// Whether `bytes` more fit in the capacity with no stream free still
-    /// pending (no free of this step): none is pending, or they fit beside
-    /// what is pending (bounded by the request's whole size: its hit and
-    /// evictions only lower the need).
-    fn fits_without_pending(&self, bytes: u64) -> bool {
-        let Ok(s) = self.arena.stats() else { return false };
-        s.pending_free_bytes == 0 || s.mapped_bytes + s.pending_free_bytes + bytes <= s.capacity_bytes
-    }
-
     /// One growth (see [`KvManager::grow`]).
     fn grow_once(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
         let s = self.seqs[seq].as_ref().expect("live sequence");
@@ -467,15 +458,10 @@ impl KvManager for ArenaMgr {
             let Some((tokens, _)) = admission_tokens(total, || self.prefix_hit(seq, q), &mut tokens_left) else {
                 break;
             };
-            // Memory freed on the stream in this step is not reusable before
-            // the GPU has finished it: an admission that may need it would
-            // wait on its event here (a drain, which unhides all of this
-            // step's between-steps work). It and those after it are left
-            // to the next step's admission, which finds the event complete.
-            if !self.fits_without_pending(self.bytes_for(tokens)) {
-                self.prepared.deferred += 1;
-                break;
-            }
+            // Memory freed on the stream in this step serves it at once:
+            // the admission's work is ordered on the same stream
+            // (`Arena::alloc_on_stream`), so nothing waits for the step's
+            // event and nothing is left to the critical path.
             let shared_before = self.shared_live_bytes_all();
             let outcome = self.admit_now(seq, tokens, q);
             let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
@@ -518,22 +504,16 @@ impl KvManager for ArenaMgr {
             return;
         }
         let mut batch: Vec<(usize, u64, u64)> = Vec::new();
-        let mut more = 0;
         for &(seq, tokens, stored) in grows {
             let s = self.seqs[seq].as_ref().expect("live sequence");
             let bytes = s.ids.len() as u64 * self.bytes_for(tokens).saturating_sub(self.bytes_for(s.cap));
             if bytes > 0 {
                 batch.push((seq, tokens, stored));
-                more += bytes;
             }
         }
         if !batch.is_empty() {
             // As for prepared admissions: memory freed on the stream in this
-            // step is left to the next step, which finds it idle.
-            if !self.fits_without_pending(more) {
-                self.growth_pending = true;
-                return;
-            }
+            // step serves the growth at once (same stream).
             self.prepared_growth.0 += batch.len() as u64;
             if self.grow_batch_once(&batch).is_err() {
                 // Unchanged (all or nothing): the next step's growth tries
