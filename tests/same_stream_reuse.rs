@@ -48,7 +48,9 @@ fn same_stream_reuse_never_waits_and_defers_only_the_old_unmap() {
     let (d, a) = stream_arena(2, 16);
     let x_ptr = freed_with_queued_work(&d, &a, 2);
     let before = a.stats().unwrap();
-    let (y, y_ptr) = a.alloc_on_stream(2 * C, 1).unwrap();
+    // Growable (another kind of reservation): it cannot take x over in
+    // place, so it takes x's chunks to its own address.
+    let (y, y_ptr) = a.alloc_growable_on_stream(2 * C, 4 * C, 1).unwrap();
     let s = a.stats().unwrap();
     assert_eq!(d.events_waited(), 0, "same stream: no event wait");
     assert_eq!(s.driver_syncs, before.driver_syncs, "same stream: no synchronize");
@@ -71,6 +73,35 @@ fn same_stream_reuse_never_waits_and_defers_only_the_old_unmap() {
     assert_eq!(s.pending_free_bytes, 0);
     Snap::of(&a).check_structure(a.va_range());
     a.free(y).unwrap();
+}
+
+#[test]
+fn an_allocation_freed_on_the_stream_is_taken_over_in_place_with_no_driver_call() {
+    let (d, a) = stream_arena(2, 16);
+    let (x, x_ptr) = a.alloc_growable_on_stream(2 * C, 8 * C, 1).unwrap();
+    d.enqueue_write(1, x_ptr, &vec![0xAA; (2 * C) as usize]).unwrap();
+    a.free_on_stream(x, 1).unwrap();
+    let before = a.stats().unwrap();
+    let (y, y_ptr) = a.alloc_growable_on_stream(C + 1, 8 * C, 1).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(y_ptr, x_ptr, "the same reservation, where it is");
+    assert_ne!(y, x);
+    assert!(a.query(x).is_err(), "the old id stays dead");
+    let calls = |s: &vmm_arena::Stats| s.driver_creates + s.driver_maps + s.driver_unmaps + s.driver_syncs;
+    assert_eq!((calls(&s), d.events_waited()), (calls(&before), 0), "no driver call, no wait");
+    assert_eq!((s.live_allocations, s.live_bytes), (1, C + 1));
+    assert_eq!(a.stream_reused_chunks().unwrap(), 2);
+    d.enqueue_write(1, y_ptr, &vec![0xBB; (C + 1) as usize]).unwrap();
+    d.complete_stream(1);
+    assert!(d.faults().is_empty(), "{:?}", d.faults());
+    assert!(read_at(&d, y_ptr, (C + 1) as usize).iter().all(|&b| b == 0xBB));
+    a.maintain().unwrap();
+    // Its second chunk, beyond its size, is cached and known idle now.
+    let s = a.stats().unwrap();
+    assert_eq!((s.pending_free_bytes, s.idle_cached_bytes), (0, 0), "grown back: {s:?}");
+    a.resize_on_stream(y, 2 * C, 1).unwrap();
+    assert_eq!(a.stats().unwrap().driver_maps, before.driver_maps, "its own cached chunk, adopted");
+    Snap::of(&a).check_structure(a.va_range());
 }
 
 #[test]
@@ -251,7 +282,10 @@ fn run_with(ops: Vec<Op>, broken: bool) -> Result<(), TestCaseError> {
         }
         Snap::of(&a).check_structure(a.va_range());
     }
-    d.complete_all_events();
+    // The streams finish in either order on a device; stream 2's work
+    // first is the order in which a lagging stream-1 write would land last.
+    d.complete_stream(2);
+    d.complete_stream(1);
     prop_assert!(d.faults().is_empty(), "queued writes faulted: {:?}", d.faults());
     for l in &live {
         let mut got = vec![0u8; (l.pages * C) as usize];

@@ -417,6 +417,19 @@ fn alloc_pages(
         sleep: None,
         quiet: Quiet::No,
     };
+    // On a stream: an allocation freed there, taken over where it is (on
+    // a copy: growing it to `pages` may fail, and then the caller rolls
+    // back; its plan refuses before any driver call if memory is short).
+    if owner == Owner::User && !st.pending.is_empty() && st.reuse.op_stream.is_some() {
+        let mut sim = st.clone();
+        if let Some(slot) = super::stream_reuse::take_over_pending(&mut sim, pages, reserved, size, growable) {
+            if sim.alloc(slot).backed < pages {
+                grow_in_place(&mut sim, tx, slot, pages, size)?;
+            }
+            *st = sim;
+            return Ok(slot);
+        }
+    }
     if let (false, Some(t)) = (short, best_fit_adopting(st, reserved, pages)) {
         let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
         plan.execute(st, tx)?;

@@ -135,6 +135,65 @@ pub(crate) fn pick(st: &State, want: usize, outside: &dyn Fn(&u64) -> bool) -> T
     t
 }
 
+/// A new allocation on the operation's stream takes over, in place, an
+/// allocation freed on that stream whose event is pending: same
+/// reservation size and kind (a non-growable one with exactly `pages`
+/// backed), no chunk shared. Its pages are mapped already, so this makes
+/// no driver call: the new owner's work, queued on the same stream, runs
+/// after the old owner's. Backed pages beyond `pages` become cached in the
+/// reservation, known idle when the free's event completes (the free's
+/// entry stays pending for them, as a shrink's); pages short of `pages`
+/// are left to the caller to grow (`backed` says how many are mapped).
+/// Returns the slot, under a new generation (the old id stays dead).
+pub(crate) fn take_over_pending(st: &mut State, pages: u64, reserved: u64, size: u64, growable: bool) -> Option<u32> {
+    let events = same_stream_events(st);
+    if events.is_empty() {
+        return None;
+    }
+    let mut best: Option<(u64, usize)> = None;
+    for (i, p) in st.pending.iter().enumerate() {
+        let Held::Chunks(slot) = p.what else { continue };
+        if !events.contains(&p.event) || st.slots[slot as usize].generation >= crate::id::MAX_GENERATION {
+            continue;
+        }
+        let a = st.alloc(slot);
+        let fits = a.reserved == reserved && a.growable == growable && (growable || a.backed == pages);
+        if !fits || (a.start..a.start + a.backed).any(|q| st.page_shared(q)) {
+            continue;
+        }
+        // The fewest pages to give up, else the fewest to map.
+        let cost = if a.backed >= pages { a.backed - pages } else { (pages - a.backed) << 32 };
+        if best.is_none_or(|(c, _)| cost < c) {
+            best = Some((cost, i));
+        }
+    }
+    let (_, i) = best?;
+    let entry = st.pending[i];
+    let Held::Chunks(slot) = entry.what else { unreachable!("chosen above") };
+    let (start, backed) = (st.alloc(slot).start, st.alloc(slot).backed);
+    let excess = backed.saturating_sub(pages);
+    st.slots[slot as usize].generation += 1;
+    if excess > 0 {
+        for q in st.shrink_backing(slot, pages) {
+            debug_assert!(false, "page {q} is shared");
+        }
+        for q in start + pages..start + pages + excess {
+            st.pending_idle.insert(q, entry.event);
+        }
+    }
+    st.pending[i].what = Held::Pages { first: start + pages, count: excess };
+    let m = st.alloc_mut(slot);
+    m.owner = super::state::Owner::User;
+    m.size = size;
+    m.quiet = super::state::Quiet::No;
+    m.tag = 0;
+    st.live_bytes += size;
+    st.live_count += 1;
+    st.reuse.reused += pages.min(backed);
+    st.prefetch_dirty = true;
+    Some(slot)
+}
+
 /// Deferred pages among `pages`: a plan mapping there unmaps them first.
 pub(crate) fn evict_in(st: &State, t: &mut Taken, pages: std::ops::Range<u64>) {
     for (&p, &e) in st.reuse.deferred.range(pages) {

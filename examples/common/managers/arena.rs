@@ -291,6 +291,15 @@ impl ArenaMgr {
         }
     }
 
+    /// Whether `bytes` more fit beside the live allocations, or nothing is
+    /// pending. Memory freed on the stream serves an allocation on it at
+    /// once, but one that does not fit even with it would wait for the
+    /// frees' events (a drain) only to fail: it is left to the next step.
+    fn fits_beside_live(&self, bytes: u64) -> bool {
+        let Ok(s) = self.arena.stats() else { return false };
+        s.pending_free_bytes == 0 || s.mapped_bytes + bytes <= s.capacity_bytes
+    }
+
     /// One growth (see [`KvManager::grow`]).
     fn grow_once(&mut self, seq: usize, tokens: u64, _stored: u64) -> Result<(), Fail> {
         let s = self.seqs[seq].as_ref().expect("live sequence");
@@ -461,7 +470,11 @@ impl KvManager for ArenaMgr {
             // Memory freed on the stream in this step serves it at once:
             // the admission's work is ordered on the same stream
             // (`Arena::alloc_on_stream`), so nothing waits for the step's
-            // event and nothing is left to the critical path.
+            // event. One that cannot fit even so is left to the next step.
+            if !self.fits_beside_live(self.bytes_for(tokens)) {
+                self.prepared.deferred += 1;
+                break;
+            }
             let shared_before = self.shared_live_bytes_all();
             let outcome = self.admit_now(seq, tokens, q);
             let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
@@ -504,16 +517,23 @@ impl KvManager for ArenaMgr {
             return;
         }
         let mut batch: Vec<(usize, u64, u64)> = Vec::new();
+        let mut more = 0;
         for &(seq, tokens, stored) in grows {
             let s = self.seqs[seq].as_ref().expect("live sequence");
             let bytes = s.ids.len() as u64 * self.bytes_for(tokens).saturating_sub(self.bytes_for(s.cap));
             if bytes > 0 {
                 batch.push((seq, tokens, stored));
+                more += bytes;
             }
         }
         if !batch.is_empty() {
             // As for prepared admissions: memory freed on the stream in this
-            // step serves the growth at once (same stream).
+            // step serves the growth at once (same stream), but growth that
+            // cannot fit even so is left to the next step.
+            if !self.fits_beside_live(more) {
+                self.growth_pending = true;
+                return;
+            }
             self.prepared_growth.0 += batch.len() as u64;
             if self.grow_batch_once(&batch).is_err() {
                 // Unchanged (all or nothing): the next step's growth tries
