@@ -50,8 +50,8 @@ cmd_build() {
 
     echo "gpu-check build: release test binaries (lib unit tests + tests/*.rs)" >&2
     cargo test --release --lib --tests --no-run --message-format=json >"$msgs"
-    echo "gpu-check build: measuring binary (examples/gpu_measure.rs)" >&2
-    cargo build --release --example gpu_measure --message-format=json >>"$msgs"
+    echo "gpu-check build: measuring binary (sim/src/bin/gpu_measure.rs)" >&2
+    cargo build --release -p vmm-sim --bin gpu_measure --message-format=json >>"$msgs"
     echo "gpu-check build: C library for the PyTorch check (libvmm_arena.so)" >&2
     cargo build --release -p vmm-arena-ffi --message-format=json >>"$msgs"
 

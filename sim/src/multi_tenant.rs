@@ -42,7 +42,7 @@
 //! The default backend is `host-sparse` (chunks are not committed, so a
 //! replay whose KV exceeds this machine's RAM still runs; only the tagged
 //! pages are touched). The backend runs under the counting driver of
-//! `common/counted.rs`, which also models stream events: an event recorded
+//! `sim/src/counted.rs`, which also models stream events: an event recorded
 //! during a step completes when the GPU has finished that step (the next
 //! step begins), so memory freed on the stream is not reusable within the
 //! step that freed it.
@@ -68,10 +68,7 @@ use serde::{Deserialize, Serialize};
 use vmm_arena::driver::host::{HostDriver, HostOptions};
 use vmm_arena::{Arena, ArenaConfig, Backend, Error, Id};
 
-#[allow(dead_code)]
-#[path = "common/counted.rs"]
-mod counted;
-use counted::{Calls, Counted};
+use crate::counted::{Calls, Counted};
 
 const KIB: u64 = 1 << 10;
 const GIB: u64 = 1 << 30;
@@ -1354,8 +1351,8 @@ impl Cli {
     }
 }
 
-#[allow(dead_code)]
-fn main() {
+/// The `multi_tenant` program (`src/bin/multi_tenant.rs`).
+pub fn main() {
     let cli = Cli::parse();
     let cfg = match cli.config() {
         Ok(c) => Config { progress: std::io::stderr().is_terminal(), ..c },

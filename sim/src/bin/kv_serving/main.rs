@@ -3,29 +3,26 @@
 //! step's time charged by a GPU step-time model.
 //!
 //! ```sh
-//! cargo run --release --example kv_serving                       # built-in synthetic Azure-like trace
-//! cargo run --release --example kv_serving -- --trace ../shared/traces/azure_conv_2023.csv
-//! cargo run --release --example kv_serving -- --quick --json out.json
-//! cargo run --release --example kv_serving -- --tp 4 --model llama3-70b --capacity 12GiB   # tensor parallel
+//! cargo run --release -p vmm-sim                       # built-in synthetic Azure-like trace
+//! cargo run --release -p vmm-sim -- --trace ../shared/traces/azure_conv_2023.csv
+//! cargo run --release -p vmm-sim -- --quick --json out.json
+//! cargo run --release -p vmm-sim -- --tp 4 --model llama3-70b --capacity 12GiB   # tensor parallel
 //! ```
 //!
 //! With `--tp N` every request's KV is sharded over N devices (1/N of each
 //! token's KV per device, token-major), and the managers are the
-//! tensor-parallel ones of `common/tp.rs`: a vmm-arena group (all or
+//! tensor-parallel ones of `sim/src/tp.rs`: a vmm-arena group (all or
 //! nothing across members) and N per-device PyTorch caching-allocator
 //! models, each device with activation noise of its own seed
 //! (`--activation-bytes`). `--capacity` is then the KV capacity of each
 //! device.
 //!
 //! Every manager replays the same requests with the same scheduler (see
-//! `common/replay.rs`) on its own counted host device (sparse mode) of the
+//! `sim/src/replay.rs`) on its own counted host device (sparse mode) of the
 //! same capacity; each token's KV slot gets a real tag written through the
 //! mapping and verified when the request ends. Step times, throughput and
-//! latency come from `common/timing.rs` (GPU profile `h200` by default).
+//! latency come from `sim/src/timing.rs` (GPU profile `h200` by default).
 //! `--help` lists the options.
-
-#[path = "../common/mod.rs"]
-mod common;
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
@@ -35,18 +32,22 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use common::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
-use common::replay::{self, RunResult, SchedConfig};
-use common::timing::Profile;
-use common::tp;
-use common::trace::{self, Trace};
-use common::util::{fmt_bytes, parse_size};
 use serde_json::{json, Value};
+use vmm_sim::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
+use vmm_sim::replay::{self, RunResult, SchedConfig};
+use vmm_sim::timing::Profile;
+use vmm_sim::tp;
+use vmm_sim::trace::{self, Trace};
+use vmm_sim::util::{fmt_bytes, parse_size};
 
 /// Replay LLM serving traffic through vmm-arena and today's KV-cache
 /// managers, charging each step's time with a GPU step-time model.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "kv_serving", version, about)]
+#[command(
+    name = "kv_serving",
+    version,
+    about = "KV-serving replay: LLM serving traffic through vmm-arena and through models of the allocators engines use today, side by side"
+)]
 struct Opts {
     /// Azure CSV or Mooncake JSONL trace (default: built-in synthetic
     /// Azure-conversation-like trace, seeded).
@@ -117,7 +118,7 @@ struct Opts {
     /// GPU profile of the step-time model.
     #[arg(long, default_value = "h200", value_parser = ["h200", "a100"])]
     profile: String,
-    /// JSON object overriding fields of the profile (see common/timing.rs).
+    /// JSON object overriding fields of the profile (see sim/src/timing.rs).
     #[arg(long)]
     profile_file: Option<PathBuf>,
     /// Prefix caching: vLLM's automatic prefix caching in vllm-paged, and
@@ -516,7 +517,7 @@ fn print_table(results: &[RunResult], trace: &Trace) {
     println!("  synchronizes on the critical path (each costs its step the CPU/GPU overlap); prefix hit = prompt");
     println!("  tokens found in a prefix cache; recomp = tokens computed again after preemptions; peak live = KV");
     println!("  of running requests at its instantaneous peak (a shared prefix once per request); GiB for memory.");
-    println!("  See common/timing.rs.");
+    println!("  See sim/src/timing.rs.");
     let shared: Vec<&RunResult> = results.iter().filter(|r| r.peak_shared_live_bytes > 0).collect();
     if !shared.is_empty() {
         println!("  Shared prefixes (a prefix mapped by several running requests counts once in distinct live KV):");

@@ -575,8 +575,8 @@ impl Cli {
     }
 }
 
-#[allow(dead_code)]
-fn main() {
+/// The `snapshot_svg` program (`src/bin/snapshot_svg.rs`).
+pub fn main() {
     let cli = Cli::parse();
     let (input, output) = (cli.input.display(), cli.output.display());
     let result = std::fs::read_to_string(&cli.input)

@@ -1,17 +1,14 @@
 //! The KV-serving replay's step-time model and the metrics built on it,
 //! against expectations computed by hand on tiny traces (see each test).
 
-#[path = "../examples/common/mod.rs"]
-mod common;
-
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use common::counted::Calls;
-use common::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout};
-use common::replay::{replay, RunResult, SchedConfig};
-use common::timing::{Profile, StepWork};
-use common::trace::Request;
+use vmm_sim::counted::Calls;
+use vmm_sim::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout};
+use vmm_sim::replay::{replay, RunResult, SchedConfig};
+use vmm_sim::timing::{Profile, StepWork};
+use vmm_sim::trace::Request;
 
 /// Round numbers: 1 TB/s at full efficiency, 1 PFLOP/s at MFU 0.5, a 1 B
 /// parameter model in BF16 (2 GB of weights), 1 ms of CPU per step, and a
@@ -500,7 +497,7 @@ fn prefetch_moves_driver_work_between_steps() {
 /// override exactly the driver prices.
 #[test]
 fn the_committed_driver_tables_load() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/kv_serving/profiles/second-driver-table.json");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/profiles/second-driver-table.json");
     let text = std::fs::read_to_string(path).unwrap();
     let base = Profile::h200();
     let p = Profile::with_overrides(&base, &text).unwrap();

@@ -1,5 +1,8 @@
-//! Workload code shared by the examples (`kv_serving`, `fragmentation`) and
-//! by `tests/workloads.rs`, included with `#[path]`.
+//! The KV-serving simulator over vmm-arena: LLM serving traffic replayed
+//! through vmm-arena and through models of the allocators engines use
+//! today, every step's time charged by a GPU step-time model. The programs
+//! are in `src/bin/` (`kv_serving`, the main job, runs with
+//! `cargo run --release -p vmm-sim`).
 //!
 //! - [`counted`]: the driver wrapper that counts every manager's calls and
 //!   models the device's capacity;
@@ -17,16 +20,25 @@
 //! - [`tp`]: tensor-parallel managers (`kv_serving --tp N`);
 //! - [`scenario`]: the textbook fragmentation failure;
 //! - [`util`]: sizes and a seeded RNG.
-#![allow(dead_code)]
+//!
+//! The other workloads, each the library half of a program in `src/bin/`:
+//! [`multi_tenant`] (several models' KV caches in one arena),
+//! [`rlhf_cycle`] (sleep and wake between training and generation),
+//! [`stress`] (threads racing every operation), and [`snapshot_svg`]
+//! (an arena snapshot drawn as SVG).
 
 pub mod arena_prefix_cache;
 pub mod caching;
 pub mod counted;
 pub mod managers;
+pub mod multi_tenant;
 pub mod prefix_cache;
 pub mod prepared;
 pub mod replay;
+pub mod rlhf_cycle;
 pub mod scenario;
+pub mod snapshot_svg;
+pub mod stress;
 pub mod timing;
 pub mod tp;
 pub mod trace;

@@ -9,21 +9,18 @@
 //! by moving allocations through remapping (no byte copied).
 //!
 //! ```sh
-//! cargo run --release --example fragmentation [-- --capacity 256MiB --request 32MiB --json out.json]
+//! cargo run --release -p vmm-sim --bin fragmentation [-- --capacity 256MiB --request 32MiB --json out.json]
 //! ```
 //!
 //! Exits non-zero if vmm-arena (with moves) fails the request or any
 //! allocator loses a byte.
 
-#[path = "common/mod.rs"]
-mod common;
-
 use std::path::PathBuf;
 
 use clap::Parser;
-use common::scenario;
-use common::util::{fmt_bytes, parse_size};
 use serde::Serialize;
+use vmm_sim::scenario;
+use vmm_sim::util::{fmt_bytes, parse_size};
 
 /// The textbook fragmentation failure: PyTorch's caching allocator against
 /// vmm-arena on the same device.

@@ -1,27 +1,15 @@
-//! The examples' logic, shortened: `stress` (2 threads, about a second),
+//! The workload programs' logic, shortened: `stress` (2 threads, about a second),
 //! `multi_tenant` (small synthetic load), `rlhf_cycle` (two small sleep and
 //! wake cycles) and `snapshot_svg` on real snapshots.
-//! The example files are included as modules, so the test runs exactly
-//! their code.
-
-#[allow(dead_code)]
-#[path = "../examples/multi_tenant.rs"]
-mod multi_tenant;
-#[allow(dead_code)]
-#[path = "../examples/rlhf_cycle.rs"]
-mod rlhf_cycle;
-#[allow(dead_code)]
-#[path = "../examples/snapshot_svg.rs"]
-mod snapshot_svg;
-#[allow(dead_code)]
-#[path = "../examples/stress.rs"]
-mod stress;
+//! Each program's `main` is a thin call into its library module, so the
+//! test runs exactly their code.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use snapshot_svg::{render, Options};
 use vmm_arena::{Arena, ArenaConfig, Backend};
+use vmm_sim::snapshot_svg::{self, render, Options};
+use vmm_sim::{multi_tenant, rlhf_cycle, stress};
 
 const C: u64 = 2 << 20;
 
@@ -213,7 +201,7 @@ fn multi_tenant_stream_and_sync_modes() {
 
 #[test]
 fn multi_tenant_reads_both_trace_formats() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces");
     let files = ["azure_conv_2023.csv", "mooncake_conversation.jsonl"];
     if !files.iter().all(|f| dir.join(f).exists()) {
         eprintln!("skipped: the shared traces are not in {}", dir.display());

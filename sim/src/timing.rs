@@ -451,8 +451,7 @@ mod tests {
             unmap_s: 2e-6,
             set_access_call_s: 10e-6,
             unmap_call_s: 20e-6,
-            ..Profile::with_overrides(&Profile::h200(), include_str!("../kv_serving/profiles/zero-driver-cost.json"))
-                .unwrap()
+            ..Profile::with_overrides(&Profile::h200(), include_str!("../profiles/zero-driver-cost.json")).unwrap()
         };
         let c = Calls { set_access: 2, set_access_chunks: 100, unmap: 3, unmap_chunks: 50, ..Calls::default() };
         let want = 2.0 * 10e-6 + 100.0 * 1e-6 + 3.0 * 20e-6 + 50.0 * 2e-6;

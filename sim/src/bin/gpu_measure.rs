@@ -21,7 +21,7 @@
 //! and `gpu-measure.md` there, and `kv-profile.json`: the measured driver
 //! prices as a profile for `kv_serving --profile-file` (medians; the
 //! access and unmap calls split into a part per call and a part per chunk,
-//! fitted over the spans, see `common/timing.rs`). Where CUDA cannot run it says so and exits 0
+//! fitted over the spans, see `sim/src/timing.rs`). Where CUDA cannot run it says so and exits 0
 //! (writing a JSON with `"status": "unsupported"` when `--out` is given).
 //! `--quick` cuts repetitions and sizes, for a smoke run.
 
@@ -33,13 +33,10 @@ use std::time::Instant;
 use clap::Parser;
 use serde::Serialize;
 
-#[path = "common/mod.rs"]
-mod common;
-
-use common::timing::{fit_span_cost, DriverPrices, SpanCost};
 use vmm_arena::driver::cuda::CudaDriver;
 use vmm_arena::driver::{ChunkHandle, Driver};
 use vmm_arena::{Arena, ArenaConfig};
+use vmm_sim::timing::{fit_span_cost, DriverPrices, SpanCost};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;

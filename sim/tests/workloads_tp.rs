@@ -1,18 +1,15 @@
-//! The tensor-parallel managers of `kv_serving --tp` (`examples/common/tp.rs`),
+//! The tensor-parallel managers of `kv_serving --tp` (`sim/src/tp.rs`),
 //! run small under memory pressure: every shard's tags survive, every request
 //! ends, the arena group never fails for fragmentation (its failures are
 //! devices without room), and the per-device PyTorch models, fed the same
 //! requests and the same per-device activation noise, do.
 
-#[path = "../examples/common/mod.rs"]
-mod common;
-
 use std::sync::atomic::AtomicU64;
 
-use common::managers::{self, KvShape, Layout};
-use common::replay::{replay, RunResult, SchedConfig};
-use common::timing::Profile;
-use common::{tp, trace};
+use vmm_sim::managers::{self, KvShape, Layout};
+use vmm_sim::replay::{replay, RunResult, SchedConfig};
+use vmm_sim::timing::Profile;
+use vmm_sim::{tp, trace};
 
 const MIB: u64 = 1 << 20;
 

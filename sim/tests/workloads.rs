@@ -1,20 +1,17 @@
-//! The workload code of the examples (`examples/common/`), run small: the
+//! The simulator's workload code (`sim/src/`), run small: the
 //! KV-serving replay for every manager and both layouts, the fragmentation
 //! scenario, the PyTorch caching-allocator model's rules, and the parsing of
 //! the shared traces (skipped with a message where `../shared` is missing).
 
-#[path = "../examples/common/mod.rs"]
-mod common;
-
 use std::sync::atomic::AtomicU64;
 
-use common::caching::CachingAllocator;
-use common::managers::{
+use vmm_sim::caching::CachingAllocator;
+use vmm_sim::managers::{
     self, new_device, ArenaMgr, ArenaMode, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS,
 };
-use common::replay::{replay, RunResult, SchedConfig};
-use common::timing::Profile;
-use common::{scenario, trace};
+use vmm_sim::replay::{replay, RunResult, SchedConfig};
+use vmm_sim::timing::Profile;
+use vmm_sim::{scenario, trace};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -429,7 +426,7 @@ fn caching_models_keep_their_invariants_under_random_churn() {
     for expandable in [false, true] {
         let dev = new_device(512 * MIB).unwrap();
         let mut a = CachingAllocator::new(dev.clone(), 512 * MIB, expandable);
-        let mut rng = common::util::Rng::new(11);
+        let mut rng = vmm_sim::util::Rng::new(11);
         let mut live: Vec<u64> = Vec::new();
         for i in 0..4000 {
             if live.is_empty() || rng.f64() < 0.55 {
@@ -461,7 +458,7 @@ fn caching_models_keep_their_invariants_under_random_churn() {
 
 #[test]
 fn shared_traces_parse() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces");
     for (file, min_prompt_mean) in [("azure_conv_2023.csv", 500.0), ("mooncake_conversation.jsonl", 5000.0)] {
         let path = dir.join(file);
         if !path.exists() {
@@ -536,7 +533,7 @@ fn a_given_up_admission_over_a_taken_over_entry_keeps_the_entry() {
 fn prefix_cache_on_a_mock(
     capacity: u64,
     reserve: u64,
-) -> (vmm_arena::Arena, common::arena_prefix_cache::ArenaPrefixCache) {
+) -> (vmm_arena::Arena, vmm_sim::arena_prefix_cache::ArenaPrefixCache) {
     let c = 2 * MIB;
     let d = std::sync::Arc::new(vmm_arena::driver::mock::MockDriver::with_streams(c, 1 << 40));
     let cfg = vmm_arena::ArenaConfig {
@@ -546,7 +543,7 @@ fn prefix_cache_on_a_mock(
         ..Default::default()
     };
     let arena = vmm_arena::Arena::with_driver(d, cfg).unwrap();
-    let mut p = common::arena_prefix_cache::ArenaPrefixCache::new(c, 128 << 10).unwrap();
+    let mut p = vmm_sim::arena_prefix_cache::ArenaPrefixCache::new(c, 128 << 10).unwrap();
     p.stream = Some(0);
     (arena, p)
 }

@@ -1011,8 +1011,8 @@ impl Cli {
     }
 }
 
-#[allow(dead_code)]
-fn main() {
+/// The `stress` program (`src/bin/stress.rs`).
+pub fn main() {
     let cli = Cli::parse();
     let cfg = match cli.config() {
         Ok(c) => Config { progress: std::io::stderr().is_terminal(), ..c },

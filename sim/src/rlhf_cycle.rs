@@ -449,8 +449,8 @@ fn print(r: &Report) {
     }
 }
 
-#[allow(dead_code)]
-fn main() {
+/// The `rlhf_cycle` program (`src/bin/rlhf_cycle.rs`).
+pub fn main() {
     let cli = Cli::parse();
     let cfg = match cli.config() {
         Ok(c) => c,
