@@ -8,12 +8,9 @@
 //!   blocking wait and no synchronize;
 //! - the same request from another stream blocks (one blocking event wait).
 
-#[path = "../examples/common/mod.rs"]
-mod common;
-
 use std::sync::Arc;
 
-use common::managers::new_device;
+use vmm_sim::managers::{new_device, Dev};
 use vmm_arena::{Arena, ArenaConfig};
 
 const MIB: u64 = 1 << 20;
@@ -22,7 +19,7 @@ const ENGINE: u64 = 1;
 const OTHER: u64 = 2;
 
 /// An arena of `chunks` chunks on a counting device of the same capacity.
-fn arena(chunks: u64) -> (common::managers::Dev, Arena) {
+fn arena(chunks: u64) -> (Dev, Arena) {
     let dev = new_device(chunks * C).unwrap();
     let cfg = ArenaConfig { capacity_bytes: chunks * C, reserve_bytes: 64 * C, chunk_bytes: C, ..Default::default() };
     let a = Arena::with_driver(Arc::clone(&dev) as Arc<dyn vmm_arena::driver::Driver>, cfg).unwrap();
