@@ -10,8 +10,8 @@
 
 use std::sync::Arc;
 
-use vmm_sim::managers::{new_device, Dev};
 use vmm_arena::{Arena, ArenaConfig};
+use vmm_sim::managers::{new_device, Dev};
 
 const MIB: u64 = 1 << 20;
 const C: u64 = 2 * MIB;

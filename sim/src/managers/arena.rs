@@ -60,6 +60,25 @@ pub struct ArenaMgr {
     growth_pending: bool,
     /// The replay schedules chunked prefill (learnt from its token budget).
     chunked: bool,
+    /// `Stream` mode: the prefetch targets asked for (`ArenaOptions`), and
+    /// what sizes the chunks created ahead to the need (see
+    /// [`ArenaMgr::size_precreate`]).
+    base_prefetch: (u64, u64),
+    growth: GrowthRate,
+}
+
+/// The recent growth of the memory backing allocations, per step: the
+/// chunks an engine must have created before the next step's admissions
+/// and growth can map them without a create on the critical path.
+#[derive(Clone, Copy, Debug, Default)]
+struct GrowthRate {
+    /// Backed bytes at the last look.
+    last: u64,
+    /// Exponentially weighted mean of the per-step increase (decreases
+    /// count as none: freed memory is pooled, and serves growth at once).
+    mean: f64,
+    /// The precreate target set last.
+    target: u64,
 }
 
 /// How the engine drives the arena (see [`ArenaMgr`]).
@@ -179,6 +198,8 @@ impl ArenaMgr {
             prepared_growth: (0, 0),
             growth_pending: false,
             chunked: false,
+            base_prefetch: (o.precreate_bytes, o.map_ahead_bytes),
+            growth: GrowthRate::default(),
         })
     }
 
@@ -298,6 +319,36 @@ impl ArenaMgr {
     fn fits_beside_live(&self, bytes: u64) -> bool {
         let Ok(s) = self.arena.stats() else { return false };
         s.pending_free_bytes == 0 || s.mapped_bytes + bytes <= s.capacity_bytes
+    }
+
+    /// Sizes the chunks created ahead to the need: at least the asked-for
+    /// target, and as much as backed memory grew per step lately (the
+    /// weighted mean of the increases, half each step), so that a step's
+    /// admissions and growth find created chunks while live KV climbs,
+    /// and nothing more is held once it stops climbing (then freed
+    /// memory serves them). The pool gives way to allocations before any
+    /// request is refused (it is the first source of every plan), so it
+    /// never causes a preemption; it is bounded by the room left
+    /// beside what is backed.
+    fn size_precreate(&mut self) {
+        let (base, map_ahead) = self.base_prefetch;
+        if base == 0 && map_ahead == 0 {
+            return; // prefetch off
+        }
+        let Ok(s) = self.arena.stats() else { return };
+        let rise = s.mapped_bytes.saturating_sub(self.growth.last) as f64;
+        self.growth.last = s.mapped_bytes;
+        self.growth.mean = 0.5 * self.growth.mean + 0.5 * rise;
+        let room = s.capacity_bytes.saturating_sub(s.mapped_bytes + s.pending_free_bytes);
+        let want = (self.growth.mean as u64).div_ceil(self.chunk) * self.chunk;
+        let target = want.max(base).min(room.max(base));
+        if target != self.growth.target {
+            self.growth.target = target;
+            if let Err(e) = self.arena.set_prefetch(target, map_ahead) {
+                self.maintain_errors += 1;
+                self.last_maintain_error = Some(e.to_string());
+            }
+        }
     }
 
     /// One growth (see [`KvManager::grow`]).
@@ -627,6 +678,7 @@ impl KvManager for ArenaMgr {
         }
         // While the GPU computes: bring the prefetch targets back.
         if self.mode == ArenaMode::Stream {
+            self.size_precreate();
             if let Err(e) = self.arena.maintain() {
                 self.maintain_errors += 1;
                 self.last_maintain_error = Some(e.to_string());
