@@ -163,7 +163,7 @@ pub(crate) fn take_over_pending(st: &mut State, pages: u64, reserved: u64, size:
         }
         // The fewest pages to give up, else the fewest to map.
         let cost = if a.backed >= pages { a.backed - pages } else { (pages - a.backed) << 32 };
-        if best.is_none_or(|(c, _)| cost < c) {
+        if best.map_or(true, |(c, _)| cost < c) {
             best = Some((cost, i));
         }
     }
