@@ -328,7 +328,8 @@ impl ArenaMgr {
     /// and nothing more is held once it stops climbing (then freed
     /// memory serves them). The pool gives way to allocations before any
     /// request is refused (it is the first source of every plan), so it
-    /// never causes a preemption; it is bounded by the room left
+    /// never causes a preemption; beyond the asked-for target it is bounded
+    /// by 1/64 of the backed memory (the footprint) and by the room left
     /// beside what is backed.
     fn size_precreate(&mut self) {
         let (base, map_ahead) = self.base_prefetch;
@@ -340,7 +341,10 @@ impl ArenaMgr {
         self.growth.last = s.mapped_bytes;
         self.growth.mean = 0.5 * self.growth.mean + 0.5 * rise;
         let room = s.capacity_bytes.saturating_sub(s.mapped_bytes + s.pending_free_bytes);
-        let want = (self.growth.mean as u64).div_ceil(self.chunk) * self.chunk;
+        // The footprint bound: what is created beyond the asked-for target
+        // stays within 1/64 of the backed memory (1.6 %).
+        let bound = base + s.mapped_bytes / 64;
+        let want = ((self.growth.mean as u64).min(bound)).div_ceil(self.chunk) * self.chunk;
         let target = want.max(base).min(room.max(base));
         if target != self.growth.target {
             self.growth.target = target;
