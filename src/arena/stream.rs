@@ -348,7 +348,7 @@ fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
     // A failed destroy leaks one event, nothing of the arena's.
     let _ = ctx.drv.destroy_event(p.event);
     // Old addresses of chunks reused on its stream: no work uses them now.
-    super::stream_reuse::complete(st, ctx, p.event);
+    super::stream_reuse::complete(st, p.event);
     match p.what {
         Held::Chunks(slot) => {
             let a = st.alloc(slot).clone();
@@ -467,5 +467,7 @@ pub(super) fn drain(st: &mut State, ctx: &Ctx<'_>) -> Result<()> {
         st.pending.remove(i);
         complete(st, ctx, p);
     }
+    // Nothing may keep the chunks alive through an old address.
+    super::stream_reuse::unmap_completed(st, ctx);
     Ok(())
 }

@@ -249,21 +249,33 @@ pub(crate) fn apply(st: &mut State, t: &Taken) {
     st.reuse.reused += t.count();
 }
 
-/// `event` has completed: the old addresses it kept mapped are unmapped
-/// (no synchronize: no work uses them). A failed unmap keeps the page
-/// deferred, known idle, for the next plan mapping there.
-pub(crate) fn complete(st: &mut State, ctx: &Ctx<'_>, event: u64) {
-    if st.reuse.deferred.is_empty() {
-        return;
+/// `event` has completed: the old addresses it kept mapped are used by no
+/// work now. They stay mapped, known idle, for [`unmap_completed`] (run by
+/// `maintain`, between an engine's steps, and by `sleep`): the poll that
+/// sees the event complete is often an operation on the critical path, and
+/// the unmaps need not be there.
+pub(crate) fn complete(st: &mut State, event: u64) {
+    for e in st.reuse.deferred.values_mut() {
+        if *e == event {
+            *e = 0;
+        }
     }
-    let pages: Vec<u64> = st.reuse.deferred.iter().filter(|&(_, &e)| e == event).map(|(&p, _)| p).collect();
-    for p in pages {
-        if ctx.drv.unmap(st.addr(p), st.chunk).is_ok() {
+}
+
+/// Unmaps the deferred pages whose event has completed, with no
+/// synchronize (runs of pages in one call each). A failed unmap keeps its
+/// pages deferred, known idle, for the next try or for a plan mapping
+/// there.
+pub(crate) fn unmap_completed(st: &mut State, ctx: &Ctx<'_>) {
+    let pages: Vec<u64> = st.reuse.deferred.iter().filter(|&(_, &e)| e == 0).map(|(&p, _)| p).collect();
+    for run in super::state::runs(&pages) {
+        let len = run.end - run.start;
+        if ctx.drv.unmap(st.addr(run.start), len * st.chunk).is_ok() {
             bump(&ctx.counts.unmaps);
-            st.reuse.deferred.remove(&p);
-            st.mapped[p as usize] = None;
-        } else {
-            st.reuse.deferred.insert(p, 0);
+            for p in run {
+                st.reuse.deferred.remove(&p);
+                st.mapped[p as usize] = None;
+            }
         }
     }
 }
