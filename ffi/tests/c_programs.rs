@@ -225,6 +225,13 @@ fn c_threads_test() {
     run_and_expect_pass(&exe);
 }
 
+/// A failed resize_many changes no byte (see the program's header).
+#[test]
+fn c_failed_batch_keeps_every_byte() {
+    let exe = compile("test_batch_bytes", Lang::C, &[source("c/test_batch_bytes.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
 /// The C ABI fault matrix (see the program's header): prints its size.
 #[test]
 fn c_fault_matrix() {
@@ -254,6 +261,44 @@ fn c_export_test() {
     let last = out.lines().last().unwrap_or("");
     assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
     assert!(out.contains("C ABI export/import fault matrix size:"), "{out}");
+}
+
+/// Tensor-parallel groups from C: member arenas, per-member configs, the
+/// group undo, and forked ranks voting on two-phase operations.
+#[test]
+fn c_group_tp_test() {
+    let exe = compile("test_group_tp", Lang::C, &[source("c/test_group_tp.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("forked ranks:"), "{out}");
+}
+
+/// Lifetimes of what leaves an arena from C: DMA-BUF handles (the host
+/// stand-in) and their fault matrix, caller-owned descriptors, the layout
+/// record's minimum-size semantics, an export sent to a forked child.
+#[test]
+fn c_export_lifetime_test() {
+    let exe =
+        compile("test_export_lifetime", Lang::C, &[source("c/test_export_lifetime.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI DMA-BUF fault matrix size:"), "{out}");
+}
+
+/// Tags at allocation time, small allocations included (`test_tags.c`).
+#[test]
+fn tags_from_c() {
+    let exe = compile("test_tags", Lang::C, &[source("c/test_tags.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
+/// The same through the C++ wrapper (`test_tags.cpp`).
+#[test]
+fn tags_from_cpp() {
+    let exe = compile("test_tags_cpp", Lang::Cxx, &[source("cpp/test_tags.cpp")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
 }
 
 /// Allocations ordered on a stream from C: bytes, reuse of memory freed or
@@ -287,6 +332,19 @@ fn cpp_wrapper_test() {
     run_and_expect_pass(&exe);
 }
 
+/// The wrapper's RAII owners of exports and DMA-BUFs.
+#[test]
+fn cpp_export_wrapper_test() {
+    let exe = compile(
+        "test_export_wrapper",
+        Lang::Cxx,
+        &[source("cpp/test_export_wrapper.cpp")],
+        &our_include(),
+        Link::Shared,
+    );
+    run_and_expect_pass(&exe);
+}
+
 /// The wrapper's stream-ordered allocations.
 #[test]
 fn cpp_wrapper_stream_test() {
@@ -305,7 +363,7 @@ fn headers_compile_as_c_and_cpp_with_warnings_as_errors() {
     // Each header alone in a translation unit, in both languages.
     let t = toolchain();
     for (lang, ext) in [(Lang::C, "c"), (Lang::Cxx, "cpp")] {
-        for header in ["vmm_arena.h", "vmm_arena.hpp"] {
+        for header in ["vmm_arena.h", "vmm_arena.hpp", "vmm_arena_handles.hpp"] {
             if lang == Lang::C && header.ends_with(".hpp") {
                 continue;
             }

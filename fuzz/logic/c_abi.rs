@@ -58,6 +58,8 @@ use ffi::{vmm_arena, vmm_arena_compact_report, vmm_arena_config, vmm_arena_stats
 #[path = "bytes.rs"]
 mod bytes;
 use bytes::Bytes;
+#[path = "c_abi_batch.rs"]
+mod batch;
 
 // The handle is opaque to C callers: a pointer to it is FFI-safe in practice.
 #[allow(improper_ctypes)]
@@ -84,10 +86,12 @@ const ASLEEP: u32 = 9;
 
 /// Calls per input at most.
 pub const MAX_CALLS: usize = 128;
-/// Capacities stay small: every chunk of the host backend is committed memory.
-const MAX_CAPACITY: u64 = 64 << 20;
-/// Page tables stay small (one entry per chunk of the reservation).
-const MAX_PAGES: u64 = 1 << 16;
+/// Capacities stay small: every chunk of the host backend is committed
+/// memory, and a fresh arena's pages fault in (zeroed) as they are touched.
+const MAX_CAPACITY: u64 = 16 << 20;
+/// Page tables stay small (one entry per chunk of the reservation, built
+/// and zeroed for every input, and walked by every snapshot).
+const MAX_PAGES: u64 = 1 << 12;
 
 /// A heap buffer of exactly `len` bytes (AddressSanitizer sees any access
 /// past it), 8-aligned, filled with 0xEE.
@@ -211,6 +215,9 @@ struct Harness {
     /// After a resize: (id, its tag, the address it returned), checked
     /// once the move events are applied.
     resized: Option<(u64, u8, u64)>,
+    /// The configuration's retain_bytes, and the highest peak_physical_bytes read.
+    retain: u64,
+    peak: u64,
 }
 
 fn size_of_stats() -> u32 {
@@ -327,19 +334,30 @@ impl Harness {
         assert_eq!(s.live_bytes, self.live.values().map(|l| l.size).sum::<u64>(), "{what}: live_bytes");
         assert!(s.mapped_bytes + s.pooled_bytes <= s.capacity_bytes, "{what}: held memory beyond the capacity");
         assert_eq!(s.capacity_bytes, self.capacity);
+        assert!(s.peak_physical_bytes >= self.peak, "{what}: peak_physical_bytes went down");
+        assert!(s.peak_physical_bytes >= s.mapped_bytes + s.pooled_bytes, "{what}: held memory above the peak");
+        self.peak = s.peak_physical_bytes;
         if self.faulty {
             let (chunks, _) = self.driver_objects();
             assert_eq!(chunks * self.chunk, s.mapped_bytes + s.pooled_bytes, "{what}: driver chunks vs held memory");
         }
         let snap = self.snapshot();
+        if json_u64(&snap, "release_failures") == 0 {
+            // (A give-back that failed keeps its chunks pooled until one succeeds.)
+            assert!(s.pooled_bytes <= self.retain, "{what}: pooled_bytes above retain_bytes");
+        }
         // The host backend records no event: resize_on_stream is resize,
         // and quiesce_on_stream's promise holds at once.
         assert_eq!(json_u64(&snap, "stream_shrinks"), 0, "{what}: a stream shrink on the host");
         assert_eq!(json_u64(&snap, "quiesces"), 0, "{what}: a quiesce event on the host");
         let ranges = live_ranges(&snap);
+        let slabs = slab_ranges(&snap);
         for l in self.live.values() {
-            // Small allocations live in slabs, not in ranges of their own.
-            let (tag, asleep) = ranges.get(&l.id).copied().unwrap_or((0, false));
+            // Small allocations live in slabs, not in ranges of their own,
+            // and have their slab's tag and sleep.
+            let in_slab =
+                || slabs.iter().find(|&&(at, len, ..)| at <= l.ptr && l.ptr < at + len).map(|&(.., t, z)| (t, z));
+            let (tag, asleep) = ranges.get(&l.id).copied().or_else(in_slab).expect("a range or a slab");
             assert_eq!((tag, asleep), (l.sleep_tag, l.asleep), "{what}: tag and sleep of {:#x}", l.id);
         }
     }
@@ -419,12 +437,16 @@ impl Harness {
         // alloc_shared, 0xF0..=0xF7 resize_on_stream, 0xEE..=0xEF unquiesce
         // and 0xE8..=0xED quiesce_on_stream (added later: older inputs
         // decode as they did, except where such a byte picks a call).
+        // Likewise 0xE4..=0xE7 resize_many (of 1 to 4: the low bits) and
+        // 0xE0..=0xE3 maintain.
         let sel = b.u8();
         let kind = match sel {
             0xF8.. => 29,
             0xF0.. => 30,
             0xEE.. => 32,
             0xE8.. => 31,
+            0xE4.. => 33,
+            0xE0.. => 34,
             _ => sel as u64 % 29,
         };
         let mut trim = false;
@@ -433,22 +455,25 @@ impl Harness {
         let mut allowed: Vec<u32>;
         match kind {
             0..=4 => {
-                what = "alloc";
+                // One in five with a tag (vmm_arena_alloc_tagged).
+                let tag = (kind == 4).then(|| pick_tag(b));
+                what = if tag.is_some() { "alloc_tagged" } else { "alloc" };
                 let size = self.pick_size(b);
                 let (mut id, mut p) = (0xA5A5u64, 0xA5A5u64);
                 let (oid, optr) = (null_sometimes(b), null_sometimes(b));
+                let (out_id, out_ptr) =
+                    (if oid { null_mut() } else { &mut id }, if optr { null_mut() } else { &mut p });
                 // SAFETY: live handle; out-parameters are ours or NULL.
                 status = st(unsafe {
-                    ffi::vmm_arena_alloc(
-                        a,
-                        size,
-                        if oid { null_mut() } else { &mut id },
-                        if optr { null_mut() } else { &mut p },
-                    )
+                    match tag {
+                        Some(t) => ffi::vmm_arena_alloc_tagged(a, size, t, out_id, out_ptr),
+                        None => ffi::vmm_arena_alloc(a, size, out_id, out_ptr),
+                    }
                 });
                 allowed = if oid || optr || size == 0 { vec![INVALID] } else { vec![OK, INVALID, OOM, OOAS] };
                 if status == OK {
                     self.new_id(what, id, p, size);
+                    self.live.get_mut(&id).unwrap().sleep_tag = tag.unwrap_or(0);
                     self.touch(id, b.u8());
                 } else {
                     assert_eq!((id, p), (0xA5A5, 0xA5A5), "{what}: out-parameters written on failure");
@@ -600,15 +625,9 @@ impl Harness {
                 allowed = vec![OK];
                 if status == OK && !null {
                     assert_eq!(released % self.chunk, 0, "{what}: released {released}");
-                    // Slabs that hold only retired objects count as pooled
-                    // but wait for the release of retired memory.
+                    // What pooled_bytes counts, slabs of retired objects included.
                     let s = self.stats();
-                    // Each holds a retired object of 256 bytes at least.
-                    let waiting = s.retired_va_bytes.div_ceil(256).saturating_mul(self.chunk);
-                    assert!(
-                        s.pooled_bytes <= keep.saturating_add(waiting),
-                        "{what}: more than keep_bytes stays pooled"
-                    );
+                    assert!(s.pooled_bytes <= keep, "{what}: more than keep_bytes stays pooled");
                 } else if status != OK {
                     assert_eq!(released, 0xA5A5, "{what}: out-parameter written on failure");
                 }
@@ -756,14 +775,20 @@ impl Harness {
                 what = "set_tag";
                 let id = self.pick_id(b);
                 let tag = pick_tag(b);
-                // Only allocations of whole chunks (ranges of their own) take a tag.
+                // Every allocation takes a tag. One of whole chunks (a range
+                // of its own) keeps its place; a small one moves by copy
+                // into a slab of the new tag, which a pinned or sleeping
+                // one refuses and which needs a slab's room.
                 let chunked = live_ranges(&self.snapshot()).contains_key(&id);
                 // SAFETY: live handle.
                 status = st(unsafe { ffi::vmm_arena_set_tag(a, id, tag) });
-                allowed = match (self.live.contains_key(&id), chunked) {
-                    (false, _) => vec![UNKNOWN],
-                    (true, false) => vec![INVALID],
-                    (true, true) => vec![OK],
+                allowed = match (self.live.get(&id), chunked) {
+                    (None, _) => vec![UNKNOWN],
+                    (Some(_), true) => vec![OK],
+                    (Some(l), false) if l.sleep_tag == tag => vec![OK],
+                    (Some(l), false) if l.pinned => vec![PINNED],
+                    (Some(l), false) if l.asleep => vec![ASLEEP],
+                    (Some(_), false) => vec![OK, OOM, OOAS],
                 };
                 if status == OK {
                     self.live.get_mut(&id).unwrap().sleep_tag = tag;
@@ -778,14 +803,14 @@ impl Harness {
                     2 => 1 << b.below(32),
                     _ => b.u32(),
                 };
-                let chunked = live_ranges(&self.snapshot());
                 // SAFETY: live handle.
                 status = st(unsafe { ffi::vmm_arena_sleep(a, tag, flags) });
                 allowed = if flags & !ffi::VMM_ARENA_SLEEP_BACKUP != 0 { vec![INVALID] } else { vec![OK] };
                 if status == OK {
                     let backup = flags & ffi::VMM_ARENA_SLEEP_BACKUP != 0;
                     for l in self.live.values_mut() {
-                        if chunked.contains_key(&l.id) && (tag == ffi::VMM_ARENA_ALL_TAGS || l.sleep_tag == tag) {
+                        // Small allocations sleep with their slab (one tag's).
+                        if tag == ffi::VMM_ARENA_ALL_TAGS || l.sleep_tag == tag {
                             if !l.asleep && !backup {
                                 l.tag = None; // contents lost
                             }
@@ -869,6 +894,14 @@ impl Harness {
                     assert_eq!((id, p), (0xA5A5, 0xA5A5), "{what}: out-parameters written on failure");
                 }
             }
+            33 => {
+                what = "resize_many";
+                (status, allowed) = self.resize_many(b, 1 + (sel & 3) as usize);
+            }
+            34 => {
+                what = "maintain";
+                (status, allowed) = self.maintain(b);
+            }
             _ => {
                 what = "testing hooks with NULL out-parameters";
                 let mut x = 0u64;
@@ -948,6 +981,18 @@ fn live_ranges(json: &str) -> BTreeMap<u64, (u32, bool)> {
             let asleep = r.contains("\"asleep\":true");
             assert!(asleep || r.contains("\"asleep\":false"), "no asleep field in {r}");
             (id, (tag, asleep))
+        })
+        .collect()
+}
+
+/// The snapshot's slabs: (addr, bytes, tag, asleep).
+fn slab_ranges(json: &str) -> Vec<(u64, u64, u32, bool)> {
+    json.split("{\"kind\":\"slab\",")
+        .skip(1)
+        .map(|r| {
+            let r = &r[..r.find('}').expect("a range's end")];
+            let tag = u32::try_from(json_u64(r, "tag")).expect("a u32 tag");
+            (json_u64(r, "addr"), json_u64(r, "bytes"), tag, r.contains("\"asleep\":true"))
         })
         .collect()
 }
@@ -1105,7 +1150,10 @@ fn run_with(data: &[u8], may_panic: bool) {
         unsafe { ffi::vmm_arena_destroy(a) };
         return;
     }
-    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | ffi::VMM_ARENA_FLAG_BACKGROUND | ffi::VMM_ARENA_FLAG_EXPORTABLE;
+    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES
+        | ffi::VMM_ARENA_FLAG_BACKGROUND
+        | ffi::VMM_ARENA_FLAG_EXPORTABLE
+        | ffi::VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT;
     assert_eq!(cfg.flags & !known, 0, "unknown flag bits accepted");
     let mut h = Harness {
         a,
@@ -1121,6 +1169,8 @@ fn run_with(data: &[u8], may_panic: bool) {
         callback: false,
         planned: false,
         resized: None,
+        retain: cfg.retain_bytes,
+        peak: 0,
     };
     if b.below(4) != 0 {
         let user: *mut Recorder = &mut *h.rec;

@@ -193,7 +193,7 @@ impl Arena {
             if let Target::Chunks(_) = target {
                 st.reuse.op_stream = stream;
             }
-            let resized = resize_target(st, ctx, &mut tx, target, id, np, new_size, events);
+            let resized = resize_target(st, &mut tx, target, id, np, new_size, events);
             st.reuse.op_stream = None;
             match resized {
                 Ok(ptr) => {

@@ -298,7 +298,7 @@ impl super::Arena {
     /// used on any stream) is placed exactly as by `alloc`. Errors: as
     /// `alloc`.
     pub fn alloc_on_stream(&self, size: u64, stream: u64) -> Result<(crate::Id, u64)> {
-        self.alloc_inner(size, size, false, Some(stream))
+        self.alloc_inner(size, size, false, 0, super::alloc::Placing::Any, Some(stream))
     }
 
     /// [`alloc_growable`](super::Arena::alloc_growable) for work ordered
@@ -309,7 +309,7 @@ impl super::Arena {
         if max_size < size {
             return Err(crate::Error::invalid(format!("max_size {max_size} < size {size}")));
         }
-        self.alloc_inner(size, max_size, true, Some(stream))
+        self.alloc_inner(size, max_size, true, 0, super::alloc::Placing::Any, Some(stream))
     }
 
     /// [`resize_many`](super::Arena::resize_many) whose growth is work
