@@ -31,7 +31,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use super::state::{Held, State};
-use super::txn::{bump, Txn};
+use super::txn::Txn;
 use super::Ctx;
 use crate::driver::ChunkHandle;
 use crate::error::Result;
@@ -263,15 +263,16 @@ pub(crate) fn complete(st: &mut State, event: u64) {
 }
 
 /// Unmaps the deferred pages whose event has completed, with no
-/// synchronize (runs of pages in one call each). A failed unmap keeps its
+/// synchronize (a run of pages as `unmap.rs` unmaps runs). A failed unmap keeps its
 /// pages deferred, known idle, for the next try or for a plan mapping
 /// there.
 pub(crate) fn unmap_completed(st: &mut State, ctx: &Ctx<'_>) {
     let pages: Vec<u64> = st.reuse.deferred.iter().filter(|&(_, &e)| e == 0).map(|(&p, _)| p).collect();
     for run in super::state::runs(&pages) {
-        let len = run.end - run.start;
-        if ctx.drv.unmap(st.addr(run.start), len * st.chunk).is_ok() {
-            bump(&ctx.counts.unmaps);
+        let chunks: Vec<ChunkHandle> = run.clone().map(|p| st.mapped[p as usize].expect("deferred page")).collect();
+        // As every run is unmapped (`unmap.rs`): one call, or one per page.
+        let (addr, chunk) = (st.addr(run.start), st.chunk);
+        if super::unmap::unmap_run(ctx.drv, ctx.counts, ctx.unmaps, addr, chunk, &chunks).is_ok() {
             for p in run {
                 st.reuse.deferred.remove(&p);
                 st.mapped[p as usize] = None;
