@@ -44,6 +44,10 @@ mod group;
 mod export;
 mod tags;
 
+// After `export`: the committed header lists the stream-ordered
+// allocations last among the modules' functions.
+mod stream;
+
 mod testing;
 mod torch;
 mod two_phase;
@@ -422,8 +426,11 @@ pub unsafe extern "C" fn vmm_arena_resize(
 /// completed the arena knows them idle: another address takes them, and the
 /// pool or the driver gets them back, without a device-wide synchronization
 /// (for a caller that shrinks often, e.g. a prefix cache evicting the tails
-/// of its entries). An event is recorded only for a shrink that leaves whole
-/// chunks behind; growth, an unchanged chunk count, a small allocation, an
+/// of its entries). Growth of whole chunks is work ordered on stream: it may
+/// take memory freed or shrunk on the same stream at once, with no event
+/// wait and no synchronization (see vmm_arena_alloc_on_stream). An event is
+/// recorded only for a shrink that leaves whole chunks behind; an unchanged
+/// chunk count, a small allocation, an
 /// exported allocation or an import, and the host backend (no asynchronous
 /// streams) resize exactly as vmm_arena_resize. A failure to record the event
 /// is VMM_ARENA_ERR_DRIVER and changes nothing. An addition of this project

@@ -318,6 +318,17 @@ fn tags_from_cpp() {
     run_and_expect_pass(&exe);
 }
 
+/// Allocations ordered on a stream from C: bytes, reuse of memory freed or
+/// shrunk on the same stream, refusals, and the fault matrix.
+#[test]
+fn c_stream_test() {
+    let exe = compile("test_stream", Lang::C, &[source("c/test_stream.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI stream-ordered allocation fault matrix size:"), "{out}");
+}
+
 #[test]
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);
@@ -345,6 +356,19 @@ fn cpp_export_wrapper_test() {
         "test_export_wrapper",
         Lang::Cxx,
         &[source("cpp/test_export_wrapper.cpp")],
+        &our_include(),
+        Link::Shared,
+    );
+    run_and_expect_pass(&exe);
+}
+
+/// The wrapper's stream-ordered allocations.
+#[test]
+fn cpp_wrapper_stream_test() {
+    let exe = compile(
+        "test_wrapper_stream",
+        Lang::Cxx,
+        &[source("cpp/test_wrapper_stream.cpp")],
         &our_include(),
         Link::Shared,
     );

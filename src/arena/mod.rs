@@ -46,6 +46,7 @@ pub(crate) mod small;
 pub(crate) mod state;
 mod stats;
 mod stream;
+mod stream_reuse;
 mod two_phase;
 pub(crate) mod txn;
 mod unmap;
@@ -518,7 +519,10 @@ impl Arena {
         }
         let out = loop {
             inner = self.sh.wait_out_conflicts(inner, touch)?;
-            match op(&mut inner, &ctx, &mut events) {
+            let done = op(&mut inner, &ctx, &mut events);
+            // An operation's stream (`stream_reuse.rs`) is its own.
+            inner.st.reuse.op_stream = None;
+            match done {
                 Ok(v) => break v,
                 Err(Error::Internal(m)) if m == state::SET_ASIDE => {
                     // A page the prefetcher is mapping: retry once it landed.

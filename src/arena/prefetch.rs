@@ -156,6 +156,8 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
     // Everything is looked at now; what changes meanwhile sets it again.
     inner.st.prefetch_dirty = false;
     let mut progressed = reap(&mut inner.st, &ctx, Poll::All) > 0;
+    // Old addresses of chunks reused on their stream, now idle.
+    super::stream_reuse::unmap_completed(&mut inner.st, &ctx);
     if progressed {
         sh.round_done.notify_all();
     }
