@@ -28,6 +28,7 @@
 //! (an arena snapshot drawn as SVG).
 
 pub mod arena_prefix_cache;
+pub mod attention;
 pub mod caching;
 pub mod counted;
 pub mod managers;
