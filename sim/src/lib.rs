@@ -40,6 +40,7 @@ pub mod rlhf_cycle;
 pub mod scenario;
 pub mod snapshot_svg;
 pub mod stress;
+pub mod sweep;
 pub mod timing;
 pub mod tp;
 pub mod trace;
