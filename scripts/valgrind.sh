@@ -52,6 +52,7 @@ programs=(
     test_faults:c:ffi/tests/c/test_faults.c
     test_group:c:ffi/tests/c/test_group.c
     test_export:c:ffi/tests/c/test_export.c
+    test_batch_bytes:c:ffi/tests/c/test_batch_bytes.c
     test_wrapper:cpp:ffi/tests/cpp/test_wrapper.cpp
     test_torch_throw:cpp:ffi/tests/cpp/test_torch_throw.cpp
     contract_program:cpp:ffi/tests/cpp/contract_program.cpp

@@ -177,8 +177,10 @@ fn compact_counts_each_object_of_a_moved_slab() {
 
 /// `trim` reported more released bytes than were pooled when it started:
 /// it released retired small objects (old places of live, copy-resized
-/// allocations) and gave back the slab that emptied. It must release
-/// neither: those old places stay valid until `release_retired`.
+/// allocations) and gave back the slab that emptied while `pooled_bytes`
+/// did not count that slab. Now a slab holding only retired objects is
+/// pooled, and trim gives back exactly what was pooled: ordinary pooled
+/// chunks first, that slab only when they are not enough for `keep_bytes`.
 #[test]
 fn trim_gives_back_at_most_what_was_pooled() {
     let (a, d) = arena(8, 16, None);
@@ -186,18 +188,21 @@ fn trim_gives_back_at_most_what_was_pooled() {
     let (g, _) = a.alloc_growable(C, C).unwrap(); // page 1
     let (_b, _) = a.alloc(C).unwrap(); // page 2
     a.resize(g, 2 * C).unwrap(); // g moves; page 1 retired, still mapping g's first chunk
+    a.write(x, 0, b"x").unwrap();
     a.resize(x, 3 * C).unwrap(); // x leaves its slab by copying; its old place is retired
     a.free(g).unwrap(); // g's chunks are pooled, one still mapped at the retired page
     let pooled = a.stats().unwrap().pooled_bytes;
     assert_eq!(pooled, 3 * C, "g's two chunks and the slab of x's retired old place");
-    assert_eq!(a.trim(0).unwrap(), 2 * C, "g's two chunks, and nothing else");
+    assert_eq!(a.trim(C).unwrap(), 2 * C, "g's two chunks, enough for keep_bytes: the slab stays");
     let s = a.stats().unwrap();
     assert_eq!((s.pooled_bytes, s.small_slabs), (C, 1), "x's old place keeps its slab");
     assert!(s.retired_va_bytes > 0);
-    a.release_retired().unwrap(); // now the slab empties, and goes back
+    assert_eq!(a.trim(0).unwrap(), C, "then the slab, and nothing more than was pooled");
     let s = a.stats().unwrap();
-    assert_eq!((s.pooled_bytes, s.retired_va_bytes, s.small_slabs), (C, 0, 0));
-    assert_eq!(a.trim(0).unwrap(), C);
+    assert_eq!((s.pooled_bytes, s.retired_va_bytes, s.small_slabs), (0, 0, 0));
+    let mut out = [0u8; 1];
+    a.read(x, 0, &mut out).unwrap();
+    assert_eq!(&out, b"x");
     assert_eq!(d.live_chunks() as u64, a.stats().unwrap().mapped_bytes / C);
 }
 

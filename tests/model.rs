@@ -40,6 +40,16 @@
 //!   above still holds after it; a
 //!   free or shrink of a quiesced allocation leaves its unshared pages
 //!   known idle (`idle_cached_bytes`), of any other allocation none;
+//! - `resize_many`: all or nothing, every byte included (after a failed
+//!   batch, injected or refused, the arena is exactly as it was and every
+//!   allocation's stamps are read);
+//! - the retain watermark: `pooled_bytes <= retain_bytes` after every
+//!   operation and `pooled_bytes <= keep_bytes` after a `trim`, slabs of
+//!   retired objects included (they are pooled);
+//! - `maintain` with prefetch targets, the stats read inside its driver
+//!   calls made without the lock (as another thread could read them):
+//!   `peak_physical_bytes` never goes down, the watermark and the capacity
+//!   hold;
 //! - sharing (`alloc_shared`): reference counts in the model, a shared
 //!   chunk counted once, the bytes checked through every holder after
 //!   every operation (moves and compaction included), sleep and wake
@@ -129,6 +139,9 @@ fn plain_op(c: u64) -> impl Strategy<Value = Op> {
         2 => (any::<usize>(), 0..=2u32).prop_map(|(i, t)| Op::SetTag(i, t)),
         2 => (0..=3u32, any::<bool>()).prop_map(|(t, b)| Op::Sleep(t, b)),
         2 => (0..=3u32).prop_map(Op::Wake),
+        2 => prop::collection::vec((any::<usize>(), prop_oneof![size(c, 16), 1..=c / 2]), 1..5)
+            .prop_map(Op::ResizeMany),
+        1 => (0..4u64, 0..4u64).prop_map(|(precreate, ahead)| Op::Maintain { precreate, ahead }),
     ]
 }
 
@@ -234,6 +247,9 @@ fn outcomes_are_reached() {
         "free of a sharer",
         "sleep of sharers",
         "sleep kept a chunk an awake allocation maps",
+        "resize_many",
+        "resize_many out of memory",
+        "maintain, read while it ran",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 0, "the search never reached: {what}");
     }

@@ -11,7 +11,9 @@
 //! - allocations churn on several threads while `maintain` runs, and the
 //!   retain watermark holds when a window's allocation is freed mid-round;
 //! - the background worker keeps the targets, reaps stream-ordered frees,
-//!   and stops when the arena is dropped.
+//!   and stops when the arena is dropped;
+//! - `peak_physical_bytes` never goes down, also when read while a round
+//!   has chunks in flight that it then fails to create.
 
 mod common;
 
@@ -220,6 +222,8 @@ struct Gated {
     maps: AtomicU64,
     second_at: AtomicU64,
     second: Mutex<(bool, bool)>,
+    /// The create that leaves the gate fails (OutOfMemory).
+    fail_gated_create: AtomicBool,
 }
 
 impl Gated {
@@ -233,6 +237,7 @@ impl Gated {
             maps: AtomicU64::new(0),
             second_at: AtomicU64::new(u64::MAX),
             second: Mutex::new((false, false)),
+            fail_gated_create: AtomicBool::new(false),
         })
     }
     /// Blocks map call `k` in the second gate if it is the one armed.
@@ -294,6 +299,9 @@ impl Driver for Gated {
     }
     fn create(&self, size: u64) -> Result<ChunkHandle> {
         self.gate(&self.armed_create);
+        if self.fail_gated_create.swap(false, Ordering::SeqCst) {
+            return Err(vmm_arena::Error::OutOfMemory("the gated create fails".into()));
+        }
         self.inner.create(size)
     }
     fn release(&self, chunk: ChunkHandle) -> Result<()> {
@@ -353,6 +361,38 @@ fn an_alloc_completes_while_maintain_sits_in_a_slow_create() {
     let s = a.stats().unwrap();
     assert!(s.prefetched_bytes >= 4 * C, "{s:?}");
     check(&a);
+}
+
+/// A create round's chunk in flight counts in `pooled_bytes`, so the stats
+/// read while it is in flight report it in `peak_physical_bytes` too; the
+/// create then fails and nothing lands. The peak must not go down.
+#[test]
+fn the_peak_never_goes_down_when_read_while_a_round_is_in_flight() {
+    let d = Gated::new();
+    let a = Arc::new(Arena::with_driver(d.clone(), config(32, 128)).unwrap());
+    let (_x, _) = a.alloc(2 * C).unwrap();
+    a.set_prefetch(C, 0).unwrap();
+    d.armed_create.store(true, Ordering::SeqCst);
+    let m = {
+        let a = a.clone();
+        thread::spawn(move || a.maintain())
+    };
+    d.wait_blocked();
+    let during = a.stats().unwrap();
+    assert_eq!(during.mapped_bytes + during.pooled_bytes, 3 * C, "x's chunks and the one in flight");
+    assert_eq!(during.peak_physical_bytes, 3 * C);
+    d.fail_gated_create.store(true, Ordering::SeqCst);
+    d.open();
+    m.join().unwrap().unwrap();
+    let after = a.stats().unwrap();
+    assert_eq!(after.maintain_failures, 1, "the create failed");
+    assert_eq!(after.mapped_bytes + after.pooled_bytes, 2 * C);
+    assert!(
+        after.peak_physical_bytes >= during.peak_physical_bytes,
+        "peak_physical_bytes went down: {} while the round ran, {} after",
+        during.peak_physical_bytes,
+        after.peak_physical_bytes
+    );
 }
 
 /// Puts `pooled` chunks in the pool, then starts a `maintain` that maps

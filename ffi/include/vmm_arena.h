@@ -793,6 +793,10 @@ enum vmm_arena_status vmm_arena_release_retired(struct vmm_arena *arena);
 /**
  * Gives pooled physical chunks back to the driver until at most keep_bytes
  * stay pooled. out_released (may be NULL) receives the bytes released.
+ * Pooled is what pooled_bytes counts: a slab holding only retired objects
+ * is given back too when the other pooled chunks are not enough (its
+ * retired objects are released then, after synchronizing the device).
+ * The retain watermark counts them the same way.
  *
  * # Safety
  * `arena` is NULL or a live handle; `out_released` is NULL or writable.

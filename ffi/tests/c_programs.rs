@@ -225,6 +225,13 @@ fn c_threads_test() {
     run_and_expect_pass(&exe);
 }
 
+/// A failed resize_many changes no byte (see the program's header).
+#[test]
+fn c_failed_batch_keeps_every_byte() {
+    let exe = compile("test_batch_bytes", Lang::C, &[source("c/test_batch_bytes.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
 /// The C ABI fault matrix (see the program's header): prints its size.
 #[test]
 fn c_fault_matrix() {

@@ -16,9 +16,12 @@
 //! The input format: the selector byte of an operation picks it modulo the
 //! number of operations, except the values 0xF8..=0xFF, which select
 //! `alloc_shared`, 0xF0..=0xF7, which select `resize_on_stream`,
-//! 0xE8..=0xEB, which select `quiesce_on_stream`, and 0xEC..=0xEF, which
-//! select `unquiesce` (each added later: inputs made before decode as they
-//! did, but where such a byte selects an operation).
+//! 0xE8..=0xEB, which select `quiesce_on_stream`, 0xEC..=0xEF, which
+//! select `unquiesce`, 0xE4..=0xE7, which select `resize_many` (of 1 to 4
+//! allocations: the low bits), and 0xE0..=0xE3, which select `maintain`
+//! with prefetch targets (see `harness/maintain.rs`: the stats are read
+//! inside its driver calls) (each added later: inputs made before decode
+//! as they did, but where such a byte selects an operation).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -74,6 +77,21 @@ fn op(b: &mut Bytes<'_>, faults: bool) -> Op {
     if sel >= 0xE8 {
         // The low bits: the stream.
         return Op::Quiesce(b.u16() as usize, (sel & 3) as u64);
+    }
+    if sel >= 0xE4 {
+        // The low bits: how many requests, less one.
+        let picks = (0..=(sel & 3))
+            .map(|_| {
+                let i = b.u16() as usize;
+                let s = if b.below(3) == 0 { 1 + b.below(SMALL_MAX) } else { size(b, 16) };
+                (i, s)
+            })
+            .collect();
+        return Op::ResizeMany(picks);
+    }
+    if sel >= 0xE0 {
+        // The low bits: the map-ahead target; then the precreate target.
+        return Op::Maintain { precreate: b.below(4), ahead: (sel & 3) as u64 };
     }
     match sel as u64 % if faults { 45 } else { 41 } {
         0..=5 => Op::Alloc(size(b, 8)),

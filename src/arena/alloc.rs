@@ -10,7 +10,7 @@ use super::moves::{forget_retired, make_room, move_alloc, release_retired_into};
 use super::small::SmallEntry;
 use super::state::{Alloc, MoveEvent, Owner, Plan, Quiet, State};
 use super::txn::Txn;
-use super::{pages_for, AllocInfo, Arena, Ctx, Touch};
+use super::{pages_for, AllocInfo, Arena, Touch};
 
 impl Arena {
     /// Allocates `size` bytes (rounded up to whole chunks). Returns the id and
@@ -174,7 +174,6 @@ impl Arena {
 #[allow(clippy::too_many_arguments)]
 pub(super) fn resize_target(
     st: &mut State,
-    ctx: &Ctx<'_>,
     tx: &mut Txn<'_>,
     target: Target,
     id: Id,
@@ -184,7 +183,7 @@ pub(super) fn resize_target(
 ) -> Result<u64> {
     let slot = match target {
         Target::Chunks(slot) => slot,
-        Target::Small(ss) => return resize_small(st, ctx, tx, ss, id, new_size, events),
+        Target::Small(ss) => return resize_small(st, tx, ss, id, new_size, events),
     };
     let a = st.alloc(slot).clone();
     if a.sleep.is_some() {
@@ -481,7 +480,6 @@ pub(super) fn small_ptr(st: &State, small_slot: u32) -> u64 {
 /// in `bytes_copied`, and the address change is reported like a move.
 fn resize_small(
     st: &mut State,
-    ctx: &Ctx<'_>,
     tx: &mut Txn<'_>,
     ss: u32,
     id: Id,
@@ -520,7 +518,10 @@ fn resize_small(
             NewPlace::Small(tmp) => small_ptr(&sim, tmp),
             NewPlace::Chunks(slot) => sim.addr(sim.alloc(slot).start),
         };
-        ctx.drv.copy(new_ptr, old_ptr, size.min(new_size))?;
+        // Through the transaction: in a batch (`resize_many`, a group's
+        // resize) a later request may fail, and its rollback must give the
+        // destination its bytes back.
+        tx.copy(new_ptr, old_ptr, size.min(new_size))?;
         sim.bytes_copied += size.min(new_size);
         // The old place is retired, not freed: a kernel may still use it.
         sim.small.retire(ss);

@@ -9,7 +9,10 @@
 //! mapped pages across all of them. Otherwise each request runs in turn,
 //! shrinks first, on a copy of the books and one transaction (one
 //! synchronize at most, still), which replaces the books only if every
-//! request succeeded.
+//! request succeeded. That run is made twice: first over a driver that does
+//! nothing ([`DryRun`]), so that every refusal (out of memory, of address
+//! space, pinned) comes before any real driver call and never needs a
+//! rollback; then for real, where only a driver failure can stop it.
 
 use std::collections::HashSet;
 
@@ -17,8 +20,9 @@ use crate::error::{Error, Result};
 use crate::Id;
 
 use super::alloc::{resize_target, small_ptr, Target};
+use super::dry_run::DryRun;
 use super::state::{Plan, Quiet, State};
-use super::txn::Txn;
+use super::txn::{Counters, Txn};
 use super::{pages_for, Arena, Ctx, Touch};
 
 impl Arena {
@@ -70,18 +74,30 @@ impl Arena {
                 Target::Chunks(slot) => pages[i] > st.alloc(slot).backed,
                 Target::Small(_) => true,
             });
-            let mut sim = st.clone();
-            let mut tx = ctx.txn(st);
-            let mut evs = Vec::new();
-            let done = (|| {
+            // Every request in turn, on a copy of the books and `tx`.
+            let run_all = |sim: &mut State, tx: &mut Txn<'_>, evs: &mut Vec<_>| -> Result<Vec<u64>> {
                 for &i in &order {
                     // A request may have moved or promoted another's
                     // allocation: resolve on the books as they are now.
                     let target = sim.resolve(ids[i])?;
-                    resize_target(&mut sim, ctx, &mut tx, target, ids[i], pages[i], requests[i].1, &mut evs)?;
+                    resize_target(sim, tx, target, ids[i], pages[i], requests[i].1, evs)?;
                 }
-                ids.iter().map(|&id| address_of(&sim, id)).collect::<Result<Vec<u64>>>()
-            })();
+                ids.iter().map(|&id| address_of(sim, id)).collect()
+            };
+            // First over a driver that does nothing: a request refused after
+            // earlier ones made driver calls would need a rollback, whose
+            // own calls may fail. So every refusal comes before any call.
+            {
+                let (dry, counts) = (DryRun::new(st.chunk), Counters::default());
+                let mut tx = Txn::new(&dry, &counts, st.base, st.chunk);
+                let planned = run_all(&mut st.clone(), &mut tx, &mut Vec::new());
+                tx.commit();
+                planned?;
+            }
+            let mut sim = st.clone();
+            let mut tx = ctx.txn(st);
+            let mut evs = Vec::new();
+            let done = run_all(&mut sim, &mut tx, &mut evs);
             match done {
                 Ok(ptrs) => {
                     tx.commit();

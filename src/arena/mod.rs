@@ -31,6 +31,7 @@ mod alias;
 mod alloc;
 mod batch;
 mod config;
+mod dry_run;
 #[cfg(unix)]
 mod export;
 mod moves;

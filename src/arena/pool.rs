@@ -26,6 +26,12 @@ impl Arena {
     /// (for its current size) until [`Arena::release_retired`], and the bytes
     /// returned never exceed what was pooled.
     ///
+    /// Pooled means what `Stats::pooled_bytes` counts, slabs holding only
+    /// retired small objects included: when the other pooled chunks are not
+    /// enough to reach `keep_bytes`, the retired objects of as many such
+    /// slabs as needed are released (after a device synchronize) and their
+    /// chunks given back.
+    ///
     /// Stream-ordered frees count as pooled while their events are pending:
     /// trim polls every pending event first (never waiting), so the memory
     /// of those that completed goes back too.
@@ -51,13 +57,48 @@ impl Arena {
 /// every other retired page (and retired small object) stays valid until
 /// `release_retired`. Hence the bytes given back never exceed what was
 /// pooled when the call began.
+///
+/// Pooled as `Stats::pooled_bytes` counts it: slabs holding only retired
+/// objects too. Ordinary pooled chunks go first; only if they are not
+/// enough are the retired objects of as many such slabs as still needed
+/// released (their old places stop being mapped, after the device
+/// synchronize that precedes the unmap of any page not known idle, as
+/// when the arena needs retired memory) and their chunks given back.
+/// That is done on a copy of the books, which replaces them once the
+/// unmaps succeeded.
 fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     let keep = keep_bytes / st.chunk;
-    let pooled = st.pooled_pages();
-    if pooled <= keep {
+    let (pooled, slabs) = (st.pooled_pages(), st.small.reclaimable_slabs());
+    if pooled + slabs <= keep {
         return Ok(0);
     }
-    let k = (pooled - keep) as usize;
+    let excess = pooled + slabs - keep;
+    if excess <= pooled {
+        return give_back(st, ctx, excess as usize).map_err(|(e, _)| e);
+    }
+    let from_slabs = excess - pooled;
+    let mut sim = st.clone();
+    for slab in sim.small.release_idle_slabs(from_slabs) {
+        sim.remove_alloc(slab);
+    }
+    let k = excess as usize;
+    match give_back(&mut sim, ctx, k) {
+        Ok(n) => {
+            *st = sim;
+            Ok(n)
+        }
+        // Unmapped and released some: the books are the copy's.
+        Err((e, true)) => {
+            *st = sim;
+            Err(e)
+        }
+        Err((e, false)) => Err(e),
+    }
+}
+
+/// Gives `k` pooled chunks back. On error, whether `st` changed (the
+/// unmaps were committed and a release failed: the rest stay pooled).
+fn give_back(st: &mut State, ctx: &Ctx<'_>, k: usize) -> std::result::Result<u64, (crate::Error, bool)> {
     // Unmapped pooled chunks first (giving them back needs no unmap of
     // theirs; the prefetcher's are the newest, at the end), then cached
     // chunks known idle (mapped ahead, or freed on a completed stream: no
@@ -88,7 +129,7 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
         };
         if let Err(e) = unmapped {
             tx.rollback();
-            return Err(e);
+            return Err((e, false));
         }
     }
     tx.commit();
@@ -105,7 +146,7 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
     for (i, &h) in chunks.iter().enumerate() {
         if let Err(e) = txn::release(ctx.drv, ctx.counts, h) {
             st.pool.extend_from_slice(&chunks[i..]);
-            return Err(e);
+            return Err((e, true));
         }
         released += st.chunk;
     }
@@ -117,14 +158,17 @@ fn trim_pool(st: &mut State, ctx: &Ctx<'_>, keep_bytes: u64) -> Result<u64> {
 /// Best effort: the operation itself has succeeded, so a driver failure
 /// only keeps the memory pooled (counted in `release_failures`).
 ///
-/// Chunks a prefetch round has in flight count as pooled (as in
-/// `Stats::pooled_bytes`): they land in the pool or in a window when the
+/// Pooled as in `Stats::pooled_bytes`: slabs holding only retired objects
+/// count (see `trim_pool`), and so do the chunks a prefetch round has in
+/// flight: they land in the pool or in a window when the
 /// round commits, so the pool keeps room for them and the watermark holds
 /// whenever the lock is free, also while a round runs.
 pub(super) fn enforce_watermark(inner: &mut Inner, ctx: &Ctx<'_>) {
     let st = &mut inner.st;
     let inflight = st.inflight_pages * st.chunk;
-    if st.retain_bytes == u64::MAX || st.pooled_pages() * st.chunk + inflight <= st.retain_bytes {
+    if st.retain_bytes == u64::MAX
+        || (st.pooled_pages() + st.small.reclaimable_slabs()) * st.chunk + inflight <= st.retain_bytes
+    {
         return;
     }
     if trim_pool(st, ctx, st.retain_bytes.saturating_sub(inflight)).is_err() {

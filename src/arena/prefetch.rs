@@ -162,6 +162,10 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
     inner.maintaining = true;
     let result = loop {
         let Some(round) = plan_round(&mut inner) else { break Ok(()) };
+        // The round's chunks in flight count as held (and in the stats'
+        // `pooled_bytes`) from now on: recorded in the peak before anyone
+        // can read them, since a failed round takes them back.
+        inner.st.note_peak();
         let (base, chunk) = (inner.st.base, inner.st.chunk);
         drop(inner);
         // Outside the lock: other threads' operations proceed meanwhile.
@@ -257,7 +261,8 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
     let retain_room = if st.retain_bytes == u64::MAX {
         u64::MAX
     } else {
-        (st.retain_bytes / st.chunk).saturating_sub(st.pooled_pages() + st.inflight_pages)
+        (st.retain_bytes / st.chunk)
+            .saturating_sub(st.pooled_pages() + st.small.reclaimable_slabs() + st.inflight_pages)
     };
     let create_room = room.min(retain_room);
     // (A separate statement: the scan's borrow ends before `st` changes.)

@@ -205,17 +205,25 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
     // new ones up to the capacity.
     // Pages that map again a chunk an awake allocation maps need none, and
     // a group of sleepers that shared a chunk needs one for all of them.
+    // Slabs holding only retired objects count too (they are pooled in the
+    // stats, and `alloc` counts them): releasing retired memory, below,
+    // gives their chunks back to the pool.
     let needed = alias::wake_needs(st, &targets);
-    if needed > st.obtainable_pages() {
+    let short = needed > st.obtainable_pages();
+    if short && needed > st.obtainable_pages() + st.small.reclaimable_slabs() {
         return Err(Error::OutOfMemory(format!(
             "waking needs {needed} chunks of {} bytes; {} are obtainable under the capacity",
             st.chunk,
-            st.obtainable_pages()
+            st.obtainable_pages() + st.small.reclaimable_slabs()
         )));
     }
     let mut sim = st.clone();
     let mut tx = ctx.txn(st);
     let done = (|| {
+        // Unmaps (undone by the rollback) and bookkeeping on the copy.
+        if short {
+            release_retired_into(&mut sim, &mut tx)?;
+        }
         // Nothing is cached inside a sleeper's reservation (sleep unmapped
         // it all, and nothing else maps there): every page gets its group's
         // chunk, or a pooled, stolen or new one.

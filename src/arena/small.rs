@@ -325,6 +325,27 @@ impl SmallTable {
         self.slabs.iter().flatten().filter(|s| s.used == s.retired).count() as u64
     }
 
+    /// Frees the retired objects of up to `n` slabs that hold nothing else
+    /// (lowest slab numbers first); every other retired object stays.
+    /// Returns the arena slots of those slabs, now empty (the caller frees
+    /// those allocations).
+    pub fn release_idle_slabs(&mut self, n: u64) -> Vec<u32> {
+        let idle: Vec<u32> = (0..self.slabs.len() as u32)
+            .filter(|&i| self.slabs[i as usize].as_ref().is_some_and(|s| s.used > 0 && s.used == s.retired))
+            .take(n as usize)
+            .collect();
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.retired).into_iter().partition(|(slab, _)| idle.contains(slab));
+        self.retired = rest;
+        mine.into_iter()
+            .filter_map(|(slab, index)| {
+                self.retired_bytes -= self.classes.size(self.slab(slab).class);
+                self.slab_mut(slab).retired -= 1;
+                self.free_object(slab, index)
+            })
+            .collect()
+    }
+
     /// Whether no object is retired.
     pub fn nothing_retired(&self) -> bool {
         self.retired.is_empty()

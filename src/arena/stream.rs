@@ -148,7 +148,7 @@ impl Arena {
             };
             let st = &mut inner.st;
             let mut tx = ctx.txn(st);
-            match resize_target(st, ctx, &mut tx, target, id, np, new_size, events) {
+            match resize_target(st, &mut tx, target, id, np, new_size, events) {
                 Ok(ptr) => {
                     tx.commit();
                     if let (Some(event), Some((first, count)), Some(stream)) = (event, dropped, stream) {

@@ -3,9 +3,13 @@
 //! An operation performs all of its driver calls through one [`Txn`]; each
 //! reversible call records how to reverse it. If a later call fails, the
 //! operation rolls the transaction back (in reverse order) and leaves its
-//! bookkeeping untouched, so the arena is exactly as it was. Chunk releases
-//! cannot be reversed and are therefore done only at the very end of an
-//! operation, outside any transaction that may still fail.
+//! bookkeeping untouched, so the arena is exactly as it was. That includes
+//! the bytes: a copy first saves what its destination held, and the
+//! rollback writes it back (a later step of the same operation may fail
+//! after a copy landed in memory that the rollback gives back to another
+//! allocation, e.g. a chunk another request of a `resize_many` gave up).
+//! Chunk releases cannot be reversed and are therefore done only at the
+//! very end of an operation, outside any transaction that may still fail.
 
 use crate::driver::{ChunkHandle, Driver};
 use crate::error::Result;
@@ -49,8 +53,19 @@ pub(crate) fn bump(c: &AtomicU64) {
 
 enum Undo {
     Release(ChunkHandle),
-    Unmap { page: u64, pages: u64 },
-    Remap { page: u64, chunks: Vec<ChunkHandle> },
+    Unmap {
+        page: u64,
+        pages: u64,
+    },
+    Remap {
+        page: u64,
+        chunks: Vec<ChunkHandle>,
+    },
+    /// The bytes a copy overwrote at `addr`.
+    Restore {
+        addr: u64,
+        bytes: Vec<u8>,
+    },
 }
 
 /// A batch of driver calls that can be undone until it is committed.
@@ -119,6 +134,19 @@ impl<'a> Txn<'a> {
         Ok(())
     }
 
+    /// Copies `len` bytes from `src` to `dst` (mapped, accessible, not
+    /// overlapping), saving what `dst` held first so that a rollback puts
+    /// it back: the destination may be memory that, once rolled back,
+    /// belongs to another allocation again.
+    pub fn copy(&mut self, dst: u64, src: u64, len: u64) -> Result<()> {
+        let n = usize::try_from(len).map_err(|_| crate::error::Error::invalid("copy too large"))?;
+        let mut saved = vec![0u8; n];
+        self.drv.read(dst, &mut saved)?;
+        self.drv.copy(dst, src, len)?;
+        self.undo.push(Undo::Restore { addr: dst, bytes: saved });
+        Ok(())
+    }
+
     /// Makes the calls permanent.
     pub fn commit(mut self) {
         self.undo.clear();
@@ -133,6 +161,9 @@ impl<'a> Txn<'a> {
                 Undo::Unmap { page, pages } => {
                     self.drv.unmap(self.addr(page), pages * self.chunk).map(|_| bump(&self.counts.unmaps))
                 }
+                // Undone in reverse order, so the mappings at `addr` are
+                // those the copy wrote through.
+                Undo::Restore { addr, bytes } => self.drv.write(addr, &bytes),
                 Undo::Remap { page, chunks } => {
                     let n = chunks.len() as u64;
                     let mut ok = true;

@@ -49,11 +49,27 @@ struct FaultState {
     mappings: BTreeMap<u64, u64>,
 }
 
+/// Called with each call's kind as it enters the wrapper (before the
+/// wrapped driver, with no lock of the wrapper held): a test's view of the
+/// moments an operation spends in driver calls (see
+/// [`FaultDriver::set_observer`]).
+pub type Observer = Arc<dyn Fn(CallKind) + Send + Sync>;
+
+#[derive(Default)]
+struct ObserverSlot(std::sync::RwLock<Option<Observer>>);
+
+impl std::fmt::Debug for ObserverSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ObserverSlot")
+    }
+}
+
 /// Wraps a driver and fails the Nth call of a kind on request.
 #[derive(Debug)]
 pub struct FaultDriver<D> {
     inner: D,
     state: Mutex<FaultState>,
+    observer: ObserverSlot,
     /// Host buffers lent through this wrapper and not yet dropped (shared
     /// with the buffers, which may outlive the wrapper).
     host_buffers: Arc<AtomicUsize>,
@@ -87,7 +103,20 @@ impl Drop for TrackedHostBuffer {
 impl<D: Driver> FaultDriver<D> {
     /// Wraps `inner`; no failure is planned.
     pub fn new(inner: D) -> FaultDriver<D> {
-        FaultDriver { inner, state: Mutex::new(FaultState::default()), host_buffers: Arc::default() }
+        FaultDriver {
+            inner,
+            state: Mutex::new(FaultState::default()),
+            observer: ObserverSlot::default(),
+            host_buffers: Arc::default(),
+        }
+    }
+
+    /// Sets (or, with `None`, removes) the observer called at every call's
+    /// entry. A test reads the arena's stats from it while an operation is
+    /// inside a driver call (as another thread could, where the operation
+    /// made the call without the arena's lock).
+    pub fn set_observer(&self, observer: Option<Observer>) {
+        *self.observer.0.write().unwrap_or_else(|p| p.into_inner()) = observer;
     }
 
     /// The wrapped driver.
@@ -161,6 +190,10 @@ impl<D: Driver> FaultDriver<D> {
 
     /// Counts the call and returns the injected error if this one must fail.
     fn enter(&self, kind: CallKind) -> Result<()> {
+        let observer = self.observer.0.read().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(observe) = observer {
+            observe(kind);
+        }
         let mut s = self.st();
         let n = {
             let c = s.calls.entry(kind).or_insert(0);

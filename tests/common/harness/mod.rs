@@ -77,8 +77,10 @@
 
 mod alloc;
 mod apply;
+mod batch;
 mod check;
 mod fault;
+mod maintain;
 mod model;
 mod op;
 mod resize;
@@ -126,7 +128,7 @@ enum Probe {
 type Fd = Arc<FaultDriver<Arc<dyn Driver>>>;
 
 pub struct Harness {
-    pub arena: Arena,
+    pub arena: Arc<Arena>,
     fd: Fd,
     probe: Probe,
     backend: Backend,
@@ -143,6 +145,8 @@ pub struct Harness {
     moves: u64,
     /// The allocation being resized and its old size, during a resize.
     resized: Option<(Id, u64)>,
+    /// The allocations a `resize_many` resizes and their old sizes, during it.
+    resized_many: Vec<(Id, u64)>,
     /// Old addresses of moved allocations of whole chunks, and the bytes
     /// there that must stay readable while the range is retired.
     views: Vec<(Id, u64, u64)>,
@@ -183,7 +187,7 @@ impl Harness {
             Backend::Cuda => (cuda.expect("the CUDA driver"), Probe::None),
         };
         let fd: Fd = Arc::new(FaultDriver::new(inner));
-        let arena = Arena::with_driver(fd.clone(), ac).expect("arena");
+        let arena = Arc::new(Arena::with_driver(fd.clone(), ac).expect("arena"));
         let events = Arc::new(Mutex::new(Vec::new()));
         let sink = events.clone();
         arena.set_move_callback(Some(Box::new(move |e: &MoveEvent| sink.lock().unwrap().push(*e)))).unwrap();
@@ -204,6 +208,7 @@ impl Harness {
             snap,
             moves: 0,
             resized: None,
+            resized_many: Vec::new(),
             views: Vec::new(),
             fault: None,
             watermark_failed: false,

@@ -50,6 +50,16 @@ pub enum Op {
     /// A tag (3: `ALL_TAGS`), with or without a backup.
     Sleep(u32, bool),
     Wake(u32),
+    /// `resize_many` of the `n`th live allocations to the sizes given (a
+    /// repeated pick is dropped): all or nothing, every byte included.
+    ResizeMany(Vec<(usize, u64)>),
+    /// `maintain` with the prefetch targets given (in chunks; set back to
+    /// none after it), the stats read inside its driver calls as another
+    /// thread would read them while it runs (see `harness/maintain.rs`).
+    Maintain {
+        precreate: u64,
+        ahead: u64,
+    },
     /// The `n`th driver call of the operation fails with the fault.
     Faulty(u64, FaultKind, Box<Op>),
 }
