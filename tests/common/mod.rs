@@ -374,7 +374,7 @@ impl Snap {
                     bytes: r.u64("bytes"),
                     id: if live { r.u64("id") } else { 0 },
                     size: if live { r.u64("size") } else { 0 },
-                    mapped_bytes: if live || pending { r.u64("mapped_bytes") } else { 0 },
+                    mapped_bytes: if live || pending || slab { r.u64("mapped_bytes") } else { 0 },
                     pooled_mapped_bytes: if live || pending || kind == Kind::Free {
                         r.u64("pooled_mapped_bytes")
                     } else {
@@ -387,9 +387,9 @@ impl Snap {
                     used: if slab { r.u64("used") } else { 0 },
                     retired_bytes: if slab { r.u64("retired_bytes") } else { 0 },
                     pending_bytes: if slab { r.u64("pending_bytes") } else { 0 },
-                    tag: if live { r.u64("tag") } else { 0 },
-                    asleep: live && r.bool("asleep"),
-                    backup_bytes: if live { r.u64("backup_bytes") } else { 0 },
+                    tag: if live || slab { r.u64("tag") } else { 0 },
+                    asleep: (live || slab) && r.bool("asleep"),
+                    backup_bytes: if live || slab { r.u64("backup_bytes") } else { 0 },
                     shared_bytes: if live { r.u64("shared_bytes") } else { 0 },
                     shared_runs: if live { pairs(r.get("shared_runs")) } else { Vec::new() },
                     shares_with: if live { numbers(r.get("shares_with")) } else { Vec::new() },
@@ -500,7 +500,7 @@ impl Snap {
             .iter()
             .map(|r| match r.kind {
                 Kind::Live => r.mapped_bytes + r.pooled_mapped_bytes,
-                Kind::Slab => r.bytes,
+                Kind::Slab => r.mapped_bytes,
                 Kind::Free => r.pooled_mapped_bytes,
                 Kind::Retired => r.bytes,
                 Kind::Pending => r.mapped_bytes + r.pooled_mapped_bytes,
@@ -543,6 +543,11 @@ impl Snap {
                 }
                 Kind::Slab => {
                     assert_eq!(r.bytes, c, "a slab is one chunk: {r:?}");
+                    assert_eq!(
+                        r.mapped_bytes,
+                        if r.asleep { 0 } else { c },
+                        "a slab maps its chunk while awake: {r:?}"
+                    );
                     assert!(r.class_bytes % 256 == 0 && r.class_bytes > 0 && r.class_bytes <= c / 2, "{r:?}");
                     assert_eq!(r.objects, c / r.class_bytes, "{r:?}");
                     assert!(
@@ -574,6 +579,9 @@ impl Snap {
         assert!(s["live_bytes"] >= self.live().map(|r| r.size).sum::<u64>() + small, "live_bytes");
         // A slab holding only retired objects backs nothing live: pooled.
         let idle_slabs = self.slabs().filter(|r| Self::retired_only(r)).count() as u64;
+        // A sleeping slab maps nothing (it never holds retired objects: a
+        // sleep releases them first).
+        let asleep_slabs = self.slabs().filter(|r| r.asleep).count() as u64;
         // A shared chunk counts once: each holder lists it in its
         // `shared_bytes`, the stats once in theirs.
         let holders_shared: u64 = self.live().map(|r| r.shared_bytes).sum();
@@ -584,7 +592,7 @@ impl Snap {
                 s["mapped_bytes"],
                 self.live().map(|r| r.mapped_bytes).sum::<u64>() - holders_shared
                     + s["shared_bytes"]
-                    + (slabs - idle_slabs) * c,
+                    + (slabs - idle_slabs - asleep_slabs) * c,
                 "mapped_bytes"
             );
             assert_eq!(s["pending_free_bytes"], pending, "pending_free_bytes");
@@ -593,12 +601,13 @@ impl Snap {
             // (which keeps it): the snapshot does not say which, so only
             // bounds hold.
             assert!(
-                s["mapped_bytes"] <= self.live().map(|r| r.mapped_bytes).sum::<u64>() + (slabs - idle_slabs) * c,
+                s["mapped_bytes"]
+                    <= self.live().map(|r| r.mapped_bytes).sum::<u64>() + (slabs - idle_slabs - asleep_slabs) * c,
                 "mapped_bytes"
             );
             assert!(s["pending_free_bytes"] <= pending, "pending_free_bytes");
         }
-        let asleep: Vec<&Range> = self.live().filter(|r| r.asleep).collect();
+        let asleep: Vec<&Range> = self.live().chain(self.slabs()).filter(|r| r.asleep).collect();
         assert_eq!(s["asleep_bytes"], asleep.iter().map(|r| r.bytes).sum::<u64>(), "asleep_bytes");
         assert_eq!(s["backup_bytes"], asleep.iter().map(|r| r.backup_bytes).sum::<u64>(), "backup_bytes");
         let cached: u64 = self.ranges.iter().map(|r| r.pooled_mapped_bytes).sum();
