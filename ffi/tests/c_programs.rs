@@ -225,6 +225,15 @@ fn c_threads_test() {
     run_and_expect_pass(&exe);
 }
 
+/// The C ABI on the CUDA backend, bytes checked through the driver's
+/// copies (skipped without a usable driver, unless VMM_ARENA_REQUIRE_GPU=1;
+/// CI runs it against cuda-standin).
+#[test]
+fn c_cuda_backend_test() {
+    let exe = compile("test_cuda_backend", Lang::C, &[source("c/test_cuda_backend.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
 /// A failed resize_many changes no byte (see the program's header).
 #[test]
 fn c_failed_batch_keeps_every_byte() {

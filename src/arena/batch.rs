@@ -89,7 +89,7 @@ impl Arena {
             // own calls may fail. So every refusal comes before any call.
             {
                 let (dry, counts) = (DryRun::new(st.chunk), Counters::default());
-                let mut tx = Txn::new(&dry, &counts, st.base, st.chunk);
+                let mut tx = Txn::new(&dry, &counts, ctx.unmaps, st.base, st.chunk);
                 let planned = run_all(&mut st.clone(), &mut tx, &mut Vec::new());
                 tx.commit();
                 planned?;

@@ -368,7 +368,7 @@ struct Done {
 }
 
 fn execute(round: &Round, ctx: &super::Ctx<'_>, base: u64, chunk: u64) -> Done {
-    let mut tx = Txn::new(ctx.drv, ctx.counts, base, chunk);
+    let mut tx = Txn::new(ctx.drv, ctx.counts, ctx.unmaps, base, chunk);
     match round {
         Round::Create(n) => {
             let mut created = Vec::new();

@@ -73,6 +73,16 @@ impl MockDriver {
         d
     }
 
+    /// The same mock, refusing an unmap that spans several separate
+    /// mappings (the strict reading of `cuMemUnmap`; a real driver may
+    /// read it so).
+    pub fn with_strict_unmap(self) -> MockDriver {
+        if let Ok(mut s) = self.state() {
+            s.rules.set_strict_unmap();
+        }
+        self
+    }
+
     /// Completes one recorded event (the device got past it); false if it
     /// is unknown (never recorded, or destroyed).
     pub fn complete_event(&self, event: u64) -> bool {
