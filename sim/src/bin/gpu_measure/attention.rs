@@ -105,9 +105,23 @@ impl Drop for DevBuf {
     }
 }
 
-/// The device's primary context made current, and the module.
+/// The device's primary context, retained; released on drop (also while
+/// a panic unwinds out of `Gpu::new`).
+struct PrimaryCtx(sys::CUdevice);
+
+impl Drop for PrimaryCtx {
+    fn drop(&mut self) {
+        // SAFETY: retained once in `Gpu::new`, released once here; errors
+        // ignored (Drop never panics).
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.0) };
+    }
+}
+
+/// The device's primary context made current, and the module (dropped
+/// before the context).
 struct Gpu {
     module: sys::CUmodule,
+    _ctx: PrimaryCtx,
 }
 
 impl Gpu {
@@ -124,11 +138,12 @@ impl Gpu {
             ck(sys::cuDeviceGet(&mut dev, device), "cuDeviceGet")?;
             let mut ctx = std::ptr::null_mut();
             ck(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            let guard = PrimaryCtx(dev);
             ck(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
             let image = CString::new(PTX).map_err(|e| e.to_string())?;
             let mut module = std::ptr::null_mut();
             ck(sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void), "cuModuleLoadData")?;
-            Ok(Gpu { module })
+            Ok(Gpu { module, _ctx: guard })
         }
     }
 
