@@ -50,7 +50,7 @@ cmd_build() {
 
     echo "gpu-check build: release test binaries (lib unit tests + tests/*.rs)" >&2
     cargo test --release --lib --tests --no-run --message-format=json >"$msgs"
-    echo "gpu-check build: measuring binary (sim/src/bin/gpu_measure.rs)" >&2
+    echo "gpu-check build: measuring binary (sim/src/bin/gpu_measure/)" >&2
     cargo build --release -p vmm-sim --bin gpu_measure --message-format=json >>"$msgs"
     echo "gpu-check build: C library for the PyTorch check (libvmm_arena.so)" >&2
     cargo build --release -p vmm-arena-ffi --message-format=json >>"$msgs"
@@ -127,7 +127,8 @@ PY
 #
 #   gpu-info        10 s   nvidia-smi
 #   cuda_backend    35 s   tests/cuda_backend.rs against the real driver
-#   gpu_measure     50 s   driver call latencies (driver_latency.md)
+#   gpu_measure     50 s   driver call latencies (driver_latency.md) and the
+#                          attention kernels by KV layout (a few seconds)
 #   pytorch        190 s   three fresh processes (native, expandable segments,
 #                          vmm-arena), 60 s each: a cold `import torch` plus
 #                          CUDA and cuBLAS initialisation take most of that on

@@ -31,6 +31,7 @@
 //! (an arena snapshot drawn as SVG).
 
 pub mod arena_prefix_cache;
+pub mod attention;
 pub mod caching;
 pub mod counted;
 pub mod idle_footprint;
@@ -44,6 +45,7 @@ pub mod rlhf_cycle;
 pub mod scenario;
 pub mod snapshot_svg;
 pub mod stress;
+pub mod sweep;
 pub mod timing;
 pub mod tp;
 pub mod trace;

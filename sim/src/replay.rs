@@ -452,7 +452,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                                     r.first_admission_hit_tokens += hit;
                                     r.first_admission_prompt_tokens += q.prompt;
                                 }
-                                work.prefill_tokens += stored - hit;
+                                work.add_prefill(hit, stored);
                                 r.prefill_tokens += stored - hit;
                                 // What it had computed before a preemption is computed again.
                                 r.recomputed_tokens += stored.min(computed_before[seq]).saturating_sub(hit);
@@ -543,7 +543,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                                 }
                             }
                             r.tags_written += n;
-                            work.prefill_tokens += n;
+                            work.add_prefill(stored, stored + n);
                             r.prefill_tokens += n;
                             r.recomputed_tokens += (stored + n).min(computed_before[seq]).saturating_sub(stored);
                             running[i].stored += n;
@@ -561,8 +561,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                             r.integrity_errors += 1;
                         }
                         r.tags_written += 1;
-                        work.decoding = true;
-                        work.decode_kv_bytes += stored * kvpt;
+                        work.add_decode(stored, stored * kvpt);
                         running[i].stored += 1;
                         live_now += kvpt;
                         sample(&mut r, live_now, mgr.shared_live_bytes());

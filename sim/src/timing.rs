@@ -4,7 +4,10 @@
 //! A step's time is
 //!
 //! ```text
-//! gpu   = prefill + decode + copies
+//! mem   = weights (once a step) + decode KV / e_decode(layout)
+//! comp  = linear FLOPs (2 x params a token computed, prefill and decode)
+//!         + prefill attention / e_prefill(layout) + decode attention / e_decode(layout)
+//! gpu   = max(mem, comp) + copies           (one fused step: roofline)
 //! cpu   = cpu_step_s                        (scheduling, input preparation)
 //! step  = max(gpu, cpu) + alloc_critical    no drain on the critical path
 //! step  = gpu + cpu + alloc_critical        a drain on the critical path
@@ -17,14 +20,24 @@
 //! (`counted.rs` models when events complete: at the end of the step that
 //! recorded them).
 //!
-//! - **Prefill**: `2 × parameters` FLOPs per computed prompt token (the
-//!   usual estimate for a dense decoder, see the design brief) at
-//!   `prefill_mfu` of the GPU's dense BF16 peak. Recomputation after a
-//!   preemption is prefill again; prompt tokens found in a prefix cache are
-//!   not computed.
-//! - **Decode**: a memory-bound roofline. Every weight and the KV of every
-//!   running request are read once per step, at `hbm_efficiency` of the HBM
-//!   bandwidth.
+//! - **Linear layers**: `2 × parameters` FLOPs per token computed, prompt
+//!   or decode (the usual estimate for a dense decoder, see the design
+//!   brief) at `prefill_mfu` of the GPU's dense BF16 peak. Recomputation
+//!   after a preemption is prefill again; prompt tokens found in a prefix
+//!   cache are not computed.
+//! - **Attention** (`attention.rs`): causal prefill attention, a suffix
+//!   over a cached prefix included, and decode attention over each
+//!   decoding request's context, `4 × layers × heads × head_dim` FLOPs a
+//!   (query, key) pair; decode attention also reads every decoding
+//!   request's KV. Each KV layout (`attn_layout`) has an attention
+//!   efficiency for prefill and one for decode that divide the attention
+//!   part only (1: as fast as a dense kernel).
+//! - **Roofline of a fused step**: the weights are read once a step,
+//!   whatever mix of prompt chunks and decoding tokens it computes; the
+//!   step takes the larger of its memory time (weights and KV at
+//!   `hbm_efficiency` of the HBM bandwidth) and its compute time. Decode
+//!   turns compute-bound once `2 × params × batch` FLOPs outlast the weight
+//!   read.
 //! - **Copies**: a device-to-device copy reads and writes its bytes:
 //!   `2 × bytes / (bandwidth × hbm_efficiency)`.
 //! - **Allocator time on the critical path**: every driver call a manager
@@ -47,14 +60,23 @@
 //!   time and only the excess is charged. A drain there makes the CPU wait
 //!   for the GPU's end before its remaining calls: conservatively, none of
 //!   that step's between-steps driver time is hidden then.
+//! - **Concurrent driver calls**: where several threads or processes
+//!   make driver calls at once (the members of a tensor-parallel group,
+//!   `driver_threads`), their summed time is scaled by Amdahl's law with
+//!   `driver_parallel_fraction` (`attention::concurrent_s`).
 //! - **Events**: recording, polling and destroying a stream event are
 //!   priced per call (`event_*_s`), wherever they happen.
 //!
 //! Profiles `h200` (default) and `a100` ship here; a JSON file can override
-//! any field (`--profile-file`).
+//! any field (`--profile-file`), as a number or as `{"value": x, "source":
+//! "..."}`. Every constant carries its source ([`Profile::sources`]); a
+//! constant without one is marked `assumed`.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::attention::{causal_pairs, concurrent_s, AttentionShape, AttnLayout};
 use super::counted::Calls;
 
 /// The constants of the model. Sources are given per field.
@@ -114,7 +136,69 @@ pub struct Profile {
     pub event_record_s: f64,
     pub event_query_s: f64,
     pub event_destroy_s: f64,
+    /// The model's attention shape (`attention.rs`): layers, query heads,
+    /// KV heads, head dimension.
+    pub layers: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// The KV layout the replayed manager gives attention kernels.
+    pub attn_layout: AttnLayout,
+    /// Attention efficiency of each layout against a dense kernel, for
+    /// decode and for prefill attention (the time of the attention part
+    /// is divided by it).
+    pub attn_eff_decode_token_major: f64,
+    pub attn_eff_prefill_token_major: f64,
+    pub attn_eff_decode_per_layer: f64,
+    pub attn_eff_prefill_per_layer: f64,
+    pub attn_eff_decode_paged: f64,
+    pub attn_eff_prefill_paged: f64,
+    /// Threads (or processes) making driver calls at once (1: none at
+    /// once), and the fraction of their work that overlaps.
+    pub driver_threads: u32,
+    pub driver_parallel_fraction: f64,
+    /// Where each constant comes from, by field name ("assumed: ..." where
+    /// no measurement backs it).
+    pub sources: BTreeMap<String, String>,
 }
+
+/// The built-in profiles' sources, by field.
+const SOURCES: [(&str, &str); 34] = [
+    ("hbm_bytes_per_s", "vendor data sheets: H200 4.8 TB/s, A100 80 GB 2.0 TB/s (design brief)"),
+    ("hbm_efficiency", "H200: about 4.3 of 4.8 TB/s reached by device copies (design brief); A100: assumed 0.9"),
+    ("peak_flops", "vendor data sheets: dense BF16, H200 989 TFLOPS, A100 312 TFLOPS"),
+    ("prefill_mfu", "assumed: 0.5, typical of large-batch prefill in published serving benchmarks"),
+    ("params", "Llama-3-8B 8.0 B (design brief); kv_serving sets the model preset's"),
+    ("bytes_per_param", "BF16: 2 bytes"),
+    ("cpu_step_s", "assumed: 2 ms, the order engines report for scheduling and input preparation"),
+    ("create_s", "kvcached benchmarks/bench_vmm/README.md, A100 sample, 1 thread, 2 MiB pages: mem_create avg 193.32 us"),
+    ("map_s", "kvcached benchmarks/bench_vmm/README.md, A100 sample: mem_map avg 1.45 us"),
+    ("set_access_s", "kvcached benchmarks/bench_vmm/README.md, A100 sample: set_access avg 35.99 us, all charged per chunk"),
+    ("unmap_s", "kvcached benchmarks/bench_vmm/README.md, A100 sample: mem_unmap avg 25.63 us, all charged per chunk"),
+    ("set_access_call_s", "0: the published table times one chunk a call and cannot split call from chunk; per-chunk reading (PyTorch CUDACachingAllocator.cpp: map/unmap cost grows with the chunks)"),
+    ("unmap_call_s", "0: as set_access_call_s"),
+    ("release_s", "assumed: 25.6 us a chunk, priced as mem_unmap (no published cuMemRelease figure; gpu_measure measures it)"),
+    ("reserve_s", "kvcached benchmarks/bench_vmm/README.md: address_reserve (8 GB) 19 us"),
+    ("synchronize_s", "assumed: 5 us for the call itself"),
+    ("event_record_s", "assumed: 3 us (cuEventCreate + cuEventRecord), the order of CUDA's enqueue overhead"),
+    ("event_query_s", "assumed: 0.5 us"),
+    ("event_destroy_s", "assumed: 1 us"),
+    ("layers", "meta-llama/Meta-Llama-3-8B config.json: num_hidden_layers 32 (kv_serving sets the model preset's)"),
+    ("heads", "meta-llama/Meta-Llama-3-8B config.json: num_attention_heads 32"),
+    ("kv_heads", "meta-llama/Meta-Llama-3-8B config.json: num_key_value_heads 8"),
+    ("head_dim", "meta-llama/Meta-Llama-3-8B config.json: hidden_size 4096 / 32 heads = 128"),
+    ("attn_layout", "set per manager by kv_serving (vllm-paged: paged; others: --layout)"),
+    ("attn_eff_decode_token_major", "assumed: 1 (unmeasured; kvcached bench_layout measured a layout of this shape at +56 % flash_fwd_splitkv time, i.e. about 0.64; gpu_measure measures it)"),
+    ("attn_eff_prefill_token_major", "assumed: 1 (unmeasured; gpu_measure measures it)"),
+    ("attn_eff_decode_per_layer", "assumed: 1 (one layer's tokens contiguous, as a dense kernel reads them)"),
+    ("attn_eff_prefill_per_layer", "assumed: 1 (as attn_eff_decode_per_layer)"),
+    ("attn_eff_decode_paged", "assumed: 1 (published: 0-10 % below dense, FlashInfer 0.2 '90 % of dense' at page size 1, flashinfer #637 1-2 %; gpu_measure measures it)"),
+    ("attn_eff_prefill_paged", "assumed: 1 (flashinfer #637: 1-2 % between ragged and paged prefill; FlashAttention PR #2468 on B200: page 16/64 17-24 % slower; gpu_measure measures it)"),
+    ("driver_threads", "1: the replay makes its calls from one thread; a tensor-parallel group sets its members"),
+    ("driver_parallel_fraction", "kvcached benchmarks/bench_map_parallelism/README.md: 4 processes map 1.94x faster than 1 (L40S, contiguous layout; 1.11x non-contiguous); Amdahl fit f = (1 - 1/1.94) / (1 - 1/4)"),
+    ("name", "profile name"),
+    ("sources", "this table"),
+];
 
 impl Default for Profile {
     fn default() -> Profile {
@@ -142,12 +226,26 @@ impl Profile {
             unmap_s: 25.6e-6,
             set_access_call_s: 0.0,
             unmap_call_s: 0.0,
-            release_s: 0.0,
+            release_s: 25.6e-6,
             reserve_s: 19e-6,
             synchronize_s: 5e-6,
             event_record_s: 3e-6,
             event_query_s: 0.5e-6,
             event_destroy_s: 1e-6,
+            layers: AttentionShape::LLAMA3_8B.layers,
+            heads: AttentionShape::LLAMA3_8B.heads,
+            kv_heads: AttentionShape::LLAMA3_8B.kv_heads,
+            head_dim: AttentionShape::LLAMA3_8B.head_dim,
+            attn_layout: AttnLayout::TokenMajor,
+            attn_eff_decode_token_major: 1.0,
+            attn_eff_prefill_token_major: 1.0,
+            attn_eff_decode_per_layer: 1.0,
+            attn_eff_prefill_per_layer: 1.0,
+            attn_eff_decode_paged: 1.0,
+            attn_eff_prefill_paged: 1.0,
+            driver_threads: 1,
+            driver_parallel_fraction: (1.0 - 1.0 / 1.94) / (1.0 - 1.0 / 4.0),
+            sources: SOURCES.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         }
     }
 
@@ -176,13 +274,30 @@ impl Profile {
         let o: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("profile JSON: {e}"))?;
         let serde_json::Value::Object(fields) = o else { return Err("profile JSON: not an object".into()) };
         let target = v.as_object_mut().expect("a profile serializes to an object");
+        let mut sources = base.sources.clone();
         for (k, val) in fields {
-            if !target.contains_key(&k) {
+            if !target.contains_key(&k) || k == "sources" {
                 return Err(format!("profile JSON: unknown field {k:?}"));
             }
+            // `{"value": x, "source": "..."}`, or a bare value (then assumed).
+            let (val, source) = match val {
+                serde_json::Value::Object(mut o) if o.contains_key("value") => {
+                    let source = match o.remove("source") {
+                        Some(serde_json::Value::String(s)) if !s.trim().is_empty() => s,
+                        _ => return Err(format!("profile JSON: {k:?} has a value but no \"source\" string")),
+                    };
+                    if let Some(extra) = o.keys().find(|x| *x != "value") {
+                        return Err(format!("profile JSON: {k:?}: unknown key {extra:?}"));
+                    }
+                    (o.remove("value").expect("checked"), source)
+                }
+                other => (other, "assumed: given by a profile file without a source".to_string()),
+            };
+            sources.insert(k.clone(), source);
             target.insert(k, val);
         }
-        let p: Profile = serde_json::from_value(v).map_err(|e| format!("profile JSON: {e}"))?;
+        let mut p: Profile = serde_json::from_value(v).map_err(|e| format!("profile JSON: {e}"))?;
+        p.sources = sources;
         p.check()?;
         Ok(p)
     }
@@ -193,6 +308,12 @@ impl Profile {
             ("hbm_efficiency", self.hbm_efficiency),
             ("peak_flops", self.peak_flops),
             ("prefill_mfu", self.prefill_mfu),
+            ("attn_eff_decode_token_major", self.attn_eff_decode_token_major),
+            ("attn_eff_prefill_token_major", self.attn_eff_prefill_token_major),
+            ("attn_eff_decode_per_layer", self.attn_eff_decode_per_layer),
+            ("attn_eff_prefill_per_layer", self.attn_eff_prefill_per_layer),
+            ("attn_eff_decode_paged", self.attn_eff_decode_paged),
+            ("attn_eff_prefill_paged", self.attn_eff_prefill_paged),
         ];
         for (k, v) in positive {
             if !(v.is_finite() && v > 0.0) {
@@ -219,25 +340,88 @@ impl Profile {
         if costs.iter().any(|v| !(v.is_finite() && *v >= 0.0)) {
             return Err("profile: sizes and costs must be finite and not negative".into());
         }
+        if !(0.0..=1.0).contains(&self.driver_parallel_fraction) {
+            return Err(format!(
+                "profile: driver_parallel_fraction must be in [0, 1], is {}",
+                self.driver_parallel_fraction
+            ));
+        }
         Ok(())
+    }
+
+    /// The source of field `k` ("assumed" when none is known).
+    pub fn source(&self, k: &str) -> &str {
+        self.sources.get(k).map_or("assumed", String::as_str)
+    }
+
+    /// Every constant with its value and source, one a line (`--help`).
+    pub fn describe(&self) -> String {
+        let v = serde_json::to_value(self).expect("a profile serializes");
+        let mut out = String::new();
+        for (k, val) in v.as_object().expect("an object") {
+            if k == "sources" {
+                continue;
+            }
+            out.push_str(&format!("  {k} = {val}\n      source: {}\n", self.source(k)));
+        }
+        out
+    }
+
+    /// The attention shape of the model the profile describes.
+    pub fn attention_shape(&self) -> AttentionShape {
+        AttentionShape { layers: self.layers, heads: self.heads, kv_heads: self.kv_heads, head_dim: self.head_dim }
+    }
+
+    /// The attention efficiencies (decode, prefill) of the profile's layout.
+    pub fn attn_efficiency(&self) -> (f64, f64) {
+        match self.attn_layout {
+            AttnLayout::TokenMajor => (self.attn_eff_decode_token_major, self.attn_eff_prefill_token_major),
+            AttnLayout::PerLayer => (self.attn_eff_decode_per_layer, self.attn_eff_prefill_per_layer),
+            AttnLayout::Paged => (self.attn_eff_decode_paged, self.attn_eff_prefill_paged),
+        }
     }
 
     fn bandwidth(&self) -> f64 {
         self.hbm_bytes_per_s * self.hbm_efficiency
     }
 
-    /// Seconds to compute the prompt KV of `tokens` tokens.
-    pub fn prefill_s(&self, tokens: u64) -> f64 {
-        tokens as f64 * 2.0 * self.params / (self.peak_flops * self.prefill_mfu)
+    fn flops_per_s(&self) -> f64 {
+        self.peak_flops * self.prefill_mfu
     }
 
-    /// Seconds of one decode step reading the weights and `kv_bytes` of KV
-    /// (0 when no request decodes).
-    pub fn decode_s(&self, kv_bytes: u64, decoding: bool) -> f64 {
-        if !decoding {
+    /// Seconds of the linear layers' FLOPs for `tokens` tokens computed
+    /// (prompt or decode): `2 × params` each.
+    pub fn linear_s(&self, tokens: u64) -> f64 {
+        tokens as f64 * 2.0 * self.params / self.flops_per_s()
+    }
+
+    /// Seconds of attention FLOPs over `pairs` (query, key) pairs at
+    /// efficiency `eff`.
+    pub fn attention_flops_s(&self, pairs: u64, eff: f64) -> f64 {
+        pairs as f64 * self.attention_shape().flops_per_pair() / (self.flops_per_s() * eff)
+    }
+
+    /// Seconds to read the weights once.
+    pub fn weights_s(&self) -> f64 {
+        self.params * self.bytes_per_param / self.bandwidth()
+    }
+
+    /// Memory time of a step: the weights once (if it computes anything)
+    /// and the decoding requests' KV through the layout.
+    pub fn memory_s(&self, w: &StepWork) -> f64 {
+        if w.prefill_tokens == 0 && !w.decoding {
             return 0.0;
         }
-        (self.params * self.bytes_per_param + kv_bytes as f64) / self.bandwidth()
+        let (e_dec, _) = self.attn_efficiency();
+        self.weights_s() + w.decode_kv_bytes as f64 / (self.bandwidth() * e_dec)
+    }
+
+    /// Compute time of a step: linear layers, prefill and decode attention.
+    pub fn compute_s(&self, w: &StepWork) -> f64 {
+        let (e_dec, e_pre) = self.attn_efficiency();
+        self.linear_s(w.prefill_tokens + w.decode_tokens)
+            + self.attention_flops_s(w.prefill_attn_pairs, e_pre)
+            + self.attention_flops_s(w.decode_context_tokens, e_dec)
     }
 
     /// Seconds of device-to-device copies of `bytes`.
@@ -247,6 +431,11 @@ impl Profile {
 
     /// Driver time of the calls in `c` (a difference of two snapshots).
     pub fn driver_s(&self, c: &Calls) -> f64 {
+        concurrent_s(self.serial_driver_s(c), self.driver_threads, self.driver_parallel_fraction)
+    }
+
+    /// Driver time of the calls in `c` made one after another.
+    pub fn serial_driver_s(&self, c: &Calls) -> f64 {
         c.create_chunks as f64 * self.create_s
             + c.map_chunks as f64 * self.map_s
             + c.set_access_chunks as f64 * self.set_access_s
@@ -267,9 +456,16 @@ impl Profile {
 pub struct StepWork {
     /// Prompt tokens computed (prefill and recompute, less prefix hits).
     pub prefill_tokens: u64,
+    /// (query, key) pairs of the prompt tokens computed: causal over
+    /// their request's positions, a cached prefix included
+    /// ([`StepWork::add_prefill`]).
+    pub prefill_attn_pairs: u64,
     /// KV bytes read by the decode (every running request's stored KV).
     pub decode_kv_bytes: u64,
     pub decoding: bool,
+    /// Tokens decoded, and the context they attend to (summed).
+    pub decode_tokens: u64,
+    pub decode_context_tokens: u64,
     /// Bytes copied by the manager on the device.
     pub copied_bytes: u64,
     /// Driver time of calls made on the critical path (admission, growth, free).
@@ -282,6 +478,23 @@ pub struct StepWork {
     pub alloc_between_s: f64,
     /// Drains (synchronizes, blocking waits) among the between-steps calls.
     pub between_drains: u64,
+}
+
+impl StepWork {
+    /// Prompt positions `from..to` of a request computed (positions below
+    /// `from` cached or computed before).
+    pub fn add_prefill(&mut self, from: u64, to: u64) {
+        self.prefill_tokens += to.saturating_sub(from);
+        self.prefill_attn_pairs += causal_pairs(from, to);
+    }
+
+    /// One token decoded over `context` stored tokens of `kv_bytes`.
+    pub fn add_decode(&mut self, context: u64, kv_bytes: u64) {
+        self.decoding = true;
+        self.decode_tokens += 1;
+        self.decode_context_tokens += context;
+        self.decode_kv_bytes += kv_bytes;
+    }
 }
 
 /// A step's time and how it splits.
@@ -299,7 +512,7 @@ pub struct StepTime {
 impl Profile {
     /// The GPU time of a step's work.
     pub fn gpu_s(&self, w: &StepWork) -> f64 {
-        self.prefill_s(w.prefill_tokens) + self.decode_s(w.decode_kv_bytes, w.decoding) + self.copy_s(w.copied_bytes)
+        self.memory_s(w).max(self.compute_s(w)) + self.copy_s(w.copied_bytes)
     }
 
     /// The step-time rule of the module documentation.

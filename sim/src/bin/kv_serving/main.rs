@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use serde_json::{json, Value};
 use vmm_sim::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
 use vmm_sim::replay::{self, RunResult, SchedConfig};
@@ -39,6 +39,12 @@ use vmm_sim::timing::Profile;
 use vmm_sim::tp;
 use vmm_sim::trace::{self, Trace};
 use vmm_sim::util::{fmt_bytes, parse_size};
+
+mod driver_table;
+mod models;
+mod sweep;
+
+use models::{attn_layout, MODELS};
 
 /// Replay LLM serving traffic through vmm-arena and today's KV-cache
 /// managers, charging each step's time with a GPU step-time model.
@@ -152,6 +158,15 @@ struct Opts {
     /// With --tp: activation tensors per step per device.
     #[arg(long, default_value_t = 4)]
     activation_tensors: u32,
+    /// A JSON object overriding profile fields, applied after
+    /// --profile-file (the sweep passes each grid point's this way).
+    #[arg(long)]
+    profile_json: Option<String>,
+    /// Replay arena and vllm-paged over the grid of the unmeasured
+    /// constants (paged-attention overhead x token-major penalty x driver
+    /// pricing) and write sweep.json, sweep.md and sweep.svg into DIR.
+    #[arg(long, value_name = "DIR")]
+    sweep: Option<PathBuf>,
     /// Internal: replay only this manager and report on stdout.
     #[arg(long, hide = true)]
     worker: Option<String>,
@@ -176,21 +191,6 @@ fn parse_retain(s: &str) -> Result<u64, String> {
         parse_size(s)
     }
 }
-
-struct Model {
-    name: &'static str,
-    kv_bytes_per_token: u64,
-    layers: u32,
-    context: u64,
-    /// Parameters, for the step-time model's FLOPs and weight bytes.
-    params: f64,
-}
-
-const MODELS: [Model; 3] = [
-    Model { name: "llama2-7b", kv_bytes_per_token: 512 << 10, layers: 32, context: 4096, params: 6.7e9 },
-    Model { name: "llama3-8b", kv_bytes_per_token: 128 << 10, layers: 32, context: 131072, params: 8.0e9 },
-    Model { name: "llama3-70b", kv_bytes_per_token: 320 << 10, layers: 80, context: 131072, params: 70.6e9 },
-];
 
 fn die(msg: &str) -> ! {
     eprintln!("kv_serving: {msg}");
@@ -269,9 +269,19 @@ fn setup(o: &Opts) -> Setup {
     };
     let mut profile = Profile::named(&o.profile).unwrap_or_else(|e| die(&e));
     profile.params = model.params;
+    profile.layers = shape.layers;
+    profile.heads = model.heads;
+    profile.kv_heads = model.kv_heads;
+    profile.head_dim = model.head_dim;
+    for k in ["layers", "heads", "kv_heads", "head_dim"] {
+        profile.sources.insert(k.into(), format!("model preset {}: {}", model.name, model.source));
+    }
     if let Some(p) = &o.profile_file {
         let text = std::fs::read_to_string(p).unwrap_or_else(|e| die(&format!("cannot read {}: {e}", p.display())));
         profile = Profile::with_overrides(&profile, &text).unwrap_or_else(|e| die(&format!("{}: {e}", p.display())));
+    }
+    if let Some(j) = &o.profile_json {
+        profile = Profile::with_overrides(&profile, j).unwrap_or_else(|e| die(&format!("--profile-json: {e}")));
     }
     let max_batch = o.max_batch as usize;
     let reserve = o.arena_reserve.unwrap_or_else(|| managers::arena_reserve(shape, o.capacity, max_batch));
@@ -297,6 +307,11 @@ fn setup(o: &Opts) -> Setup {
         let shard = tp::shard_shape(shape, tp_degree).unwrap_or_else(|e| die(&e));
         cfg.kv_bytes_per_token = shard.kv_bytes_per_token;
         cfg.profile.params /= tp_degree as f64;
+        // Each member's share of the heads.
+        cfg.profile.heads /= tp_degree as u32;
+        // The members make their driver calls at once, from their own
+        // processes: the replay sums them, contention scales the sum.
+        cfg.profile.driver_threads = tp_degree as u32;
     }
     let noise = tp::Noise {
         mean_bytes: o.activation_bytes.unwrap_or(o.capacity / 32),
@@ -327,8 +342,17 @@ fn manager_names(o: &Opts) -> Vec<String> {
 }
 
 fn main() {
-    let mut o = Opts::parse();
+    let help = format!(
+        "The step-time model's constants (profile h200, model llama3-8b; --profile, --model and \
+         --profile-file change them), each with its source:\n{}",
+        Profile::h200().describe()
+    );
+    let matches = Opts::command().after_long_help(help).get_matches();
+    let mut o = Opts::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     o.managers = manager_names(&o);
+    if o.sweep.is_some() {
+        o.managers = vec!["arena".into(), "vllm-paged".into()];
+    }
     let s = setup(&o);
     if let Some(name) = &o.worker {
         run_worker(name, &s);
@@ -429,6 +453,20 @@ fn main() {
         }
     }
 
+    if let Some(dir) = &o.sweep {
+        let title = format!(
+            "{}, first {} requests, {} KV, {}",
+            s.trace.name,
+            s.trace.requests.len(),
+            fmt_bytes(o.capacity),
+            match s.cfg.max_num_batched_tokens {
+                0 => "whole prompts".to_string(),
+                n => format!("chunked prefill {n}"),
+            }
+        );
+        sweep::run(dir, &s, s.jobs, &title);
+        return;
+    }
     let results = run_all(&o, &s, jobs);
     print_table(&results, trace);
     if let Some(path) = &o.json {
@@ -541,7 +579,7 @@ fn print_table(results: &[RunResult], trace: &Trace) {
             );
         }
     }
-    print_driver_table(results);
+    driver_table::print(results);
     if let Some(a) = results.iter().find(|r| r.name == "arena") {
         let rel: Vec<String> = results
             .iter()
@@ -587,46 +625,6 @@ fn print_table(results: &[RunResult], trace: &Trace) {
             println!("  {}: HOST LIMIT ({} failures, figures invalid): {h}", r.name, r.host_limit_failures);
         }
     }
-}
-
-/// Driver work on the critical path, and the figures against vllm-paged
-/// (when it ran) that issue 11's targets are stated in.
-fn print_driver_table(results: &[RunResult]) {
-    let vllm = results.iter().find(|r| r.name == "vllm-paged");
-    println!();
-    println!(
-        "{:<19} {:>7} {:>7} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {:>9}",
-        "manager", "syncs", "event", "creates", "creates", "alloc %", "between", "TPOT p99", "tok/s", "peak phys"
-    );
-    println!(
-        "{:<19} {:>7} {:>7} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {:>9}",
-        "", "crit", "waits", "crit", "crit warm", "of steps", "drains", "vs vLLM", "vs vLLM", "/peak live"
-    );
-    for r in results {
-        let vs = |f: &dyn Fn(&RunResult) -> f64| match vllm {
-            Some(v) if f(v) > 0.0 => format!("{:.3}", f(r) / f(v)),
-            _ => "-".into(),
-        };
-        println!(
-            "{:<19} {:>7} {:>7} {:>9} {:>9} {:>8.2}% {:>8} {:>9} {:>9} {:>9.3}",
-            r.name,
-            r.critical_path_syncs,
-            r.critical_path_event_waits,
-            r.critical_path_creates,
-            r.critical_path_creates_warm,
-            r.critical_path_alloc_fraction * 100.0,
-            r.between_steps_drains,
-            vs(&|x| x.tpot_p99_s),
-            vs(&|x| x.tokens_per_s),
-            r.footprint_over_peak_live
-        );
-    }
-    println!("\n  syncs crit / event waits = device synchronizes / waits on incomplete stream events on the critical");
-    println!(
-        "  path (each costs its step the overlap); creates crit (warm) = chunk creations on the critical path (in"
-    );
-    println!("  steps whose live KV peak was reached before); alloc % = allocator time charged over the summed step");
-    println!("  time; between drains = drains in between_steps; vs vLLM = ratio to vllm-paged of this run.");
 }
 
 /// One manager's JSON object: every field of its result, the driver calls
@@ -696,7 +694,9 @@ fn run_worker(name: &str, s: &Setup) {
             }
         });
         let mut mgr = build_manager(name, s).unwrap_or_else(|e| die(&e));
-        let r = replay::replay(mgr.as_mut(), &s.trace.requests, &s.cfg, &progress);
+        let mut cfg = s.cfg.clone();
+        cfg.profile.attn_layout = attn_layout(name, s.shape.layout);
+        let r = replay::replay(mgr.as_mut(), &s.trace.requests, &cfg, &progress);
         drop(mgr);
         done.store(true, Relaxed);
         r
@@ -710,24 +710,33 @@ fn run_worker(name: &str, s: &Setup) {
 /// own mapping budget (the host backend maps every chunk separately, and
 /// the kernel caps mappings per process) and its own wall clock.
 fn run_all(o: &Opts, s: &Setup, jobs: usize) -> Vec<RunResult> {
+    let runs: Vec<(String, Vec<String>)> = o.managers.iter().map(|m| (m.clone(), Vec::new())).collect();
+    run_workers(&runs, s, jobs)
+}
+
+/// Runs each (manager, extra arguments) in its own worker process, `jobs`
+/// at a time.
+fn run_workers(runs: &[(String, Vec<String>)], s: &Setup, jobs: usize) -> Vec<RunResult> {
     let per = s.trace.requests.len() as u64;
     let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("cannot find own executable: {e}")));
     let mut base_args: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--json" | "--managers" | "--jobs" => {
+            "--json" | "--managers" | "--jobs" | "--sweep" | "--profile-json" => {
                 args.next();
             }
-            x if x.starts_with("--json=") || x.starts_with("--managers=") || x.starts_with("--jobs=") => {}
+            x if ["--json=", "--managers=", "--jobs=", "--sweep=", "--profile-json="]
+                .iter()
+                .any(|p| x.starts_with(p)) => {}
             _ => base_args.push(a),
         }
     }
-    let pending = Mutex::new((0..o.managers.len()).collect::<std::collections::VecDeque<usize>>());
-    let progress: Vec<AtomicU64> = o.managers.iter().map(|_| AtomicU64::new(0)).collect();
-    let results: Mutex<Vec<Option<RunResult>>> = Mutex::new(vec![None; o.managers.len()]);
+    let pending = Mutex::new((0..runs.len()).collect::<std::collections::VecDeque<usize>>());
+    let progress: Vec<AtomicU64> = runs.iter().map(|_| AtomicU64::new(0)).collect();
+    let results: Mutex<Vec<Option<RunResult>>> = Mutex::new(vec![None; runs.len()]);
     let bar = std::io::stderr().is_terminal().then(|| {
-        let b = indicatif::ProgressBar::new(per * o.managers.len() as u64);
+        let b = indicatif::ProgressBar::new(per * runs.len() as u64);
         b.set_style(
             indicatif::ProgressStyle::with_template("  [{bar:40}] {pos}/{len} request replays, {elapsed}")
                 .expect("a valid template")
@@ -750,9 +759,10 @@ fn run_all(o: &Opts, s: &Setup, jobs: usize) -> Vec<RunResult> {
             .map(|_| {
                 sc.spawn(|| loop {
                     let Some(k) = pending.lock().expect("queue").pop_front() else { break };
-                    let name = &o.managers[k];
+                    let (name, extra) = &runs[k];
                     let mut child = Command::new(&exe)
                         .args(&base_args)
+                        .args(extra)
                         .args(["--worker", name])
                         .stdout(Stdio::piped())
                         .stderr(Stdio::inherit())

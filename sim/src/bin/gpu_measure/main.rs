@@ -16,6 +16,10 @@
 //!   the same bytes with `cuMemcpyDtoD` (timed until complete), as a ratio;
 //! - and, through an [`Arena`] over the same device, alloc/free pairs on the
 //!   pooled path, with the driver calls they made (expected: none).
+//! - and the attention kernels of `sim/gpu/attention.cu` (decode and a
+//!   prefill-shaped launch over paged, token-major and per-layer KV; see
+//!   `attention.rs`), checked against a CPU reference, timed with events;
+//!   their efficiencies join `kv-profile.json` (`attn_eff_*`, with sources).
 //!
 //! Prints a Markdown report; with `--out DIR` also writes `gpu-measure.json`
 //! and `gpu-measure.md` there, and `kv-profile.json`: the measured driver
@@ -31,6 +35,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
+
+mod attention;
 use serde::Serialize;
 
 use vmm_arena::driver::cuda::CudaDriver;
@@ -771,13 +777,43 @@ fn main() {
         eprintln!("gpu_measure: a driver call failed: {e}");
         std::process::exit(1);
     }
+    // The attention kernels: a failure here (no module loading, say) leaves
+    // the driver figures standing, and says why.
+    // cudarc panics on a function the loaded libcuda lacks: that is a
+    // "not measured" too.
+    let attn = std::panic::catch_unwind(|| attention::measure(args.device, args.quick))
+        .unwrap_or_else(|_| Err("the driver library lacks a function the kernels need (see the panic above)".into()));
     report.seconds = start.elapsed().as_secs_f64();
-    let md = report.markdown();
+    let mut md = report.markdown();
+    md.push_str("\n## Attention kernels by KV layout (sim/gpu/attention.cu)\n\n");
+    match &attn {
+        Ok(m) => {
+            md.push_str(&format!(
+                "Outputs match the CPU reference (largest difference {:.1e}).\n\n\
+                 | launch | paged us | token-major us | per-layer us |\n|---|---:|---:|---:|\n\
+                 | {} | {:.1} | {:.1} | {:.1} |\n| {} | {:.1} | {:.1} | {:.1} |\n",
+                m.max_error,
+                m.decode,
+                m.decode_s[0] * 1e6,
+                m.decode_s[1] * 1e6,
+                m.decode_s[2] * 1e6,
+                m.prefill,
+                m.prefill_s[0] * 1e6,
+                m.prefill_s[1] * 1e6,
+                m.prefill_s[2] * 1e6
+            ));
+        }
+        Err(e) => md.push_str(&format!("Not measured: {e}\n")),
+    }
     print!("{md}");
     write_out(&args.out, &report.json(), &md);
     if let Some(dir) = &args.out {
         match report.kv_profile() {
             Ok(p) => {
+                let p = match &attn {
+                    Ok(m) => with_fields(&p, m.profile_fields(&report.device)),
+                    Err(_) => p,
+                };
                 if let Err(e) = std::fs::write(dir.join("kv-profile.json"), p) {
                     eprintln!("gpu_measure: cannot write kv-profile.json: {e}");
                     std::process::exit(1);
@@ -787,4 +823,14 @@ fn main() {
             Err(e) => eprintln!("gpu_measure: no kv-profile.json: {e}"),
         }
     }
+}
+
+/// A profile JSON object with `fields` added.
+fn with_fields(json: &str, fields: Vec<(String, serde_json::Value)>) -> String {
+    let mut v: serde_json::Value = serde_json::from_str(json).expect("our own JSON");
+    let o = v.as_object_mut().expect("a profile is an object");
+    for (k, x) in fields {
+        o.insert(k, x);
+    }
+    serde_json::to_string_pretty(&v).expect("plain data serializes") + "\n"
 }
