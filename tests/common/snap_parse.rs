@@ -41,12 +41,11 @@ impl<'a> Lexer<'a> {
     fn string(&mut self) -> &'a str {
         self.expect(b'"');
         let start = self.at;
-        while self.b[self.at] != b'"' {
-            assert_ne!(self.b[self.at], b'\\', "an escape in a snapshot string at byte {}", self.at);
-            self.at += 1;
-        }
+        let len = self.b[start..].iter().position(|&c| c == b'"' || c == b'\\').expect("an unterminated string");
+        self.at += len;
+        assert_eq!(self.b[self.at], b'"', "an escape in a snapshot string at byte {}", self.at);
         self.at += 1;
-        std::str::from_utf8(&self.b[start..self.at - 1]).expect("UTF-8")
+        std::str::from_utf8(&self.b[start..start + len]).expect("UTF-8")
     }
 
     fn number(&mut self) -> u64 {
@@ -281,7 +280,7 @@ pub fn parse(text: &str) -> Snap {
             set(&mut ranges, rs, k);
         }
         "stats" => {
-            let mut st = HashMap::new();
+            let mut st = HashMap::with_capacity(128);
             l.object(|l, k| assert!(st.insert(k.to_string(), l.number()).is_none(), "duplicate key {k}"));
             set(&mut stats, st, k);
         }
