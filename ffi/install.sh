@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the vmm_arena C ABI library under a prefix:
 #
-#   <prefix>/include/vmm_arena.h, vmm_arena.hpp
+#   <prefix>/include/vmm_arena.h, vmm_arena.hpp, vmm_arena_handles.hpp
 #   <prefix>/<libdir>/libvmm_arena.so, libvmm_arena.a
 #   <prefix>/<libdir>/cmake/vmm_arena/vmm_arenaConfig.cmake (+ ConfigVersion)
 #   <prefix>/<libdir>/pkgconfig/vmm_arena.pc
@@ -48,7 +48,7 @@ out="$target_dir/$profile_dir"
 if [ "$build" = 1 ]; then
   (cd "$root" && cargo build -p vmm-arena-ffi --lib --profile "$profile" --target-dir "$target_dir")
 fi
-for f in "$out/libvmm_arena.so" "$out/libvmm_arena.a" "$here/include/vmm_arena.h" "$here/include/vmm_arena.hpp"; do
+for f in "$out/libvmm_arena.so" "$out/libvmm_arena.a" "$here/include/vmm_arena.h" "$here/include/vmm_arena.hpp" "$here/include/vmm_arena_handles.hpp"; do
   [ -f "$f" ] || { echo "install.sh: $f is missing (build first, or drop --no-build)" >&2; exit 1; }
 done
 
@@ -59,7 +59,7 @@ minor="${version#*.}"; minor="${minor%%.*}"
 mkdir -p "$prefix"
 prefix="$(cd "$prefix" && pwd)"
 install -d "$prefix/include" "$prefix/$libdir/pkgconfig" "$prefix/$libdir/cmake/vmm_arena"
-install -m 0644 "$here/include/vmm_arena.h" "$here/include/vmm_arena.hpp" "$prefix/include/"
+install -m 0644 "$here/include/vmm_arena.h" "$here/include/vmm_arena.hpp" "$here/include/vmm_arena_handles.hpp" "$prefix/include/"
 install -m 0755 "$out/libvmm_arena.so" "$prefix/$libdir/"
 install -m 0644 "$out/libvmm_arena.a" "$prefix/$libdir/"
 

@@ -92,6 +92,7 @@ PY
     fi
     cp "$root/scripts/gpu-check.sh" "$dir/gpu-check.sh"
     cp "$root/scripts/torch_check.py" "$dir/torch_check.py"
+    cp "$root/scripts/torch_rl_cycle.py" "$dir/torch_rl_cycle.py"
     chmod +x "$dir/gpu-check.sh"
     [[ -f $root/scripts/README-gpu-check.md ]] && cp "$root/scripts/README-gpu-check.md" "$dir/"
     # The fuzz replay reads fuzz/corpus/ops relative to its working directory
@@ -365,6 +366,17 @@ cmd_run() {
             python3 "$BUNDLE/torch_check.py" --lib "$BUNDLE/lib/libvmm_arena.so" --out "$WORK" \
             --timeout "$TORCH_CHILD" --d-model 768 --layers 8 --tokens 200 --steps 5
         TORCH_STATUS=$STEP_STATUS
+    fi
+
+    # 4b. An RL cycle through the Python package's vmm_arena.torch (pause
+    # and resume by tag): where the package is installed beside PyTorch.
+    if [[ -n $nogpu ]]; then
+        skip torch_rl_cycle "$nogpu"
+    elif ! timeout 60 python3 -c 'import vmm_arena.torch, torch' 2>/dev/null; then
+        skip torch_rl_cycle "python3 lacks vmm_arena (pip install ./python) or torch"
+    else
+        run_step torch_rl_cycle 300 "$WORK/torch-rl-cycle.log" \
+            python3 "$BUNDLE/torch_rl_cycle.py" --lib "$BUNDLE/lib/libvmm_arena.so"
     fi
 
     # 5. The fuzz corpus replay.

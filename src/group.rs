@@ -9,6 +9,9 @@
 //! member `k` undoes what members `0..k` did before the error is returned.
 //! The error ([`GroupError`]) names the member that failed.
 //!
+//! Group allocations are always of whole chunks (never in a small
+//! allocation's slab), so that an undo restores what every member maps.
+//!
 //! **Undo.** The undo of an allocation is a free; the undo of a growth is a
 //! shrink back to the old size. Both are pure bookkeeping in an arena (a
 //! shrink caches its tail chunks, a free caches all of them, or retires a
@@ -170,7 +173,10 @@ struct Entry {
 /// One arena per device, and allocations made on all of them at once
 /// (see the [module docs](self)).
 pub struct Group {
-    members: Vec<Arena>,
+    /// Shared, so that a C caller can hold a member's arena
+    /// (`vmm_arena_group_member`); it lives until the group and every such
+    /// handle are gone.
+    members: Vec<Arc<Arena>>,
     devices: Vec<i32>,
     entries: Mutex<HashMap<u64, Arc<Mutex<Entry>>>>,
     next_id: std::sync::atomic::AtomicU64,
@@ -228,13 +234,23 @@ impl Group {
     /// backend. With CUDA and `peer_access`, each member's driver gives
     /// access to every other device of the group.
     pub fn new(config: GroupConfig) -> GroupResult<Group> {
-        check_devices(&config.devices)?;
-        let mut members = Vec::with_capacity(config.devices.len());
-        for (i, &device) in config.devices.iter().enumerate() {
-            let cfg = ArenaConfig { device, ..config.arena };
-            let arena = match (config.arena.backend, config.peer_access) {
+        let configs = config.devices.iter().map(|&device| ArenaConfig { device, ..config.arena }).collect();
+        Group::with_member_configs(configs, config.peer_access)
+    }
+
+    /// Like [`Group::new`] with a configuration of its own for each member
+    /// (its `device` names the member's device; capacities, chunk sizes and
+    /// flags may differ, e.g. a device that also holds other work). The
+    /// members should share a chunk size and a backend; nothing requires it.
+    pub fn with_member_configs(configs: Vec<ArenaConfig>, peer_access: bool) -> GroupResult<Group> {
+        let devices: Vec<i32> = configs.iter().map(|c| c.device).collect();
+        check_devices(&devices)?;
+        let mut members = Vec::with_capacity(configs.len());
+        for (i, &cfg) in configs.iter().enumerate() {
+            let device = cfg.device;
+            let arena = match (cfg.backend, peer_access) {
                 (Backend::Cuda, true) => {
-                    let peers: Vec<i32> = config.devices.iter().copied().filter(|&d| d != device).collect();
+                    let peers: Vec<i32> = devices.iter().copied().filter(|&d| d != device).collect();
                     // `exportable` is the arena config's, as without peers.
                     crate::driver::cuda::CudaDriver::with_options(device, &peers, cfg.exportable)
                         .and_then(|d| Arena::with_driver(d, cfg))
@@ -244,7 +260,7 @@ impl Group {
             // Members made so far are dropped (and release everything) on error.
             members.push(arena.map_err(|e| GroupError::member(i, e))?);
         }
-        Ok(Group::assemble(members, config.devices))
+        Ok(Group::assemble(members, devices))
     }
 
     /// A group over arenas made elsewhere (any driver: a fault injector, a
@@ -258,7 +274,7 @@ impl Group {
 
     fn assemble(members: Vec<Arena>, devices: Vec<i32>) -> Group {
         Group {
-            members,
+            members: members.into_iter().map(Arc::new).collect(),
             devices,
             entries: Mutex::new(HashMap::new()),
             next_id: std::sync::atomic::AtomicU64::new(1),
@@ -283,6 +299,11 @@ impl Group {
         &self.members[i]
     }
 
+    /// Member `i`'s arena, shared: it outlives the group while held.
+    pub fn member_shared(&self, i: usize) -> Arc<Arena> {
+        Arc::clone(&self.members[i])
+    }
+
     /// The device each member stands for.
     pub fn devices(&self) -> &[i32] {
         &self.devices
@@ -290,8 +311,13 @@ impl Group {
 
     /// Allocates `size` bytes on every member; returns the group id and each
     /// member's address (member order). All or nothing.
+    ///
+    /// A group allocation is always of whole chunks, however small: a
+    /// shard in a slab, grown past the small classes on some members and
+    /// then undone, would stay in whole chunks there (the arena cannot put
+    /// it back in a slab), and members would no longer map the same.
     pub fn alloc(&self, size: u64) -> GroupResult<(GroupId, Vec<u64>)> {
-        self.alloc_with(size, |a| a.alloc(size))
+        self.alloc_with(size, |a| a.alloc_whole(size, size, false, crate::arena::Placing::Whole))
     }
 
     /// [`Arena::alloc_growable`] on every member. All or nothing.

@@ -40,18 +40,26 @@ pub mod arena;
 mod compact;
 pub mod driver;
 pub mod error;
+#[cfg(unix)]
+pub mod fd_passing;
 pub mod group;
 mod id;
 mod snapshot;
 mod sync;
 mod va;
 
+#[cfg(unix)]
+#[cfg(unix)]
+pub use arena::DmaBuf;
+pub use arena::Prepared;
 pub use arena::{
     AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, ALL_TAGS,
     DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,
 };
-#[cfg(unix)]
-pub use arena::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
+pub use arena::{
+    Export, ExportLayout, EXPORT_FORMAT_VERSION, EXPORT_HANDLE_CUDA_POSIX_FD, EXPORT_HANDLE_HOST_MEMFD,
+    EXPORT_HANDLE_UNSPECIFIED,
+};
 pub use error::{Error, Result, Status};
 pub use group::{Group, GroupConfig, GroupError, GroupId};
 pub use id::Id;

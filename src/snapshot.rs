@@ -64,11 +64,13 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
             }
             Segment::Alloc(slot) => {
                 let a = st.alloc(slot);
-                if a.owner == Owner::Pending {
-                    // Freed on a stream; its memory waits for the event.
+                if matches!(a.owner, Owner::Pending | Owner::DmaBuf) {
+                    // Freed on a stream (its memory waits for the event), or
+                    // while a DMA-BUF of it is open (it waits for the close).
+                    let waits_for = if a.owner == Owner::DmaBuf { "dmabuf" } else { "event" };
                     let _ = write!(
                         s,
-                        "{{\"kind\":\"pending\",\"addr\":{addr},\"bytes\":{bytes},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{}}}",
+                        "{{\"kind\":\"pending\",\"waits_for\":\"{waits_for}\",\"addr\":{addr},\"bytes\":{bytes},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{}}}",
                         a.backed * c,
                         cached_in(start + a.backed, start + len)
                     );
@@ -84,11 +86,15 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                     // whose event has not completed.
                     let _ = write!(
                         s,
-                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{class},\"objects\":{},\"used\":{live},\"retired_bytes\":{},\"pending_bytes\":{},\"pinned\":{}}}",
+                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{class},\"objects\":{},\"used\":{live},\"retired_bytes\":{},\"pending_bytes\":{},\"pinned\":{},\"tag\":{},\"asleep\":{},\"mapped_bytes\":{},\"backup_bytes\":{}}}",
                         sl.members.len(),
                         sl.retired as u64 * class,
                         (sl.used - live - sl.retired) as u64 * class,
-                        a.pinned
+                        a.pinned,
+                        sl.tag,
+                        a.sleep.is_some(),
+                        a.backed * c,
+                        a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len() as u64)
                     );
                     continue;
                 }

@@ -50,7 +50,17 @@ fn bytes_flow_both_ways_and_stats_count_imports_apart() {
     ex.write(x, 0, &pattern(1, size as usize)).unwrap();
     let export = ex.export(x).unwrap();
     let layout = export.layout();
-    assert_eq!(layout, ExportLayout { version: EXPORT_FORMAT_VERSION, chunk_bytes: C, chunk_count: 3, size });
+    assert_eq!(
+        layout,
+        ExportLayout {
+            version: EXPORT_FORMAT_VERSION,
+            chunk_bytes: C,
+            chunk_count: 3,
+            size,
+            handle_type: vmm_arena::EXPORT_HANDLE_HOST_MEMFD,
+            device: -1
+        }
+    );
     assert_eq!(export.fds().len(), 3);
     let (y, ptr) = im.import_export(&export, false).unwrap();
     assert_ne!(ptr, 0);
@@ -160,7 +170,9 @@ fn bad_layouts_descriptors_and_arenas_are_refused() {
     let good = export.layout();
     let fds = export.borrowed_fds();
     let bad = [
-        ExportLayout { version: 2, ..good },
+        ExportLayout { version: 3, ..good },
+        ExportLayout { version: 0, ..good },
+        ExportLayout { handle_type: vmm_arena::EXPORT_HANDLE_CUDA_POSIX_FD, ..good },
         ExportLayout { chunk_bytes: 2 * C, ..good },
         ExportLayout { chunk_count: 3, ..good },
         ExportLayout { chunk_count: 0, ..good },

@@ -42,6 +42,8 @@ fn layout_from(b: &[u8]) -> ExportLayout {
         chunk_bytes: u(8..16),
         chunk_count: u(16..24),
         size: u(24..32),
+        handle_type: vmm_arena::EXPORT_HANDLE_HOST_MEMFD,
+        device: -1,
     }
 }
 

@@ -115,6 +115,7 @@ fn plain_op(c: u64) -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => size(c, 8).prop_map(Op::Alloc),
         4 => (1..=c / 2).prop_map(Op::Alloc),
+        2 => (1..=c / 2, 0..=2u32).prop_map(|(s, t)| Op::AllocTagged(s, t)),
         1 => size(c, 40).prop_map(Op::Alloc),
         4 => (size(c, 6), 0..=12u64).prop_map(move |(s, extra)| Op::AllocGrowable(s, s + extra * c)),
         5 => any::<usize>().prop_map(Op::Free),
@@ -250,6 +251,10 @@ fn outcomes_are_reached() {
         "resize_many",
         "resize_many out of memory",
         "maintain, read while it ran",
+        "sleep of small allocations with backup",
+        "set_tag small moved",
+        "alloc small tagged",
+        "set_tag small refused",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 0, "the search never reached: {what}");
     }

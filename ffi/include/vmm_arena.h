@@ -11,8 +11,11 @@
  *    NULL arena or a NULL required out-parameter is
  *    VMM_ARENA_ERR_INVALID_ARGUMENT (never a crash);
  *  - when several statuses apply, the first in this order is returned:
- *    INVALID_ARGUMENT, UNKNOWN_ALLOCATION, ASLEEP, PINNED, OUT_OF_MEMORY,
- *    OUT_OF_ADDRESS_SPACE;
+ *    INVALID_ARGUMENT (the call's own arguments first), INTERNAL (a poisoned
+ *    arena or group; a panic caught in this call), UNKNOWN_ALLOCATION,
+ *    ASLEEP, PINNED, UNSUPPORTED (the backend lacks the capability),
+ *    OUT_OF_MEMORY, OUT_OF_ADDRESS_SPACE, DRIVER (a driver call failed);
+ *    OK only when none applies;
  *  - a failing call sets this thread's vmm_arena_last_error(); a successful
  *    call leaves it as it was;
  *  - an arena is safe to use from many threads at once;
@@ -54,10 +57,22 @@
  * host backend each chunk gets a sealed memfd of its own (one descriptor
  * per chunk held by the arena); on CUDA chunks are created with the POSIX
  * file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
- * the device lacks it). (8, not 4: the contract's own program checks that
- * 4 is refused.)
+ * the device lacks it). Bits 4 and 16 are no flags: a config that sets
+ * either is INVALID_ARGUMENT, like every unknown bit.
  */
 #define VMM_ARENA_FLAG_EXPORTABLE 8u
+
+/**
+ * Config flag: allocations are placed as a pure function of the operations
+ * and the config, whatever the pool holds, so tensor-parallel ranks (one
+ * process per GPU) that apply the same operations get the same offsets
+ * from their bases, also after a two-phase operation was aborted on some
+ * of them (vmm_arena_prepare_alloc). It gives up preferring free ranges
+ * whose pages still hold pooled chunks (fewer driver calls, same memory).
+ * Stream-ordered frees (vmm_arena_free_on_stream) make reuse depend on
+ * when events complete: ranks that use them may diverge.
+ */
+#define VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT 32u
 
 /**
  * Every tag, for vmm_arena_sleep and vmm_arena_wake.
@@ -81,17 +96,54 @@
 #define VMM_ARENA_GROUP_PEER_ACCESS 1u
 
 /**
- * The format version of vmm_arena_export_layout this library writes and
- * accepts (the version field).
+ * The format version of vmm_arena_export_layout this library writes (the
+ * version field). It imports records of this version and of version 1.
  */
-#define VMM_ARENA_EXPORT_FORMAT_VERSION 1u
+#define VMM_ARENA_EXPORT_FORMAT_VERSION 2u
+
+/**
+ * vmm_arena_export_layout.handle_type: not said (a version 1 record); the
+ * importer assumes its own backend's.
+ */
+#define VMM_ARENA_EXPORT_HANDLE_UNSPECIFIED 0u
+
+/**
+ * vmm_arena_export_layout.handle_type: host backend chunks (sealed memfds).
+ */
+#define VMM_ARENA_EXPORT_HANDLE_HOST_MEMFD 1u
+
+/**
+ * vmm_arena_export_layout.handle_type: CUDA chunks
+ * (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR).
+ */
+#define VMM_ARENA_EXPORT_HANDLE_CUDA_POSIX_FD 2u
+
+/**
+ * The smallest struct_size a vmm_arena_export_layout may have: the
+ * version 1 record (struct_size through size, 32 bytes).
+ */
+#define VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE 32u
+
+/**
+ * Descriptors one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD):
+ * vmm_arena_export_send sends an export in messages of at most this many.
+ */
+#define VMM_ARENA_FDS_PER_MESSAGE 253u
 
 /**
  * vmm_arena_import flag: map the chunks readable only (on the host backend
  * a store through the pointer faults; on CUDA the access is
- * CU_MEM_ACCESS_FLAGS_PROT_READ).
+ * CU_MEM_ACCESS_FLAGS_PROT_READ). The importer's own choice for its own
+ * mapping, not a protection of the memory: the exporter, and any importer
+ * that did not ask for it, can still write.
  */
 #define VMM_ARENA_IMPORT_READ_ONLY 1u
+
+/**
+ * vmm_arena_prepare_alloc flag: the allocation is growable (reserving
+ * max_size), as vmm_arena_alloc_growable.
+ */
+#define VMM_ARENA_PREPARE_GROWABLE 1u
 
 /**
  * What every call that can fail returns. Values are never changed or reused.
@@ -170,6 +222,12 @@ typedef enum vmm_arena_backend {
 typedef struct vmm_arena vmm_arena;
 
 /**
+ * Opaque open DMA-BUF of an allocation: one descriptor for its backed
+ * chunks, owned by the handle. It may outlive the arena that made it.
+ */
+typedef struct vmm_arena_dmabuf vmm_arena_dmabuf;
+
+/**
  * Opaque open export: one descriptor per chunk of an allocation and its
  * layout. It may outlive the arena that made it (the descriptors keep the
  * memory alive).
@@ -178,8 +236,21 @@ typedef struct vmm_arena_export vmm_arena_export;
 
 /**
  * Opaque device group: one arena per device.
+ *
+ * Thread safety: a group may be used from many threads at once. Calls on
+ * different group allocations run concurrently (each member arena
+ * serializes its own calls); calls on one group allocation are serialized
+ * by a lock of its own, so each sees the others' results whole. A
+ * member's move callback must not call into the group (INVALID_ARGUMENT).
+ * vmm_arena_group_destroy must not race with any other call on the group.
  */
 typedef struct vmm_arena_group vmm_arena_group;
+
+/**
+ * Opaque prepared operation: give it to vmm_arena_commit or
+ * vmm_arena_abort (either consumes it).
+ */
+typedef struct vmm_arena_prepared vmm_arena_prepared;
 
 /**
  * Arena configuration. Defaults (vmm_arena_config_default): backend CUDA,
@@ -277,9 +348,10 @@ typedef struct vmm_arena_stats {
    */
   uint64_t live_bytes;
   /**
-   * physical bytes backing live allocations (each chunk once); every
-   * other chunk held is in pooled_bytes (a slab holding only retired
-   * objects included)
+   * physical bytes backing live allocations (each chunk once), and the
+   * chunks of freed allocations that an open DMA-BUF still holds (not
+   * reusable, so not pooled); every other chunk held is in pooled_bytes
+   * (a slab holding only retired objects included)
    */
   uint64_t mapped_bytes;
   /**
@@ -360,8 +432,15 @@ typedef uint64_t vmm_arena_group_id;
 
 /**
  * What an importer needs besides the descriptors: send it with them (a
- * plain struct of integers, 32 bytes). struct_size is set by whoever fills
- * it in and checked by whoever reads it.
+ * plain struct of integers, 80 bytes; vmm_arena_export_send does both).
+ *
+ * struct_size has minimum-size semantics, so two library versions read
+ * each other's records: whoever fills the struct in sets struct_size to
+ * the sizeof it knows; a reader uses the fields that fit in struct_size
+ * (at least VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE) and ignores bytes past its
+ * own sizeof; a writer writes only the fields that fit. Fields a short
+ * record lacks read as unspecified (handle_type 0, device -1, backend 0).
+ * reserved must be zero.
  */
 typedef struct vmm_arena_export_layout {
   /**
@@ -384,6 +463,29 @@ typedef struct vmm_arena_export_layout {
    * the allocation's size when it was exported
    */
   uint64_t size;
+  /**
+   * VMM_ARENA_EXPORT_HANDLE_*: an arena whose chunks are of another type
+   * refuses the record (version 2)
+   */
+  uint32_t handle_type;
+  /**
+   * the exporter's CUDA device ordinal, -1 on the host; informational
+   * (CUDA maps an import on the importing arena's device, which needs
+   * peer access when they differ) (version 2)
+   */
+  int32_t device;
+  /**
+   * the exporter's vmm_arena_backend (version 2)
+   */
+  uint32_t backend;
+  /**
+   * 0 (no flags defined)
+   */
+  uint32_t flags;
+  /**
+   * zero
+   */
+  uint64_t reserved[4];
 } vmm_arena_export_layout;
 
 #ifdef __cplusplus
@@ -435,6 +537,10 @@ enum vmm_arena_status vmm_arena_create(const struct vmm_arena_config *config,
 /**
  * Unmaps and releases everything. NULL is fine. Refused (the arena stays,
  * and the last error says so) when called from the arena's own move callback.
+ * For a handle from vmm_arena_group_member, releases that handle only: the
+ * member's arena lives until its group and every handle of it are gone (a
+ * move callback installed through the handle stays installed: clear it
+ * first if its user data goes away).
  *
  * # Safety
  * `arena` is NULL or a live handle that no other thread is using, and is
@@ -717,10 +823,17 @@ enum vmm_arena_status vmm_arena_unpin(struct vmm_arena *arena, vmm_arena_id id);
  * backup). Compaction never moves it; like a pinned allocation, it can be
  * why a request gets OUT_OF_ADDRESS_SPACE.
  *
- * Small allocations (at most half a chunk, from vmm_arena_alloc) share
- * slabs with others and never sleep: set_tag on one is
- * VMM_ARENA_ERR_INVALID_ARGUMENT. Allocate more than half a chunk, or with
- * vmm_arena_alloc_growable, to tag an allocation.
+ * Every allocation takes a tag, whatever its size or history. One of whole
+ * chunks keeps its place (asleep or pinned too). A small allocation (in a
+ * slab: at most half a chunk, from vmm_arena_alloc or
+ * vmm_arena_alloc_tagged) shares its slab only with allocations of its
+ * tag, so a new tag moves it: its bytes are copied into a slab of the new
+ * tag, as a resize past its size class does (the address changes, the
+ * move callback reports it, bytes_copied counts it). That move is refused
+ * for a pinned one (VMM_ARENA_ERR_PINNED) and a sleeping one
+ * (VMM_ARENA_ERR_ASLEEP) and needs a slab's room (OUT_OF_MEMORY or
+ * OUT_OF_ADDRESS_SPACE); on any error nothing changed. Setting the tag it
+ * has is a no-op. Small allocations sleep with their slab.
  *
  * # Safety
  * `arena` is NULL or a live handle.
@@ -749,7 +862,7 @@ enum vmm_arena_status vmm_arena_set_tag(struct vmm_arena *arena, vmm_arena_id id
  *
  * The chunks are given back after the point of no return (a released
  * chunk cannot be had back): a chunk the driver refuses to release stays
- * pooled (held, not leaked), counts in release_failures, and
+ * pooled (held, not leaked: pooled_bytes counts it), and
  * vmm_arena_trim or the next sleep gives it back. The sleepers have slept,
  * so the call returns VMM_ARENA_OK: an error would say they had not.
  *
@@ -843,6 +956,69 @@ enum vmm_arena_status vmm_arena_snapshot_json(struct vmm_arena *arena,
                                               size_t *out_len);
 
 /**
+ * A DMA-BUF of allocation id's backed chunks (cuMemGetHandleForAddressRange),
+ * for RDMA stacks to register (NIXL, UCX, Mooncake). *out receives a handle
+ * that owns the descriptor (vmm_arena_dmabuf_fd reads it, close-on-exec);
+ * vmm_arena_dmabuf_close closes both. GPU only: VMM_ARENA_ERR_UNSUPPORTED
+ * on the host backend.
+ *
+ * A DMA-BUF reaches the physical chunks behind the allocation when it was
+ * made, not its addresses. So while any DMA-BUF of an allocation is open,
+ * its chunks are never reused: the allocation is pinned (it never moves),
+ * vmm_arena_sleep leaves it awake, a resize below the chunks handed out is
+ * INVALID_ARGUMENT, and from its first DMA-BUF on its chunks never go back
+ * to the pool (as for vmm_arena_export_open). vmm_arena_free while a
+ * DMA-BUF is open succeeds, and the id is gone at once, but the chunks stay
+ * mapped where they were (counted in mapped_bytes and against the
+ * capacity) until the last DMA-BUF of them is closed; the arena's next
+ * operation after that (an alloc, free, resize, trim, compact...; not a
+ * read-only call such as vmm_arena_stats_get) gives them back to the
+ * driver.
+ *
+ * Close a DMA-BUF only when no device reaches the memory through it any
+ * more (after ibv_dereg_mr of every registration made from it). The handle
+ * may outlive its arena, but vmm_arena_destroy releases every chunk: close
+ * the DMA-BUFs (and deregister) before destroying the arena.
+ *
+ * INVALID_ARGUMENT for a small allocation, an import (take the DMA-BUF in
+ * the exporting process), or an allocation whose chunks another allocation
+ * shares (vmm_arena_alloc_shared, awake or asleep); ASLEEP for a sleeping
+ * one. On failure nothing changed.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_dmabuf_open(struct vmm_arena *arena,
+                                            vmm_arena_id id,
+                                            struct vmm_arena_dmabuf **out);
+
+/**
+ * The DMA-BUF's descriptor (*out_fd, still owned by the handle: register
+ * it, or dup() it, but do not close it) and the bytes it spans
+ * (*out_bytes, may be NULL): the allocation's backed chunks when it was
+ * made.
+ *
+ * # Safety
+ * `handle` is NULL or a live DMA-BUF; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_dmabuf_fd(const struct vmm_arena_dmabuf *handle,
+                                          int32_t *out_fd,
+                                          uint64_t *out_bytes);
+
+/**
+ * Closes a DMA-BUF handle and its descriptor. Once every DMA-BUF of an
+ * allocation is closed, it is no longer pinned by them, and if it was freed
+ * meanwhile its chunks go back to the driver at the arena's next
+ * operation (see vmm_arena_dmabuf_open).
+ * NULL is fine.
+ *
+ * # Safety
+ * `handle` is NULL or a live DMA-BUF that no other thread is using, and is
+ * not used again.
+ */
+void vmm_arena_dmabuf_close(struct vmm_arena_dmabuf *handle);
+
+/**
  * Creates a group of `count` members, member i on device devices[i]
  * (distinct ordinals; on the host backend any distinct values: N arenas
  * stand for N devices), each configured by `config` (its device field is
@@ -865,6 +1041,52 @@ enum vmm_arena_status vmm_arena_group_create(const struct vmm_arena_config *conf
                                              struct vmm_arena_group **out);
 
 /**
+ * Like vmm_arena_group_create with a configuration of its own for each
+ * member: configs[i] (its device field names member i's device, distinct;
+ * each struct_size as for vmm_arena_create) configures member i, so
+ * capacities, chunk sizes, retain and flags may differ (a device that also
+ * holds other work, a member without VMM_ARENA_FLAG_NO_IMPLICIT_MOVES...).
+ * The members should share a chunk size and a backend; nothing requires it.
+ * Errors as vmm_arena_group_create.
+ *
+ * # Safety
+ * `configs` is NULL or has `count` readable configs, each at least its
+ * `struct_size` bytes; `out` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_create_with_configs(const struct vmm_arena_config *configs,
+                                                          uint32_t count,
+                                                          uint32_t flags,
+                                                          struct vmm_arena_group **out);
+
+/**
+ * A handle of member `member`'s own arena (*out), for everything the group
+ * calls do not do: vmm_arena_pin/unpin of a shard, a move callback per
+ * member (vmm_arena_set_move_callback), vmm_arena_export_open and
+ * vmm_arena_dmabuf_open of a shard, vmm_arena_sleep/wake by tag,
+ * vmm_arena_compact, vmm_arena_trim, vmm_arena_set_prefetch,
+ * vmm_arena_stats_get, and allocations of the member's own. The member id
+ * of a group allocation is vmm_arena_group_query's out_member_id.
+ *
+ * The group keeps no group-wide sleep, wake, compact or trim: their undo
+ * (a wake, a compaction back) can itself fail for memory or move things,
+ * so all or nothing could not be promised; call them on every member
+ * (the same calls on every member keep the members' placement the same).
+ * Freeing or resizing a group allocation's shard through the member handle
+ * breaks the group's all-or-nothing for that allocation.
+ *
+ * The caller owns the handle and releases it with vmm_arena_destroy, which
+ * for a member handle releases the handle only: the member's arena lives
+ * until the group and every handle of it are destroyed. Any number of
+ * handles of a member may exist.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_group_member(struct vmm_arena_group *group,
+                                             uint32_t member,
+                                             struct vmm_arena **out);
+
+/**
  * Destroys every member (unmapping and releasing everything, as
  * vmm_arena_destroy does) and the group. NULL is fine.
  *
@@ -876,9 +1098,14 @@ void vmm_arena_group_destroy(struct vmm_arena_group *group);
 
 /**
  * The member index named by this thread's last failing vmm_arena_group_*
- * call (the member whose call failed; vmm_arena_last_error() says how), or
- * -1 if it named none (a bad argument, an unknown group id) or no group
- * call has failed on this thread. A successful call leaves it as it was.
+ * call, or -1. A call that failed in a member (any status that member's
+ * arena returned, INVALID_ARGUMENT included, e.g. a size 0 that member 0
+ * refuses) names that member k; a call refused before any member acted (a
+ * NULL or misaligned pointer, unknown flags, out_ptrs_len below the member
+ * count, a member index out of range, an unknown group id, a poisoned
+ * group) names none: -1. Also -1 when no group call has failed on this
+ * thread. vmm_arena_last_error() says how the call failed. A successful
+ * call leaves it as it was.
  */
 int32_t vmm_arena_group_last_member(void);
 
@@ -1008,7 +1235,13 @@ enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *grou
  * pool: vmm_arena_free unmaps and releases them, a resize below the chunks
  * it exported is INVALID_ARGUMENT, it never sleeps, and vmm_arena_alloc_shared
  * from it is INVALID_ARGUMENT (as is exporting an allocation that shares
- * chunks with another).
+ * chunks with another, awake or asleep: a sleeper that shared them would
+ * map them again when it wakes).
+ *
+ * Ordering: the call first waits for the device (cuCtxSynchronize), so
+ * every write queued before it is complete and visible to importers; the
+ * processes order later writes themselves (an IPC event sent with the
+ * layout, as PyTorch sends one with its handles).
  *
  * If the exporter frees first: the importers' mappings stay valid, with
  * their bytes, until each importer frees its import (the memory lives
@@ -1023,8 +1256,9 @@ enum vmm_arena_status vmm_arena_export_open(struct vmm_arena *arena,
                                             struct vmm_arena_export **out);
 
 /**
- * Writes the export's layout (layout->struct_size must be set by the
- * caller to sizeof(vmm_arena_export_layout)).
+ * Writes the export's layout: the fields that fit in layout->struct_size
+ * (set by the caller, at least VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE; bytes past
+ * this library's sizeof are left alone).
  *
  * # Safety
  * `handle` is NULL or a live export; `layout` is NULL or points to at least
@@ -1035,11 +1269,18 @@ enum vmm_arena_status vmm_arena_export_layout_get(const struct vmm_arena_export 
 
 /**
  * The export's descriptors, in chunk order: if cap is at least their
- * count, writes them into fds (fds may be NULL when cap is 0); either way
- * *out_count receives the count, and the status is VMM_ARENA_OK. The
- * descriptors stay owned by the export and are closed by
- * vmm_arena_export_close: pass them on (SCM_RIGHTS gives the receiver its
- * own) or dup() them before closing the export.
+ * count, writes new duplicates of them into fds (close-on-exec, owned by
+ * the caller, who closes them; closing them does not affect the export);
+ * fds may be NULL when cap is 0, and nothing is duplicated when cap is
+ * smaller than the count. Either way *out_count receives the count, and
+ * the status is VMM_ARENA_OK. OUT_OF_MEMORY when the process runs out of
+ * descriptors (none is left open then).
+ *
+ * One descriptor per chunk: a 1 GiB allocation of 2 MiB chunks is 512,
+ * which count against RLIMIT_NOFILE (often 1,024 soft) in every process
+ * holding them, and more than one SCM_RIGHTS message carries
+ * (VMM_ARENA_FDS_PER_MESSAGE): vmm_arena_export_send and
+ * vmm_arena_import_recv move an export of any size in one call each.
  *
  * # Safety
  * `handle` is NULL or a live export; `fds` is NULL or has `cap` writable
@@ -1077,11 +1318,19 @@ void vmm_arena_export_close(struct vmm_arena_export *handle);
  * vmm_arena_export_open of it are INVALID_ARGUMENT.
  *
  * INVALID_ARGUMENT: a NULL layout, fds (with count > 0), out_id or
- * out_ptr; unknown flag bits; a layout whose struct_size or version is not
- * this library's, whose chunk_bytes is not this arena's, whose chunk_count
- * is not count, or whose size does not fill its chunks; a descriptor that
- * is negative, closed, or not an exported chunk of chunk_bytes bytes. All
- * or nothing: on failure nothing is mapped or kept.
+ * out_ptr; unknown flag bits; a layout whose struct_size is below
+ * VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE, whose version is neither 1 nor
+ * VMM_ARENA_EXPORT_FORMAT_VERSION, whose handle_type is not this arena's
+ * chunks', whose flags or reserved are not zero, whose chunk_bytes is not
+ * this arena's, whose chunk_count is not count, or whose size does not
+ * fill its chunks; a descriptor that is negative, closed, or not an
+ * exported chunk of chunk_bytes bytes (on the host backend: a memfd no
+ * arena made is refused). All or nothing: on failure nothing is mapped or
+ * kept.
+ *
+ * Ordering: vmm_arena_export_open waited for the exporter's device, so
+ * every write queued before the export is visible; writes after it are
+ * for the processes to order (e.g. an IPC event sent with the layout).
  *
  * # Safety
  * `arena` is NULL or a live handle; `layout` is NULL or readable for its
@@ -1097,11 +1346,13 @@ enum vmm_arena_status vmm_arena_import(struct vmm_arena *arena,
                                        uint64_t *out_ptr);
 
 /**
- * A DMA-BUF file descriptor for the allocation's backed bytes
- * (cuMemGetHandleForAddressRange), for RDMA stacks to register. GPU only:
- * VMM_ARENA_ERR_UNSUPPORTED on the host backend. *out_fd receives a
- * descriptor the caller owns and closes. Pin the allocation first if the
- * registration must not see it move (the call does not pin it).
+ * A DMA-BUF file descriptor for the allocation's backed bytes that the
+ * caller owns and closes, with no handle: the library cannot know when the
+ * device is done with it, so the allocation stays pinned and its chunks
+ * out of reuse (a free keeps them) until the arena is destroyed. Prefer
+ * vmm_arena_dmabuf_open, whose close ends that. Otherwise as
+ * vmm_arena_dmabuf_open (GPU only: VMM_ARENA_ERR_UNSUPPORTED on the host
+ * backend).
  *
  * # Safety
  * `arena` is NULL or a live handle; `out_fd` is NULL or writable.
@@ -1123,6 +1374,149 @@ enum vmm_arena_status vmm_arena_sharing_stats(struct vmm_arena *arena,
                                               uint64_t *out_imported_allocations,
                                               uint64_t *out_imported_bytes,
                                               uint64_t *out_exported_allocations);
+
+/**
+ * Sends an export over a connected Unix socket (SOCK_STREAM or
+ * SOCK_SEQPACKET, blocking): its layout and duplicates of its descriptors,
+ * in messages of at most VMM_ARENA_FDS_PER_MESSAGE descriptors, so an
+ * export of any size goes in one call. The export is unchanged. The peer
+ * calls vmm_arena_import_recv. A socket timeout (SO_SNDTIMEO) or error is
+ * VMM_ARENA_ERR_DRIVER with the errno in vmm_arena_last_error().
+ *
+ * # Safety
+ * `handle` is NULL or a live export.
+ */
+enum vmm_arena_status vmm_arena_export_send(const struct vmm_arena_export *handle, int32_t sock);
+
+/**
+ * Receives an export that vmm_arena_export_send sent on the other end of a
+ * Unix socket and imports it, as vmm_arena_import with the received
+ * layout and descriptors (flags as there); the received descriptors are
+ * closed once the import holds its own. The receiver holds one descriptor
+ * per chunk for the call's duration: RLIMIT_NOFILE must leave room
+ * (OUT_OF_MEMORY, nothing kept, when it does not). INVALID_ARGUMENT for a
+ * peer that sent something else or closed the socket; a socket timeout
+ * (SO_RCVTIMEO) or error is VMM_ARENA_ERR_DRIVER.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_import_recv(struct vmm_arena *arena,
+                                            int32_t sock,
+                                            uint32_t flags,
+                                            vmm_arena_id *out_id,
+                                            uint64_t *out_ptr);
+
+/**
+ * vmm_arena_alloc with a tag: the allocation sleeps and wakes with `tag`
+ * (see vmm_arena_set_tag). A small allocation (at most half a chunk) is
+ * placed in a slab holding allocations of this tag only. Any tag value is
+ * allowed; VMM_ARENA_ALL_TAGS as a tag is selected by every sleep and wake.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_alloc_tagged(struct vmm_arena *arena,
+                                             uint64_t size,
+                                             uint32_t tag,
+                                             vmm_arena_id *out_id,
+                                             uint64_t *out_ptr);
+
+/**
+ * vmm_arena_alloc_growable with a tag (see vmm_arena_alloc_tagged).
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_alloc_growable_tagged(struct vmm_arena *arena,
+                                                      uint64_t size,
+                                                      uint64_t max_size,
+                                                      uint32_t tag,
+                                                      vmm_arena_id *out_id,
+                                                      uint64_t *out_ptr);
+
+/**
+ * Prepares an allocation of size bytes, in whole chunks however small
+ * (flags: VMM_ARENA_PREPARE_GROWABLE to reserve max_size and grow in place
+ * up to it; without it max_size must equal size), moving no other
+ * allocation. *out_prepared, *out_id and *out_ptr receive the prepared
+ * operation and the new allocation (usable now; an abort frees it).
+ *
+ * Every rank of a tensor-parallel group calls this with the same arguments
+ * on its own arena, the engine gathers the statuses through its own
+ * collective, and then every rank calls vmm_arena_commit if all succeeded,
+ * else vmm_arena_abort (a rank whose prepare failed has nothing to abort).
+ * With VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT on every rank and the same
+ * operations in the same order, every rank's allocation is at the same
+ * offset from its arena's base, an aborted one included.
+ *
+ * OUT_OF_ADDRESS_SPACE when no free range fits without moving others
+ * (vmm_arena_compact on every rank, then prepare again); otherwise as
+ * vmm_arena_alloc. On failure nothing changed.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_alloc(struct vmm_arena *arena,
+                                              uint64_t size,
+                                              uint64_t max_size,
+                                              uint32_t flags,
+                                              struct vmm_arena_prepared **out_prepared,
+                                              vmm_arena_id *out_id,
+                                              uint64_t *out_ptr);
+
+/**
+ * Prepares a resize of an allocation of whole chunks to new_size: a growth
+ * is done now, inside its reservation (beyond it, or of a small
+ * allocation: INVALID_ARGUMENT); a shrink is only checked and done by the
+ * commit. *out_ptr receives its address (unchanged). Then commit or abort
+ * on every rank, as for vmm_arena_prepare_alloc. On failure nothing changed.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_resize(struct vmm_arena *arena,
+                                               vmm_arena_id id,
+                                               uint64_t new_size,
+                                               struct vmm_arena_prepared **out_prepared,
+                                               uint64_t *out_ptr);
+
+/**
+ * Prepares a free of an allocation of whole chunks: checks the id; the
+ * commit frees it.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_prepared` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_prepare_free(struct vmm_arena *arena,
+                                             vmm_arena_id id,
+                                             struct vmm_arena_prepared **out_prepared);
+
+/**
+ * Commits a prepared operation and consumes the handle (on any status but
+ * an INVALID_ARGUMENT for a NULL arena or prepared, which leave it with the
+ * caller). Nothing in it can fail for memory or a driver call: it fails
+ * only when the allocation was changed behind its back (freed, put to
+ * sleep), when a shrink unmaps chunks another allocation shares
+ * (vmm_arena_alloc_shared), for a prepared handle of another arena
+ * (INVALID_ARGUMENT), or when the arena is poisoned.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `prepared` is NULL or a live handle,
+ * not used again after the call.
+ */
+enum vmm_arena_status vmm_arena_commit(struct vmm_arena *arena,
+                                       struct vmm_arena_prepared *prepared);
+
+/**
+ * Aborts a prepared operation (frees a prepared allocation, shrinks a
+ * prepared growth back, forgets a prepared shrink or free) and consumes
+ * the handle, as vmm_arena_commit; fails only as it does.
+ *
+ * # Safety
+ * As for vmm_arena_commit.
+ */
+enum vmm_arena_status vmm_arena_abort(struct vmm_arena *arena, struct vmm_arena_prepared *prepared);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -19,6 +19,8 @@
  *   an exception leaving it calls std::terminate.
  * - Like the C API, an Arena may be used from many threads at once;
  *   Allocation objects themselves are not synchronized.
+ * - vmm::Export and vmm::DmaBuf own an export and a DMA-BUF handle (closed
+ *   when destroyed); vmm::Group owns a device group.
  */
 #ifndef VMM_ARENA_HPP
 #define VMM_ARENA_HPP
@@ -307,8 +309,9 @@ class Allocation {
   }
   void pin() { detail::check(vmm_arena_pin(arena_, id_)); }
   void unpin() { detail::check(vmm_arena_unpin(arena_, id_)); }
-  /* The tag Arena::sleep and Arena::wake select by; InvalidArgument for a
-     small allocation (see vmm_arena_set_tag). */
+  /* The tag Arena::sleep and Arena::wake select by. Every allocation takes
+     one; a small one moves (by copy) into a slab of the new tag, which a
+     pinned (Pinned) or sleeping (Asleep) one refuses (see vmm_arena_set_tag). */
   void set_tag(uint32_t tag) { detail::check(vmm_arena_set_tag(arena_, id_, tag)); }
   Result<void> try_set_tag(uint32_t tag) noexcept {
     vmm_arena_status s = vmm_arena_set_tag(arena_, id_, tag);
@@ -398,6 +401,35 @@ class Arena {
     Id id = 0;
     uint64_t p = 0;
     vmm_arena_status s = vmm_arena_alloc(handle_, size, &id, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
+    return Allocation(handle_, id);
+  }
+  /* alloc with a tag: it sleeps and wakes with tag; a small one goes into a
+   * slab of that tag only (see vmm_arena_alloc_tagged). */
+  Allocation alloc_tagged(uint64_t size, uint32_t tag) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_alloc_tagged(handle_, size, tag, &id, &p));
+    return Allocation(handle_, id);
+  }
+  Result<Allocation> try_alloc_tagged(uint64_t size, uint32_t tag) noexcept {
+    Id id = 0;
+    uint64_t p = 0;
+    vmm_arena_status s = vmm_arena_alloc_tagged(handle_, size, tag, &id, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
+    return Allocation(handle_, id);
+  }
+  /* alloc_growable with a tag (see alloc_tagged). */
+  Allocation alloc_growable_tagged(uint64_t size, uint64_t max_size, uint32_t tag) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_alloc_growable_tagged(handle_, size, max_size, tag, &id, &p));
+    return Allocation(handle_, id);
+  }
+  Result<Allocation> try_alloc_growable_tagged(uint64_t size, uint64_t max_size, uint32_t tag) noexcept {
+    Id id = 0;
+    uint64_t p = 0;
+    vmm_arena_status s = vmm_arena_alloc_growable_tagged(handle_, size, max_size, tag, &id, &p);
     if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
     return Allocation(handle_, id);
   }
@@ -527,6 +559,14 @@ class Arena {
   /* Installs the move callback (an empty function removes it). Once this
    * returns, the previous callback is not running and will not run again.
    * Safe to call from several threads at once: the last install wins. */
+  /* Receives an export sent with Export::send (vmm_arena_import_recv) and
+   * imports it (flags: 0 or VMM_ARENA_IMPORT_READ_ONLY). */
+  Allocation import_recv(int sock, uint32_t flags = 0) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_import_recv(handle_, sock, flags, &id, &p));
+    return Allocation(handle_, id);
+  }
   void set_move_callback(MoveCallback callback) {
     std::unique_ptr<MoveCallback> box;
     if (callback) box = std::make_unique<MoveCallback>(std::move(callback));
@@ -544,6 +584,7 @@ class Arena {
   void clear_move_callback() { set_move_callback(MoveCallback()); }
 
  private:
+  friend class Group;
   explicit Arena(vmm_arena *h) noexcept : handle_(h) {}
   void destroy() noexcept {
     vmm_arena_destroy(std::exchange(handle_, nullptr));
@@ -561,5 +602,9 @@ class Arena {
 };
 
 }  // namespace vmm
+
+/* The owners of exports, DMA-BUFs, prepared two-phase operations and
+ * groups. */
+#include "vmm_arena_handles.hpp"
 
 #endif /* VMM_ARENA_HPP */

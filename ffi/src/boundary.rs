@@ -248,6 +248,7 @@ pub(crate) fn arena_config(c: &vmm_arena_config) -> Result<ArenaConfig, Error> {
         no_implicit_moves: c.flags & VMM_ARENA_FLAG_NO_IMPLICIT_MOVES != 0,
         exportable: c.flags & VMM_ARENA_FLAG_EXPORTABLE != 0,
         background: c.flags & VMM_ARENA_FLAG_BACKGROUND != 0,
+        deterministic_placement: c.flags & VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT != 0,
     })
 }
 
@@ -270,6 +271,20 @@ pub(crate) fn default_config() -> vmm_arena_config {
 /// `out` is writable (checked by `required`).
 pub(crate) unsafe fn publish(
     arena: Arena,
+    fault: Option<Arc<FaultDriver<HostDriver>>>,
+    out: NonNull<*mut vmm_arena>,
+) -> Result<(), Error> {
+    // SAFETY: per this function's contract.
+    unsafe { publish_shared(Arc::new(arena), fault, out) }
+}
+
+/// Boxes a shared arena (a group member's, or a new one) into a new handle
+/// and writes it to `out`.
+///
+/// # Safety
+/// `out` is writable (checked by `required`).
+pub(crate) unsafe fn publish_shared(
+    arena: Arc<Arena>,
     fault: Option<Arc<FaultDriver<HostDriver>>>,
     out: NonNull<*mut vmm_arena>,
 ) -> Result<(), Error> {

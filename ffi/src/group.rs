@@ -32,6 +32,13 @@ const KNOWN_GROUP_FLAGS: u32 = VMM_ARENA_GROUP_PEER_ACCESS;
 pub type vmm_arena_group_id = u64;
 
 /// Opaque device group: one arena per device.
+///
+/// Thread safety: a group may be used from many threads at once. Calls on
+/// different group allocations run concurrently (each member arena
+/// serializes its own calls); calls on one group allocation are serialized
+/// by a lock of its own, so each sees the others' results whole. A
+/// member's move callback must not call into the group (INVALID_ARGUMENT).
+/// vmm_arena_group_destroy must not race with any other call on the group.
 pub struct vmm_arena_group {
     pub(crate) group: Group,
     poisoned: AtomicBool,
@@ -194,6 +201,88 @@ pub unsafe extern "C" fn vmm_arena_group_create(
     })
 }
 
+/// Like vmm_arena_group_create with a configuration of its own for each
+/// member: configs[i] (its device field names member i's device, distinct;
+/// each struct_size as for vmm_arena_create) configures member i, so
+/// capacities, chunk sizes, retain and flags may differ (a device that also
+/// holds other work, a member without VMM_ARENA_FLAG_NO_IMPLICIT_MOVES...).
+/// The members should share a chunk size and a backend; nothing requires it.
+/// Errors as vmm_arena_group_create.
+///
+/// # Safety
+/// `configs` is NULL or has `count` readable configs, each at least its
+/// `struct_size` bytes; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_group_create_with_configs(
+    configs: *const vmm_arena_config,
+    count: u32,
+    flags: u32,
+    out: *mut *mut vmm_arena_group,
+) -> vmm_arena_status {
+    group_boundary("vmm_arena_group_create_with_configs", std::ptr::null(), || {
+        let out = required(out, "out").map_err(plain)?;
+        if configs.is_null() || !configs.is_aligned() {
+            return Err(plain(invalid("configs is NULL or not aligned")));
+        }
+        if flags & !KNOWN_GROUP_FLAGS != 0 {
+            return Err(plain(invalid(format!("unknown group flags {:#x}", flags & !KNOWN_GROUP_FLAGS))));
+        }
+        let mut cfgs = Vec::with_capacity(count as usize);
+        for i in 0..count as usize {
+            // SAFETY: `configs` has `count` entries per this function's
+            // contract; entry i starts at its own struct_size field.
+            let c = unsafe { read_config(configs.add(i)) }.map_err(|e| GroupError { member: Some(i), ..plain(e) })?;
+            cfgs.push(arena_config(&c).map_err(|e| GroupError { member: Some(i), ..plain(e) })?);
+        }
+        let group = Group::with_member_configs(cfgs, flags & VMM_ARENA_GROUP_PEER_ACCESS != 0)?;
+        // SAFETY: `out` was checked and is writable per this function's contract.
+        unsafe { publish_group(group, Vec::new(), out) };
+        Ok(())
+    })
+}
+
+/// A handle of member `member`'s own arena (*out), for everything the group
+/// calls do not do: vmm_arena_pin/unpin of a shard, a move callback per
+/// member (vmm_arena_set_move_callback), vmm_arena_export_open and
+/// vmm_arena_dmabuf_open of a shard, vmm_arena_sleep/wake by tag,
+/// vmm_arena_compact, vmm_arena_trim, vmm_arena_set_prefetch,
+/// vmm_arena_stats_get, and allocations of the member's own. The member id
+/// of a group allocation is vmm_arena_group_query's out_member_id.
+///
+/// The group keeps no group-wide sleep, wake, compact or trim: their undo
+/// (a wake, a compaction back) can itself fail for memory or move things,
+/// so all or nothing could not be promised; call them on every member
+/// (the same calls on every member keep the members' placement the same).
+/// Freeing or resizing a group allocation's shard through the member handle
+/// breaks the group's all-or-nothing for that allocation.
+///
+/// The caller owns the handle and releases it with vmm_arena_destroy, which
+/// for a member handle releases the handle only: the member's arena lives
+/// until the group and every handle of it are destroyed. Any number of
+/// handles of a member may exist.
+///
+/// # Safety
+/// `group` is NULL or a live handle; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_group_member(
+    group: *mut vmm_arena_group,
+    member: u32,
+    out: *mut *mut crate::vmm_arena,
+) -> vmm_arena_status {
+    group_boundary("vmm_arena_group_member", group, || {
+        let out = required(out, "out").map_err(plain)?;
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(group) }?;
+        let g = h.live()?;
+        if member as usize >= g.len() {
+            return Err(plain(invalid(format!("member {member} of a group of {}", g.len()))));
+        }
+        let fault = h.faults.get(member as usize).cloned();
+        // SAFETY: `out` was checked and is writable per this function's contract.
+        unsafe { crate::publish_shared(g.member_shared(member as usize), fault, out) }.map_err(plain)
+    })
+}
+
 /// Destroys every member (unmapping and releasing everything, as
 /// vmm_arena_destroy does) and the group. NULL is fine.
 ///
@@ -213,9 +302,14 @@ pub unsafe extern "C" fn vmm_arena_group_destroy(group: *mut vmm_arena_group) {
 }
 
 /// The member index named by this thread's last failing vmm_arena_group_*
-/// call (the member whose call failed; vmm_arena_last_error() says how), or
-/// -1 if it named none (a bad argument, an unknown group id) or no group
-/// call has failed on this thread. A successful call leaves it as it was.
+/// call, or -1. A call that failed in a member (any status that member's
+/// arena returned, INVALID_ARGUMENT included, e.g. a size 0 that member 0
+/// refuses) names that member k; a call refused before any member acted (a
+/// NULL or misaligned pointer, unknown flags, out_ptrs_len below the member
+/// count, a member index out of range, an unknown group id, a poisoned
+/// group) names none: -1. Also -1 when no group call has failed on this
+/// thread. vmm_arena_last_error() says how the call failed. A successful
+/// call leaves it as it was.
 #[no_mangle]
 pub extern "C" fn vmm_arena_group_last_member() -> i32 {
     crate::guarded(-1, || LAST_MEMBER.try_with(Cell::get).unwrap_or(-1))

@@ -29,17 +29,22 @@ use arena::{Arena, Error, Id, MoveEvent};
 mod types;
 
 mod boundary;
+mod dmabuf;
 mod group;
 
 // After `group`: cbindgen emits items in declaration order, and the
 // committed header lists the group functions before the export ones.
 mod export;
+mod tags;
 
 mod testing;
 mod torch;
+mod two_phase;
 
 use boundary::*;
 pub use types::*;
+// The fuzz target calls these through the crate's root, as the ones here.
+pub use tags::{vmm_arena_alloc_growable_tagged, vmm_arena_alloc_tagged};
 use vmm_arena_status::*;
 
 // ---------------------------------------------------------------------------
@@ -112,6 +117,10 @@ pub unsafe extern "C" fn vmm_arena_create(
 
 /// Unmaps and releases everything. NULL is fine. Refused (the arena stays,
 /// and the last error says so) when called from the arena's own move callback.
+/// For a handle from vmm_arena_group_member, releases that handle only: the
+/// member's arena lives until its group and every handle of it are gone (a
+/// move callback installed through the handle stays installed: clear it
+/// first if its user data goes away).
 ///
 /// # Safety
 /// `arena` is NULL or a live handle that no other thread is using, and is
@@ -564,10 +573,17 @@ pub unsafe extern "C" fn vmm_arena_unpin(arena: *mut vmm_arena, id: vmm_arena_id
 /// backup). Compaction never moves it; like a pinned allocation, it can be
 /// why a request gets OUT_OF_ADDRESS_SPACE.
 ///
-/// Small allocations (at most half a chunk, from vmm_arena_alloc) share
-/// slabs with others and never sleep: set_tag on one is
-/// VMM_ARENA_ERR_INVALID_ARGUMENT. Allocate more than half a chunk, or with
-/// vmm_arena_alloc_growable, to tag an allocation.
+/// Every allocation takes a tag, whatever its size or history. One of whole
+/// chunks keeps its place (asleep or pinned too). A small allocation (in a
+/// slab: at most half a chunk, from vmm_arena_alloc or
+/// vmm_arena_alloc_tagged) shares its slab only with allocations of its
+/// tag, so a new tag moves it: its bytes are copied into a slab of the new
+/// tag, as a resize past its size class does (the address changes, the
+/// move callback reports it, bytes_copied counts it). That move is refused
+/// for a pinned one (VMM_ARENA_ERR_PINNED) and a sleeping one
+/// (VMM_ARENA_ERR_ASLEEP) and needs a slab's room (OUT_OF_MEMORY or
+/// OUT_OF_ADDRESS_SPACE); on any error nothing changed. Setting the tag it
+/// has is a no-op. Small allocations sleep with their slab.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle.
@@ -601,7 +617,7 @@ pub unsafe extern "C" fn vmm_arena_set_tag(arena: *mut vmm_arena, id: vmm_arena_
 ///
 /// The chunks are given back after the point of no return (a released
 /// chunk cannot be had back): a chunk the driver refuses to release stays
-/// pooled (held, not leaked), counts in release_failures, and
+/// pooled (held, not leaked: pooled_bytes counts it), and
 /// vmm_arena_trim or the next sleep gives it back. The sleepers have slept,
 /// so the call returns VMM_ARENA_OK: an error would say they had not.
 ///

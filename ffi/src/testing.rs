@@ -16,7 +16,9 @@ use crate::{arena_config, boundary, handle, invalid, publish, read_config, requi
 use crate::{vmm_arena_backend, vmm_arena_status};
 
 /// Like `vmm_arena_create`, on the host backend wrapped in a fault injector
-/// (`config->backend` must be `VMM_ARENA_BACKEND_HOST`).
+/// (`config->backend` must be `VMM_ARENA_BACKEND_HOST`), with the host
+/// driver's DMA-BUF stand-in on (`vmm_arena_dmabuf_open` works; read and
+/// write through a DMA-BUF with `vmm_arena_testing_dmabuf_io`).
 ///
 /// # Safety
 /// As for `vmm_arena_create`.
@@ -36,7 +38,7 @@ pub unsafe extern "C" fn vmm_arena_testing_create_faulty(
             0 => HostDriver::new()?,
             _ => HostDriver::with_exportable_chunks(Default::default())?,
         };
-        let fault = Arc::new(FaultDriver::new(host));
+        let fault = Arc::new(FaultDriver::new(host.with_dmabuf_standin()));
         let arena = Arena::with_driver(Arc::clone(&fault), arena_config(&c)?)?;
         // SAFETY: `out` was checked and is writable per this function's contract.
         unsafe { publish(arena, Some(fault), out) }
@@ -238,6 +240,42 @@ pub unsafe extern "C" fn vmm_arena_testing_group_driver_state(
             crate::put(oi, f.injected());
             crate::put(ok, f.live_chunks() as u64);
             crate::put(om, f.live_mappings() as u64);
+        }
+        Ok(())
+    })
+}
+
+/// Reads (`write` 0) or writes (`write` 1) `len` bytes at `offset` of the
+/// memory a stand-in DMA-BUF of a faulty arena reaches, as a device
+/// registered with it would.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `buf` is NULL or has `len` bytes,
+/// writable when reading.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_testing_dmabuf_io(
+    arena: *mut vmm_arena,
+    fd: i32,
+    offset: u64,
+    buf: *mut u8,
+    len: usize,
+    write: u32,
+) -> vmm_arena_status {
+    boundary("vmm_arena_testing_dmabuf_io", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let f = h.fault.as_ref().ok_or_else(|| invalid("not a faulty arena"))?;
+        let p = required(buf, "buf")?;
+        if fd < 0 {
+            return Err(invalid("fd is negative"));
+        }
+        // SAFETY: the caller keeps `fd` open for this call; it is only borrowed.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        // SAFETY: `buf` has `len` bytes per this function's contract.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), len) };
+        match write {
+            0 => f.inner().standin_dmabuf_read(fd, offset, bytes)?,
+            _ => f.inner().standin_dmabuf_write(fd, offset, bytes)?,
         }
         Ok(())
     })

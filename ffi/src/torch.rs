@@ -27,9 +27,17 @@
 //! second free) is counted (`vmm_arena_torch_bad_frees`) and reported in
 //! `vmm_arena_last_error`, and changes nothing.
 //!
+//! Tags (for pausing, as `torch_memory_saver` does): each thread has a
+//! current tag, 0 unless `vmm_arena_torch_set_tag` changed it, and every
+//! allocation the hook makes on that thread carries it, small ones
+//! included (they go into slabs of that tag only). `vmm_arena_torch_sleep`
+//! and `vmm_arena_torch_wake` put a tag's memory to sleep and wake it at
+//! the same addresses (pinned allocations sleep too).
+//!
 //! These functions are not declared in `vmm_arena.h` (PyTorch finds them by
 //! name); their prototypes are in `ffi/README.md`.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -59,6 +67,11 @@ struct Book {
 const NEEDS_SYNC: u64 = 0;
 
 type Registry = Mutex<HashMap<c_int, Arc<TorchArena>>>;
+
+thread_local! {
+    /// The tag this thread's allocations through the hook carry.
+    static CURRENT_TAG: Cell<u32> = const { Cell::new(0) };
+}
 
 fn registry() -> &'static Registry {
     static ARENAS: OnceLock<Registry> = OnceLock::new();
@@ -154,11 +167,12 @@ impl TorchArena {
     fn malloc(&self, size: u64) -> Result<u64, Error> {
         let mut book = self.book()?;
         self.reap(&mut book, false)?;
-        let (id, ptr) = match self.arena.alloc(size) {
+        let tag = CURRENT_TAG.with(Cell::get);
+        let (id, ptr) = match self.arena.alloc_tagged(size, tag) {
             // Memory still waiting for a stream may be what is missing.
             Err(Error::OutOfMemory(_) | Error::OutOfAddressSpace(_)) if !book.pending.is_empty() => {
                 self.reap(&mut book, true)?;
-                self.arena.alloc(size)?
+                self.arena.alloc_tagged(size, tag)?
             }
             other => other?,
         };
@@ -267,6 +281,38 @@ pub extern "C" fn vmm_arena_torch_bad_frees(device: c_int) -> u64 {
     })
 }
 
+/// Sets the tag this thread's next allocations through the hook carry;
+/// returns the one it replaces (to restore it when a region ends).
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_set_tag(tag: u32) -> u32 {
+    guarded(0, || CURRENT_TAG.with(|t| t.replace(tag)))
+}
+
+/// The tag this thread's allocations through the hook carry now.
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_tag() -> u32 {
+    guarded(0, || CURRENT_TAG.with(Cell::get))
+}
+
+/// `vmm_arena_sleep` on `device`'s arena (created if needed), after the
+/// frees PyTorch ordered on streams have completed (waited for), so that
+/// their memory goes back too.
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_sleep(device: c_int, tag: u32, flags: u32) -> vmm_arena_status {
+    boundary("vmm_arena_torch_sleep", std::ptr::null(), || {
+        let a = arena_for(device)?;
+        let mut book = a.book()?;
+        a.reap(&mut book, true)?;
+        a.arena.sleep(tag, flags)
+    })
+}
+
+/// `vmm_arena_wake` on `device`'s arena (created if needed).
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_wake(device: c_int, tag: u32) -> vmm_arena_status {
+    boundary("vmm_arena_torch_wake", std::ptr::null(), || arena_for(device)?.arena.wake(tag))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -300,6 +346,30 @@ mod tests {
         let q = t.malloc(100_000).unwrap();
         t.free(q, 0).unwrap();
         assert_eq!(t.arena.stats().unwrap().live_allocations, 0);
+    }
+
+    #[test]
+    fn the_thread_tag_reaches_small_allocations_and_sleeps_alone() {
+        let (_fd, t) = faulty();
+        let before = vmm_arena_torch_set_tag(5);
+        let w = t.malloc(1000).unwrap();
+        vmm_arena_torch_set_tag(6);
+        let k = t.malloc(1000).unwrap();
+        assert_eq!(vmm_arena_torch_set_tag(before), 6);
+        let (wid, kid) = {
+            let b = t.book().unwrap();
+            (b.live[&w], b.live[&k])
+        };
+        assert_eq!((t.arena.query(wid).unwrap().tag, t.arena.query(kid).unwrap().tag), (5, 6));
+        t.arena.write(kid, 0, b"kv").unwrap();
+        t.arena.sleep(5, arena::SLEEP_BACKUP).unwrap();
+        assert!(t.arena.query(wid).unwrap().asleep && !t.arena.query(kid).unwrap().asleep);
+        let mut out = [0u8; 2];
+        t.arena.read(kid, 0, &mut out).unwrap();
+        assert_eq!(&out, b"kv");
+        t.arena.wake(5).unwrap();
+        t.free(w, 0).unwrap();
+        t.free(k, 0).unwrap();
     }
 
     #[test]

@@ -33,13 +33,25 @@ pub const VMM_ARENA_FLAG_BACKGROUND: u32 = 2u32;
 /// host backend each chunk gets a sealed memfd of its own (one descriptor
 /// per chunk held by the arena); on CUDA chunks are created with the POSIX
 /// file-descriptor handle type (VMM_ARENA_ERR_UNSUPPORTED at create where
-/// the device lacks it). (8, not 4: the contract's own program checks that
-/// 4 is refused.)
+/// the device lacks it). Bits 4 and 16 are no flags: a config that sets
+/// either is INVALID_ARGUMENT, like every unknown bit.
 pub const VMM_ARENA_FLAG_EXPORTABLE: u32 = 8u32;
 
+/// Config flag: allocations are placed as a pure function of the operations
+/// and the config, whatever the pool holds, so tensor-parallel ranks (one
+/// process per GPU) that apply the same operations get the same offsets
+/// from their bases, also after a two-phase operation was aborted on some
+/// of them (vmm_arena_prepare_alloc). It gives up preferring free ranges
+/// whose pages still hold pooled chunks (fewer driver calls, same memory).
+/// Stream-ordered frees (vmm_arena_free_on_stream) make reuse depend on
+/// when events complete: ranks that use them may diverge.
+pub const VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT: u32 = 32u32;
+
 /// Every flag bit this version knows.
-pub(crate) const KNOWN_FLAGS: u32 =
-    VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | VMM_ARENA_FLAG_BACKGROUND | VMM_ARENA_FLAG_EXPORTABLE;
+pub(crate) const KNOWN_FLAGS: u32 = VMM_ARENA_FLAG_NO_IMPLICIT_MOVES
+    | VMM_ARENA_FLAG_BACKGROUND
+    | VMM_ARENA_FLAG_EXPORTABLE
+    | VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT;
 
 /// Every tag, for vmm_arena_sleep and vmm_arena_wake.
 pub const VMM_ARENA_ALL_TAGS: u32 = 0xFFFFFFFFu32;
@@ -126,7 +138,9 @@ pub type vmm_arena_id = u64;
 
 /// Opaque arena.
 pub struct vmm_arena {
-    pub(crate) arena: Arena,
+    /// Shared with a group when the handle names a member of it
+    /// (`vmm_arena_group_member`).
+    pub(crate) arena: Arc<Arena>,
     /// Set when a panic was caught in a call on this arena.
     pub(crate) poisoned: AtomicBool,
     /// The fault injector under a testing arena (see `testing`).
@@ -176,9 +190,10 @@ pub struct vmm_arena_stats {
     pub live_allocations: u64,
     /// sum of the sizes callers asked for
     pub live_bytes: u64,
-    /// physical bytes backing live allocations (each chunk once); every
-    /// other chunk held is in pooled_bytes (a slab holding only retired
-    /// objects included)
+    /// physical bytes backing live allocations (each chunk once), and the
+    /// chunks of freed allocations that an open DMA-BUF still holds (not
+    /// reusable, so not pooled); every other chunk held is in pooled_bytes
+    /// (a slab holding only retired objects included)
     pub mapped_bytes: u64,
     /// physical bytes held but backing no live allocation
     pub pooled_bytes: u64,

@@ -263,6 +263,44 @@ fn c_export_test() {
     assert!(out.contains("C ABI export/import fault matrix size:"), "{out}");
 }
 
+/// Tensor-parallel groups from C: member arenas, per-member configs, the
+/// group undo, and forked ranks voting on two-phase operations.
+#[test]
+fn c_group_tp_test() {
+    let exe = compile("test_group_tp", Lang::C, &[source("c/test_group_tp.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("forked ranks:"), "{out}");
+}
+
+/// Lifetimes of what leaves an arena from C: DMA-BUF handles (the host
+/// stand-in) and their fault matrix, caller-owned descriptors, the layout
+/// record's minimum-size semantics, an export sent to a forked child.
+#[test]
+fn c_export_lifetime_test() {
+    let exe =
+        compile("test_export_lifetime", Lang::C, &[source("c/test_export_lifetime.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI DMA-BUF fault matrix size:"), "{out}");
+}
+
+/// Tags at allocation time, small allocations included (`test_tags.c`).
+#[test]
+fn tags_from_c() {
+    let exe = compile("test_tags", Lang::C, &[source("c/test_tags.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
+/// The same through the C++ wrapper (`test_tags.cpp`).
+#[test]
+fn tags_from_cpp() {
+    let exe = compile("test_tags_cpp", Lang::Cxx, &[source("cpp/test_tags.cpp")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
 #[test]
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);
@@ -283,12 +321,25 @@ fn cpp_wrapper_test() {
     run_and_expect_pass(&exe);
 }
 
+/// The wrapper's RAII owners of exports and DMA-BUFs.
+#[test]
+fn cpp_export_wrapper_test() {
+    let exe = compile(
+        "test_export_wrapper",
+        Lang::Cxx,
+        &[source("cpp/test_export_wrapper.cpp")],
+        &our_include(),
+        Link::Shared,
+    );
+    run_and_expect_pass(&exe);
+}
+
 #[test]
 fn headers_compile_as_c_and_cpp_with_warnings_as_errors() {
     // Each header alone in a translation unit, in both languages.
     let t = toolchain();
     for (lang, ext) in [(Lang::C, "c"), (Lang::Cxx, "cpp")] {
-        for header in ["vmm_arena.h", "vmm_arena.hpp"] {
+        for header in ["vmm_arena.h", "vmm_arena.hpp", "vmm_arena_handles.hpp"] {
             if lang == Lang::C && header.ends_with(".hpp") {
                 continue;
             }

@@ -50,9 +50,9 @@ fn generated_header_parses_to_the_whole_api() {
     let functions = items.values().filter(|i| matches!(i.decl, Decl::Function(..))).count();
     // 23 from the contracts, 3 from the open work's stream-ordered frees and
     // prefetch, and the project's own: resize_many, resize_on_stream,
-    // quiesce_on_stream, unquiesce, 11 of the device groups, 7 of export
-    // and import.
-    assert_eq!(functions, 23 + 3 + 4 + 11 + 7, "{items:#?}");
+    // quiesce_on_stream, unquiesce, 13 of the device groups, 12 of export,
+    // import and DMA-BUFs, 5 of two-phase operations, 2 of tagged allocation.
+    assert_eq!(functions, 23 + 3 + 4 + 13 + 12 + 5 + 2, "{items:#?}");
     // The testing hooks are not part of the header.
     assert!(items.keys().all(|k| !k.contains("testing")), "{:?}", items.keys());
     match &items["vmm_arena_stats"].decl {
@@ -146,6 +146,33 @@ const PROJECT_ONLY: &[&str] = &[
     "vmm_arena_import",
     "vmm_arena_export_dmabuf",
     "vmm_arena_sharing_stats",
+    // Export descriptors, the layout record's version 2, DMA-BUF handles.
+    "VMM_ARENA_EXPORT_HANDLE_UNSPECIFIED",
+    "VMM_ARENA_EXPORT_HANDLE_HOST_MEMFD",
+    "VMM_ARENA_EXPORT_HANDLE_CUDA_POSIX_FD",
+    "VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE",
+    "VMM_ARENA_FDS_PER_MESSAGE",
+    "vmm_arena_export_send",
+    "vmm_arena_import_recv",
+    "vmm_arena_dmabuf",
+    "vmm_arena_dmabuf_open",
+    "vmm_arena_dmabuf_fd",
+    "vmm_arena_dmabuf_close",
+    // Tensor-parallel groups: members from C, per-member configs, ranks
+    // in separate processes (deterministic placement, two-phase operations).
+    "vmm_arena_group_create_with_configs",
+    "vmm_arena_group_member",
+    "VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT",
+    "VMM_ARENA_PREPARE_GROWABLE",
+    "vmm_arena_prepared",
+    "vmm_arena_prepare_alloc",
+    "vmm_arena_prepare_resize",
+    "vmm_arena_prepare_free",
+    "vmm_arena_commit",
+    "vmm_arena_abort",
+    // Tags at allocation time.
+    "vmm_arena_alloc_tagged",
+    "vmm_arena_alloc_growable_tagged",
 ];
 
 /// What the header adds from the contract of the open work

@@ -351,9 +351,13 @@ impl Harness {
         assert_eq!(json_u64(&snap, "stream_shrinks"), 0, "{what}: a stream shrink on the host");
         assert_eq!(json_u64(&snap, "quiesces"), 0, "{what}: a quiesce event on the host");
         let ranges = live_ranges(&snap);
+        let slabs = slab_ranges(&snap);
         for l in self.live.values() {
-            // Small allocations live in slabs, not in ranges of their own.
-            let (tag, asleep) = ranges.get(&l.id).copied().unwrap_or((0, false));
+            // Small allocations live in slabs, not in ranges of their own,
+            // and have their slab's tag and sleep.
+            let in_slab =
+                || slabs.iter().find(|&&(at, len, ..)| at <= l.ptr && l.ptr < at + len).map(|&(.., t, z)| (t, z));
+            let (tag, asleep) = ranges.get(&l.id).copied().or_else(in_slab).expect("a range or a slab");
             assert_eq!((tag, asleep), (l.sleep_tag, l.asleep), "{what}: tag and sleep of {:#x}", l.id);
         }
     }
@@ -451,22 +455,25 @@ impl Harness {
         let mut allowed: Vec<u32>;
         match kind {
             0..=4 => {
-                what = "alloc";
+                // One in five with a tag (vmm_arena_alloc_tagged).
+                let tag = (kind == 4).then(|| pick_tag(b));
+                what = if tag.is_some() { "alloc_tagged" } else { "alloc" };
                 let size = self.pick_size(b);
                 let (mut id, mut p) = (0xA5A5u64, 0xA5A5u64);
                 let (oid, optr) = (null_sometimes(b), null_sometimes(b));
+                let (out_id, out_ptr) =
+                    (if oid { null_mut() } else { &mut id }, if optr { null_mut() } else { &mut p });
                 // SAFETY: live handle; out-parameters are ours or NULL.
                 status = st(unsafe {
-                    ffi::vmm_arena_alloc(
-                        a,
-                        size,
-                        if oid { null_mut() } else { &mut id },
-                        if optr { null_mut() } else { &mut p },
-                    )
+                    match tag {
+                        Some(t) => ffi::vmm_arena_alloc_tagged(a, size, t, out_id, out_ptr),
+                        None => ffi::vmm_arena_alloc(a, size, out_id, out_ptr),
+                    }
                 });
                 allowed = if oid || optr || size == 0 { vec![INVALID] } else { vec![OK, INVALID, OOM, OOAS] };
                 if status == OK {
                     self.new_id(what, id, p, size);
+                    self.live.get_mut(&id).unwrap().sleep_tag = tag.unwrap_or(0);
                     self.touch(id, b.u8());
                 } else {
                     assert_eq!((id, p), (0xA5A5, 0xA5A5), "{what}: out-parameters written on failure");
@@ -768,14 +775,20 @@ impl Harness {
                 what = "set_tag";
                 let id = self.pick_id(b);
                 let tag = pick_tag(b);
-                // Only allocations of whole chunks (ranges of their own) take a tag.
+                // Every allocation takes a tag. One of whole chunks (a range
+                // of its own) keeps its place; a small one moves by copy
+                // into a slab of the new tag, which a pinned or sleeping
+                // one refuses and which needs a slab's room.
                 let chunked = live_ranges(&self.snapshot()).contains_key(&id);
                 // SAFETY: live handle.
                 status = st(unsafe { ffi::vmm_arena_set_tag(a, id, tag) });
-                allowed = match (self.live.contains_key(&id), chunked) {
-                    (false, _) => vec![UNKNOWN],
-                    (true, false) => vec![INVALID],
-                    (true, true) => vec![OK],
+                allowed = match (self.live.get(&id), chunked) {
+                    (None, _) => vec![UNKNOWN],
+                    (Some(_), true) => vec![OK],
+                    (Some(l), false) if l.sleep_tag == tag => vec![OK],
+                    (Some(l), false) if l.pinned => vec![PINNED],
+                    (Some(l), false) if l.asleep => vec![ASLEEP],
+                    (Some(_), false) => vec![OK, OOM, OOAS],
                 };
                 if status == OK {
                     self.live.get_mut(&id).unwrap().sleep_tag = tag;
@@ -790,14 +803,14 @@ impl Harness {
                     2 => 1 << b.below(32),
                     _ => b.u32(),
                 };
-                let chunked = live_ranges(&self.snapshot());
                 // SAFETY: live handle.
                 status = st(unsafe { ffi::vmm_arena_sleep(a, tag, flags) });
                 allowed = if flags & !ffi::VMM_ARENA_SLEEP_BACKUP != 0 { vec![INVALID] } else { vec![OK] };
                 if status == OK {
                     let backup = flags & ffi::VMM_ARENA_SLEEP_BACKUP != 0;
                     for l in self.live.values_mut() {
-                        if chunked.contains_key(&l.id) && (tag == ffi::VMM_ARENA_ALL_TAGS || l.sleep_tag == tag) {
+                        // Small allocations sleep with their slab (one tag's).
+                        if tag == ffi::VMM_ARENA_ALL_TAGS || l.sleep_tag == tag {
                             if !l.asleep && !backup {
                                 l.tag = None; // contents lost
                             }
@@ -972,6 +985,18 @@ fn live_ranges(json: &str) -> BTreeMap<u64, (u32, bool)> {
         .collect()
 }
 
+/// The snapshot's slabs: (addr, bytes, tag, asleep).
+fn slab_ranges(json: &str) -> Vec<(u64, u64, u32, bool)> {
+    json.split("{\"kind\":\"slab\",")
+        .skip(1)
+        .map(|r| {
+            let r = &r[..r.find('}').expect("a range's end")];
+            let tag = u32::try_from(json_u64(r, "tag")).expect("a u32 tag");
+            (json_u64(r, "addr"), json_u64(r, "bytes"), tag, r.contains("\"asleep\":true"))
+        })
+        .collect()
+}
+
 /// The snapshot without the driver counters' values (a rolled-back call
 /// changes them: its calls and their undoing).
 fn strip_driver(json: &str) -> String {
@@ -1125,7 +1150,10 @@ fn run_with(data: &[u8], may_panic: bool) {
         unsafe { ffi::vmm_arena_destroy(a) };
         return;
     }
-    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES | ffi::VMM_ARENA_FLAG_BACKGROUND | ffi::VMM_ARENA_FLAG_EXPORTABLE;
+    let known = ffi::VMM_ARENA_FLAG_NO_IMPLICIT_MOVES
+        | ffi::VMM_ARENA_FLAG_BACKGROUND
+        | ffi::VMM_ARENA_FLAG_EXPORTABLE
+        | ffi::VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT;
     assert_eq!(cfg.flags & !known, 0, "unknown flag bits accepted");
     let mut h = Harness {
         a,

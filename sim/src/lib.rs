@@ -23,6 +23,9 @@
 //!
 //! The other workloads, each the library half of a program in `src/bin/`:
 //! [`multi_tenant`] (several models' KV caches in one arena),
+//! [`multi_model`] (several models on one GPU, timed: static partitions,
+//! kvcached, the arena), [`idle_footprint`] (what an idle instance holds
+//! under prefix caching, kvcached beside the arena),
 //! [`rlhf_cycle`] (sleep and wake between training and generation),
 //! [`stress`] (threads racing every operation), and [`snapshot_svg`]
 //! (an arena snapshot drawn as SVG).
@@ -30,7 +33,9 @@
 pub mod arena_prefix_cache;
 pub mod caching;
 pub mod counted;
+pub mod idle_footprint;
 pub mod managers;
+pub mod multi_model;
 pub mod multi_tenant;
 pub mod prefix_cache;
 pub mod prepared;

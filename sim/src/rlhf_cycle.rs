@@ -227,7 +227,8 @@ pub fn run(cfg: &Config) -> Result<Report, String> {
     let c = arena.chunk_bytes();
     let mut rng = Rng(cfg.seed.max(1));
     // Weight tensors: sizes around the mean, each more than half a chunk
-    // (small allocations share slabs and cannot sleep on their own).
+    // (the measured figures keep this shape; small ones would sleep with
+    // their tag too, in slabs of that tag).
     let mean = (cfg.weights_bytes / cfg.tensors.max(1) as u64).max(c);
     let mut weights: Vec<(Id, u64, u64)> = Vec::new();
     for t in 0..cfg.tensors as usize {

@@ -16,32 +16,65 @@ impl Arena {
     /// Allocates `size` bytes (rounded up to whole chunks). Returns the id and
     /// the address, chunk-aligned.
     pub fn alloc(&self, size: u64) -> Result<(Id, u64)> {
-        self.alloc_inner(size, size, false)
+        self.alloc_inner(size, size, false, 0, Placing::Any)
+    }
+
+    /// [`Arena::alloc`] in whole chunks however small `size` is (never in a
+    /// slab), placed as `placing` says: what group and two-phase
+    /// allocations use (see `group.rs` and `arena/two_phase.rs`).
+    pub(crate) fn alloc_whole(&self, size: u64, max_size: u64, growable: bool, placing: Placing) -> Result<(Id, u64)> {
+        if max_size < size {
+            return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
+        }
+        self.alloc_inner(size, max_size, growable, 0, placing)
+    }
+
+    /// [`Arena::alloc`] with a tag (see [`Arena::set_tag`]): the allocation
+    /// sleeps and wakes with `tag`. A small one (at most half a chunk) goes
+    /// into a slab of that tag only.
+    pub fn alloc_tagged(&self, size: u64, tag: u32) -> Result<(Id, u64)> {
+        self.alloc_inner(size, size, false, tag, Placing::Any)
     }
 
     /// Allocates `size` bytes inside a reservation of `max_size`, so the
     /// allocation can grow up to `max_size` without moving.
     pub fn alloc_growable(&self, size: u64, max_size: u64) -> Result<(Id, u64)> {
+        self.alloc_growable_tagged(size, max_size, 0)
+    }
+
+    /// [`Arena::alloc_growable`] with a tag (see [`Arena::alloc_tagged`]).
+    pub fn alloc_growable_tagged(&self, size: u64, max_size: u64, tag: u32) -> Result<(Id, u64)> {
         if max_size < size {
             return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
         }
-        self.alloc_inner(size, max_size, true)
+        self.alloc_inner(size, max_size, true, tag, Placing::Any)
     }
 
-    fn alloc_inner(&self, size: u64, max_size: u64, growable: bool) -> Result<(Id, u64)> {
+    fn alloc_inner(&self, size: u64, max_size: u64, growable: bool, tag: u32, placing: Placing) -> Result<(Id, u64)> {
         let chunk = self.chunk;
         let pages = pages_for(size, chunk, "size")?;
         let reserved = pages_for(max_size, chunk, "max_size")?;
         self.run(Touch::Nothing, |inner, ctx, events| {
             let st = &mut inner.st;
             let mut tx = ctx.txn(st);
-            let small = if growable { None } else { st.small.classes.class_of(size) };
-            let placed = match small {
-                Some(class) => alloc_small(st, &mut tx, class, size, events).map(Target::Small),
-                None => {
-                    alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events).map(Target::Chunks)
-                }
+            let small = match (growable, placing) {
+                (false, Placing::Any) => st.small.classes.class_of(size),
+                _ => None,
             };
+            // A two-phase prepare moves nothing: its abort (a free) could not
+            // move anything back, and ranks would no longer agree.
+            let implicit_moves_were_off = st.no_implicit_moves;
+            if placing == Placing::WholeNoMoves {
+                st.no_implicit_moves = true;
+            }
+            let placed = match small {
+                Some(class) => alloc_small(st, &mut tx, tag, class, size, events).map(Target::Small),
+                None => alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events).map(|slot| {
+                    st.alloc_mut(slot).tag = tag;
+                    Target::Chunks(slot)
+                }),
+            };
+            st.no_implicit_moves = implicit_moves_were_off;
             match placed {
                 Ok(Target::Small(ss)) => {
                     tx.commit();
@@ -103,7 +136,8 @@ impl Arena {
                 let SmallEntry::InSlab { slab, size, pinned, .. } = *st.small.entry_of(ss) else {
                     unreachable!("resolve gives Small only for objects in slabs")
                 };
-                let class = st.small.classes.size(st.small.slab(slab).class);
+                let s = st.small.slab(slab);
+                let class = st.small.classes.size(s.class);
                 return Ok(AllocInfo {
                     ptr: small_ptr(st, ss),
                     size,
@@ -111,8 +145,8 @@ impl Arena {
                     mapped_bytes: class,
                     pinned,
                     growable: false,
-                    tag: 0,
-                    asleep: false,
+                    tag: s.tag,
+                    asleep: st.alloc(s.alloc_slot).sleep.is_some(),
                 });
             }
         };
@@ -159,6 +193,9 @@ impl Arena {
                 st.alloc_mut(slot).pinned = pinned
             }
             Target::Small(ss) => {
+                if pinned && small_asleep(st, ss) {
+                    return Err(Error::Asleep(id.get()));
+                }
                 // A slab is pinned while any object in it is.
                 let (slab_slot, count) = st.small.set_pinned(ss, pinned).expect("object in a slab");
                 st.alloc_mut(slab_slot).pinned = count > 0;
@@ -359,6 +396,17 @@ fn grow_in_place(st: &mut State, tx: &mut Txn<'_>, slot: u32, np: u64, new_size:
     Ok(())
 }
 
+/// How an allocation may be placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placing {
+    /// As `alloc` places it: a small one in a slab, moving others if needed.
+    Any,
+    /// In whole chunks, moving others if needed (group allocations).
+    Whole,
+    /// In whole chunks, moving nothing (two-phase prepares).
+    WholeNoMoves,
+}
+
 /// Places a new allocation of whole chunks: best fit, else after releasing
 /// retired ranges and compacting. Returns its slot. On error the state is
 /// unchanged and the caller rolls `tx` back.
@@ -436,6 +484,11 @@ fn alloc_pages(
 /// adoption is never slower.
 fn best_fit_adopting(st: &State, reserved: u64, pages: u64) -> Option<u64> {
     let candidates = st.free.best_fits(reserved, 16);
+    if st.deterministic {
+        // Placement must not depend on what the pool holds, which an
+        // aborted two-phase operation leaves different on one rank.
+        return candidates.into_iter().min();
+    }
     let cached_at = |t: u64| st.cached.range(t..t + pages).count();
     let mut best: Option<(usize, u64)> = None;
     for t in candidates {
@@ -447,16 +500,33 @@ fn best_fit_adopting(st: &State, reserved: u64, pages: u64) -> Option<u64> {
     best.map(|(_, t)| t)
 }
 
-/// Places a small allocation in a slab of its class, making a slab (one
-/// chunk, like any allocation) when none has room. Returns its small slot.
-fn alloc_small(st: &mut State, tx: &mut Txn<'_>, class: u16, size: u64, events: &mut Vec<MoveEvent>) -> Result<u32> {
-    let slab = match st.small.partial_slab(class) {
+/// Whether the slab of a small allocation (in a slab) sleeps.
+pub(super) fn small_asleep(st: &State, ss: u32) -> bool {
+    st.small.slab_of(ss).is_some_and(|s| st.alloc(s.alloc_slot).sleep.is_some())
+}
+
+/// Places a small allocation in an awake slab of its tag and class, making
+/// a slab (one chunk, like any allocation, with the tag) when none has
+/// room. Returns its small slot.
+pub(super) fn alloc_small(
+    st: &mut State,
+    tx: &mut Txn<'_>,
+    tag: u32,
+    class: u16,
+    size: u64,
+    events: &mut Vec<MoveEvent>,
+) -> Result<u32> {
+    // A sleeping slab maps nothing: its free objects wait for its wake.
+    let awake = st.small.partial_slabs(tag, class).find(|&s| st.alloc(st.small.slab(s).alloc_slot).sleep.is_none());
+    let slab = match awake {
         Some(s) => s,
         None => {
             let chunk = st.chunk;
             let slot = alloc_pages(st, tx, 1, 1, chunk, false, Owner::Slab(u32::MAX), events)?;
-            let slab = st.small.add_slab(class, slot);
-            st.alloc_mut(slot).owner = Owner::Slab(slab);
+            let slab = st.small.add_slab(tag, class, slot);
+            let a = st.alloc_mut(slot);
+            a.owner = Owner::Slab(slab);
+            a.tag = tag;
             slab
         }
     };
@@ -486,16 +556,44 @@ fn resize_small(
     new_size: u64,
     events: &mut Vec<MoveEvent>,
 ) -> Result<u64> {
-    let SmallEntry::InSlab { slab, size, pinned, .. } = *st.small.entry_of(ss) else {
+    let SmallEntry::InSlab { slab, .. } = *st.small.entry_of(ss) else {
         unreachable!("resolve gives Small only for objects in slabs")
     };
-    let class = st.small.slab(slab).class;
+    let (class, tag) = (st.small.slab(slab).class, st.small.slab(slab).tag);
+    // Like an allocation of whole chunks, a sleeping one keeps its size.
+    if small_asleep(st, ss) {
+        return Err(Error::Asleep(id.get()));
+    }
     if new_size <= st.small.classes.size(class) {
         st.small.set_size(ss, new_size);
         return Ok(small_ptr(st, ss));
     }
+    copy_small(st, tx, ss, id, new_size, tag, events)
+}
+
+/// Gives a small allocation a new place for `new_size` bytes and `tag` (a
+/// slab of that tag and `new_size`'s class, or whole chunks with that tag
+/// past the classes) and copies its bytes there; its old place is retired.
+/// Refused for a pinned allocation (`Pinned`) or a sleeping one (`Asleep`:
+/// its bytes are not mapped).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn copy_small(
+    st: &mut State,
+    tx: &mut Txn<'_>,
+    ss: u32,
+    id: Id,
+    new_size: u64,
+    tag: u32,
+    events: &mut Vec<MoveEvent>,
+) -> Result<u64> {
+    let SmallEntry::InSlab { size, pinned, .. } = *st.small.entry_of(ss) else {
+        unreachable!("copy_small moves objects in slabs only")
+    };
     if pinned {
         return Err(Error::Pinned(id.get()));
+    }
+    if small_asleep(st, ss) {
+        return Err(Error::Asleep(id.get()));
     }
     let mut sim = st.clone();
     let mut evs = Vec::new();
@@ -503,13 +601,15 @@ fn resize_small(
         let chunk = sim.chunk;
         let new_place = match sim.small.classes.class_of(new_size) {
             Some(c) => {
-                let tmp = alloc_small(&mut sim, tx, c, new_size, &mut evs)?;
+                let tmp = alloc_small(&mut sim, tx, tag, c, new_size, &mut evs)?;
                 NewPlace::Small(tmp)
             }
             None => {
                 let pages = pages_for(new_size, chunk, "new_size")?;
                 let owner = Owner::Promoted(ss);
-                NewPlace::Chunks(alloc_pages(&mut sim, tx, pages, pages, new_size, false, owner, &mut evs)?)
+                let slot = alloc_pages(&mut sim, tx, pages, pages, new_size, false, owner, &mut evs)?;
+                sim.alloc_mut(slot).tag = tag;
+                NewPlace::Chunks(slot)
             }
         };
         // Placing the new object may have compacted: read the old address now.

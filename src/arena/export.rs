@@ -48,14 +48,34 @@ use super::moves::release_retired_into;
 use super::state::{self, Owner, State};
 use super::{reserve_chunk_aligned, AllocInfo, Arena, Ctx, Inner, Touch};
 
-/// The version of [`ExportLayout`]; an import of another version is refused.
-pub const EXPORT_FORMAT_VERSION: u32 = 1;
+/// The version of [`ExportLayout`] this library writes. It imports records
+/// of this version and of version 1 (which had no handle type or device);
+/// any other is refused.
+pub const EXPORT_FORMAT_VERSION: u32 = 2;
+
+/// [`ExportLayout::handle_type`]: not said (a version 1 record); the
+/// importer assumes its own backend's.
+pub const EXPORT_HANDLE_UNSPECIFIED: u32 = 0;
+/// [`ExportLayout::handle_type`]: host backend chunks, sealed memfds.
+pub const EXPORT_HANDLE_HOST_MEMFD: u32 = 1;
+/// [`ExportLayout::handle_type`]: CUDA chunks,
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+pub const EXPORT_HANDLE_CUDA_POSIX_FD: u32 = 2;
+
+/// The handle type a backend's chunks export as (by driver name).
+pub(crate) fn handle_type_of(driver: &str) -> u32 {
+    match driver {
+        "host" => EXPORT_HANDLE_HOST_MEMFD,
+        "cuda" => EXPORT_HANDLE_CUDA_POSIX_FD,
+        _ => EXPORT_HANDLE_UNSPECIFIED,
+    }
+}
 
 /// What an importer needs besides the descriptors, small enough to send in
 /// one message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExportLayout {
-    /// [`EXPORT_FORMAT_VERSION`].
+    /// [`EXPORT_FORMAT_VERSION`] (or 1, from an older library).
     pub version: u32,
     /// Bytes per chunk: the importing arena's chunk size must be the same.
     pub chunk_bytes: u64,
@@ -63,15 +83,29 @@ pub struct ExportLayout {
     pub chunk_count: u64,
     /// The allocation's size in bytes when it was exported.
     pub size: u64,
+    /// What the descriptors are (`EXPORT_HANDLE_*`): an arena of another
+    /// backend refuses them. [`EXPORT_HANDLE_UNSPECIFIED`] in version 1.
+    pub handle_type: u32,
+    /// The exporter's CUDA device ordinal, -1 on the host (and in version
+    /// 1). Informational: CUDA maps an imported chunk on the importing
+    /// arena's device, which needs peer access when the two differ.
+    pub device: i32,
 }
 
 impl ExportLayout {
-    /// Checks the record against `fds` descriptors and a chunk size.
-    pub fn check(&self, fds: usize, chunk_bytes: u64) -> Result<()> {
-        if self.version != EXPORT_FORMAT_VERSION {
+    /// Checks the record against `fds` descriptors, a chunk size and the
+    /// importer's handle type.
+    pub fn check(&self, fds: usize, chunk_bytes: u64, handle_type: u32) -> Result<()> {
+        if self.version != EXPORT_FORMAT_VERSION && self.version != 1 {
             return Err(Error::invalid(format!(
-                "export layout version {} is not {EXPORT_FORMAT_VERSION}",
+                "export layout version {} is neither {EXPORT_FORMAT_VERSION} nor 1",
                 self.version
+            )));
+        }
+        if self.handle_type != EXPORT_HANDLE_UNSPECIFIED && self.handle_type != handle_type {
+            return Err(Error::invalid(format!(
+                "exported handles of type {} cannot map into an arena whose chunks are of type {handle_type}",
+                self.handle_type
             )));
         }
         if self.chunk_bytes != chunk_bytes {
@@ -125,6 +159,30 @@ impl Export {
         use std::os::fd::AsFd;
         self.fds.iter().map(|f| f.as_fd()).collect()
     }
+
+    /// Duplicates of the descriptors (close-on-exec), owned by the caller:
+    /// closing them does not affect the export. All or nothing (`OutOfMemory`
+    /// when the process is out of descriptors).
+    pub fn dup_fds(&self) -> Result<Vec<OwnedFd>> {
+        self.fds
+            .iter()
+            .map(|f| {
+                f.try_clone().map_err(|e| match e.raw_os_error() {
+                    Some(libc::EMFILE | libc::ENFILE) => {
+                        Error::OutOfMemory(format!("dup of an export descriptor: {e}"))
+                    }
+                    _ => Error::invalid(format!("dup of an export descriptor: {e}")),
+                })
+            })
+            .collect()
+    }
+
+    /// Sends the layout and the descriptors over a Unix socket, in batches
+    /// ([`crate::fd_passing::send_export`]); the receiver calls
+    /// [`Arena::import_from_socket`].
+    pub fn send(&self, sock: BorrowedFd<'_>) -> Result<()> {
+        crate::fd_passing::send_export(sock, &self.layout, &self.borrowed_fds())
+    }
 }
 
 /// An allocation that was exported.
@@ -138,6 +196,9 @@ struct Exported {
     user_pinned: bool,
     /// Most chunks exported: a shrink below this is refused.
     pages: u64,
+    /// Held once here and once by each open DMA-BUF (`arena/dmabuf.rs`):
+    /// while any is open, a free keeps the chunks (`Owner::DmaBuf`).
+    dmabufs: Arc<()>,
 }
 
 /// An imported allocation.
@@ -163,6 +224,11 @@ pub(crate) struct Shares {
     leftover: Vec<ChunkHandle>,
     /// Import reservations whose free failed: freed at drop.
     leftover_va: Vec<(u64, u64)>,
+    /// Slots freed while DMA-BUFs of them were open (`Owner::DmaBuf`).
+    pub(super) held: std::collections::BTreeSet<u32>,
+    /// Holds of DMA-BUF descriptors handed out with no close call
+    /// (`Arena::dmabuf_fd`): kept until the arena is dropped.
+    pub(super) kept: Vec<(Arc<()>, Arc<()>)>,
 }
 
 fn bump(c: &crate::sync::AtomicU64) {
@@ -194,6 +260,11 @@ impl Shares {
 
     pub(super) fn is_exported(&self, slot: u32) -> bool {
         self.exported.contains_key(&slot)
+    }
+
+    /// Whether a DMA-BUF of `slot` is open.
+    pub(super) fn dmabuf_open(&self, slot: u32) -> bool {
+        self.exported.get(&slot).is_some_and(|e| Arc::strong_count(&e.dmabufs) > 1)
     }
 
     /// `query` of an import.
@@ -337,12 +408,13 @@ fn free_import(inner: &mut Inner, ctx: &Ctx<'_>, k: u32) -> Result<()> {
     let i = &inner.shares.imports[&k];
     ctx.drv.synchronize()?;
     bump(&ctx.counts.syncs);
+    // An import's unmap and releases are not the arena's own memory: they
+    // count in no `driver_*` stat (imports count in the sharing stats).
     ctx.drv.unmap(i.base, i.chunks.len() as u64 * chunk)?;
-    bump(&ctx.counts.unmaps);
     let i = inner.shares.imports.remove(&k).expect("listed import");
     for h in i.chunks {
         match ctx.drv.release(h) {
-            Ok(()) => bump(&ctx.counts.releases),
+            Ok(()) => {}
             Err(_) => {
                 inner.shares.leftover.push(h);
                 inner.release_failures += 1;
@@ -361,7 +433,12 @@ fn free_import(inner: &mut Inner, ctx: &Ctx<'_>, k: u32) -> Result<()> {
 /// of the state, then releases the chunks. A failed unmap leaves everything
 /// as it was; a failed release keeps the chunk out of the pool (retried at
 /// drop) and counts in `release_failures`.
-fn free_exported(inner: &mut Inner, ctx: &Ctx<'_>, slot: u32) -> Result<()> {
+pub(super) fn free_exported(inner: &mut Inner, ctx: &Ctx<'_>, slot: u32) -> Result<()> {
+    if inner.shares.dmabuf_open(slot) {
+        super::dmabuf::hold(&mut inner.st, slot);
+        inner.shares.held.insert(slot);
+        return Ok(());
+    }
     let st = &mut inner.st;
     let a = st.alloc(slot).clone();
     let mut sim = st.clone();
@@ -389,6 +466,7 @@ fn free_exported(inner: &mut Inner, ctx: &Ctx<'_>, slot: u32) -> Result<()> {
     sim.remove_alloc(slot);
     *st = sim;
     inner.shares.exported.remove(&slot);
+    inner.shares.held.remove(&slot);
     for h in doomed {
         match ctx.drv.release(h) {
             Ok(()) => bump(&ctx.counts.releases),
@@ -407,56 +485,93 @@ impl Arena {
     /// until every export of it is dropped, and from now until it is freed
     /// its chunks never go back to the pool (see the module docs).
     ///
-    /// Retired ranges are released first (they may map its chunks a second
-    /// time). Errors: `InvalidArgument` for a small allocation or an
-    /// import, `Asleep`, `Unsupported` when the driver's chunks are not
-    /// exportable (`ArenaConfig::exportable`), a driver error otherwise; on
-    /// error nothing changed and no descriptor is left open.
+    /// It first waits for the device (`synchronize`): every write queued
+    /// before the call is complete when the descriptors exist, so an
+    /// importer sees it; writes after it are the processes' to order (an
+    /// IPC event, as PyTorch sends with its handles). Retired ranges are
+    /// released next (they may map its chunks a second time). Errors: `InvalidArgument` for a small allocation, an import,
+    /// or an allocation whose chunks another allocation shares (awake, or
+    /// asleep and mapping them again when it wakes), `Asleep`,
+    /// `Unsupported` when the driver's chunks are not exportable
+    /// (`ArenaConfig::exportable`), a driver error otherwise; on error
+    /// nothing changed and no descriptor is left open.
     pub fn export(&self, id: Id) -> Result<Export> {
+        let (fds, layout, pin, _) = self.hand_out(id, "exported", |ctx, sim, a| {
+            let mut fds = Vec::with_capacity(a.backed as usize);
+            for p in a.start..a.start + a.backed {
+                fds.push(ctx.drv.export_chunk(sim.mapped[p as usize].expect("backing page is mapped"))?);
+            }
+            Ok(fds)
+        })?;
+        Ok(Export { layout, fds, _pin: pin })
+    }
+
+    /// What [`Arena::export`] and [`Arena::dmabuf`] share: checks that `id`
+    /// is an awake caller's allocation of whole chunks that no other
+    /// allocation shares, releases retired ranges, runs `make` (the driver
+    /// calls), and on success marks the allocation exported (pinned, chunks
+    /// never pooled, no shrink below them, no sleep). Returns what `make`
+    /// made, the layout, and the allocation's pin and DMA-BUF holds. On
+    /// error nothing changed.
+    pub(super) fn hand_out<T>(
+        &self,
+        id: Id,
+        what: &str,
+        make: impl Fn(&Ctx<'_>, &State, &state::Alloc) -> Result<T>,
+    ) -> Result<(T, ExportLayout, Arc<()>, Arc<()>)> {
         let chunk = self.chunk;
+        let (handle_type, device) = (handle_type_of(self.sh.driver.name()), self.device);
         self.run(Touch::Nothing, |inner, ctx, _| {
             if let Some(r) = inner.shares.import_of(&inner.st, id) {
                 r?;
-                return Err(Error::invalid("an imported allocation cannot be exported again"));
+                return Err(Error::invalid(format!(
+                    "an imported allocation cannot be {what} here (the exporting process can)"
+                )));
             }
             let st = &mut inner.st;
             let slot = match st.resolve(id)? {
                 Target::Chunks(s) if st.alloc(s).owner == Owner::User => s,
                 _ => {
-                    return Err(Error::invalid(
-                        "small allocations share their slab's chunk and cannot be exported; allocate more than half a chunk",
-                    ))
+                    return Err(Error::invalid(format!(
+                    "small allocations share their slab's chunk and cannot be {what}; allocate more than half a chunk"
+                )))
                 }
             };
             let a = st.alloc(slot).clone();
             if a.sleep.is_some() {
                 return Err(Error::Asleep(id.get()));
             }
-            // A chunk another allocation maps too (alloc_shared) would
-            // outlive this one's free in that allocation, and then return to
-            // the pool while an importer still maps it.
-            let shared = (a.start..a.start + a.backed)
-                .any(|p| st.mapped[p as usize].is_some_and(|h| st.shared.contains_key(&h)));
+            if a.backed == 0 {
+                return Err(Error::invalid(format!("an allocation of 0 bytes has no chunk to be {what}")));
+            }
+            // A chunk another allocation maps too (alloc_shared), or will map
+            // again when it wakes (a sleeper's sharing group), would outlive
+            // this one's free in that allocation, and then return to the
+            // pool while an importer or a device still reaches it.
+            let shared = (a.start..a.start + a.backed).any(|p| {
+                st.mapped[p as usize].is_some_and(|h| st.shared.contains_key(&h) || st.groups.of_chunk.contains_key(&h))
+            });
             if shared {
-                return Err(Error::invalid(
-                    "an allocation that shares chunks with another (alloc_shared) cannot be exported",
-                ));
+                return Err(Error::invalid(format!(
+                    "an allocation that shares chunks with another (alloc_shared, awake or asleep) cannot be {what}"
+                )));
             }
             let mut sim = st.clone();
             let mut tx = ctx.txn(st);
             let done = (|| {
+                // The ordering rule: the device finishes every write queued
+                // before the hand-out, so an importer (or a device reaching
+                // the DMA-BUF) sees them; later writes are the processes'
+                // to order (see DESIGN.md, "Export").
+                tx.sync()?;
                 release_retired_into(&mut sim, &mut tx)?;
-                let mut fds = Vec::with_capacity(a.backed as usize);
-                for p in a.start..a.start + a.backed {
-                    fds.push(ctx.drv.export_chunk(sim.mapped[p as usize].expect("backing page is mapped"))?);
-                }
-                Ok::<_, Error>(fds)
+                make(ctx, &sim, &a)
             })();
-            let fds = match done {
-                Ok(fds) => {
+            let made = match done {
+                Ok(v) => {
                     tx.commit();
                     *st = sim;
-                    fds
+                    v
                 }
                 Err(e) => {
                     tx.rollback();
@@ -468,6 +583,7 @@ impl Arena {
                 by_export: false,
                 user_pinned: false,
                 pages: 0,
+                dmabufs: Arc::new(()),
             });
             if !e.by_export {
                 e.user_pinned = st.alloc(slot).pinned;
@@ -475,9 +591,15 @@ impl Arena {
             }
             e.pages = e.pages.max(a.backed);
             st.alloc_mut(slot).pinned = true;
-            let layout =
-                ExportLayout { version: EXPORT_FORMAT_VERSION, chunk_bytes: chunk, chunk_count: a.backed, size: a.size };
-            Ok(Export { layout, fds, _pin: Arc::clone(&e.pin) })
+            let layout = ExportLayout {
+                version: EXPORT_FORMAT_VERSION,
+                chunk_bytes: chunk,
+                chunk_count: a.backed,
+                size: a.size,
+                handle_type,
+                device,
+            };
+            Ok((made, layout, Arc::clone(&e.pin), Arc::clone(&e.dmabufs)))
         })
     }
 
@@ -496,7 +618,7 @@ impl Arena {
     /// or nothing: on error nothing is mapped or kept.
     pub fn import(&self, layout: &ExportLayout, fds: &[BorrowedFd<'_>], read_only: bool) -> Result<(Id, u64)> {
         let chunk = self.chunk;
-        layout.check(fds.len(), chunk)?;
+        layout.check(fds.len(), chunk, handle_type_of(self.sh.driver.name()))?;
         let total = layout.chunk_count * chunk;
         self.run(Touch::Nothing, |inner, ctx, _| {
             let k = inner.shares.next_import;
@@ -510,24 +632,22 @@ impl Arena {
                 for fd in fds {
                     handles.push(ctx.drv.import_chunk(*fd, chunk, read_only)?);
                 }
+                // Imported chunks count in the sharing stats only, not in
+                // any `driver_*` stat (they are not this arena's memory).
                 for (i, &h) in handles.iter().enumerate() {
                     ctx.drv.map(base + i as u64 * chunk, chunk, h, 0)?;
-                    bump(&ctx.counts.maps);
                     mapped += 1;
                 }
                 ctx.drv.set_access(base, total)?;
-                bump(&ctx.counts.access_calls);
                 Ok::<_, Error>(())
             })();
             if let Err(e) = done {
                 // Nothing touched the new mappings: no synchronize needed.
-                if mapped > 0 && ctx.drv.unmap(base, mapped * chunk).is_ok() {
-                    bump(&ctx.counts.unmaps);
+                if mapped > 0 {
+                    let _ = ctx.drv.unmap(base, mapped * chunk);
                 }
                 for h in handles {
-                    if ctx.drv.release(h).is_ok() {
-                        bump(&ctx.counts.releases);
-                    }
+                    let _ = ctx.drv.release(h);
                 }
                 let _ = ctx.drv.free_reservation(va.0, va.1);
                 return Err(e);
@@ -537,6 +657,17 @@ impl Arena {
             let id = Id::compose(IdParts { small: false, generation: 0, tag: inner.st.tag, slot: k });
             Ok((id, base))
         })
+    }
+
+    /// Receives an export from a Unix socket ([`Export::send`] on the other
+    /// side) and imports it; the received descriptors are closed once the
+    /// import holds its own. Errors of [`crate::fd_passing::recv_export`]
+    /// and of [`Arena::import`].
+    pub fn import_from_socket(&self, sock: BorrowedFd<'_>, read_only: bool) -> Result<(Id, u64)> {
+        use std::os::fd::AsFd;
+        let (layout, fds) = crate::fd_passing::recv_export(sock)?;
+        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
+        self.import(&layout, &borrowed, read_only)
     }
 
     /// [`Arena::import`] of an [`Export`] of this process.
@@ -551,31 +682,5 @@ impl Arena {
             Some(k) => Some(inner.shares.imports[&k?].read_only),
             None => None,
         })
-    }
-
-    /// A DMA-BUF descriptor for an allocation's backed bytes
-    /// (`cuMemGetHandleForAddressRange`), for RDMA stacks to register
-    /// (NIXL, UCX, Mooncake's transfer engine). **GPU only**: the host
-    /// backend answers `Unsupported`. The caller owns the descriptor. An
-    /// RDMA registration must not see the allocation move: pin it first
-    /// (design trap 7); the arena does not pin it for you.
-    pub fn dmabuf_fd(&self, id: Id) -> Result<OwnedFd> {
-        let inner = self.lock()?;
-        let st = &inner.st;
-        let (addr, bytes) = match inner.shares.import_of(st, id) {
-            Some(k) => {
-                let i = &inner.shares.imports[&k?];
-                (i.base, i.chunks.len() as u64 * st.chunk)
-            }
-            None => match st.resolve(id)? {
-                Target::Chunks(s) if st.alloc(s).owner == Owner::User && st.alloc(s).sleep.is_none() => {
-                    let a = st.alloc(s);
-                    (st.addr(a.start), a.backed * st.chunk)
-                }
-                Target::Chunks(s) if st.alloc(s).sleep.is_some() => return Err(Error::Asleep(id.get())),
-                _ => return Err(Error::invalid("a small allocation has no DMA-BUF of its own")),
-            },
-        };
-        self.sh.driver.dmabuf_fd(addr, bytes)
     }
 }

@@ -31,6 +31,8 @@ mod alias;
 mod alloc;
 mod batch;
 mod config;
+#[cfg(unix)]
+mod dmabuf;
 mod dry_run;
 #[cfg(unix)]
 mod export;
@@ -44,16 +46,24 @@ pub(crate) mod small;
 pub(crate) mod state;
 mod stats;
 mod stream;
+mod two_phase;
 pub(crate) mod txn;
 mod worker;
 
 use self::alloc::{small_ptr, Target};
+pub(crate) use alloc::Placing;
 #[cfg(unix)]
-pub use export::{Export, ExportLayout, EXPORT_FORMAT_VERSION};
+pub use dmabuf::DmaBuf;
+#[cfg(unix)]
+pub use export::{
+    Export, ExportLayout, EXPORT_FORMAT_VERSION, EXPORT_HANDLE_CUDA_POSIX_FD, EXPORT_HANDLE_HOST_MEMFD,
+    EXPORT_HANDLE_UNSPECIFIED,
+};
 use pool::enforce_watermark;
 pub use state::MoveEvent;
 use state::State;
 pub use stats::{AllocInfo, CompactReport, Stats};
+pub use two_phase::Prepared;
 use txn::{Counters, Txn};
 
 /// [`Arena::sleep`] and [`Arena::wake`]: every tag.
@@ -113,6 +123,15 @@ pub struct ArenaConfig {
     /// that this driver work stays off the callers' threads (the C flag
     /// `VMM_ARENA_FLAG_BACKGROUND`). Dropping the arena stops and joins it.
     pub background: bool,
+    /// Place allocations as a pure function of the operations and this
+    /// config, whatever the pool holds: ranks of a tensor-parallel group,
+    /// each in its own process, that apply the same operations get the
+    /// same offsets from their bases, also after a two-phase operation was
+    /// aborted on some of them (see `arena/two_phase.rs`). It gives up
+    /// preferring free ranges whose pages still hold pooled chunks (a
+    /// saving of driver calls, not of memory). The C flag
+    /// `VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT`.
+    pub deterministic_placement: bool,
 }
 
 impl Default for ArenaConfig {
@@ -127,6 +146,7 @@ impl Default for ArenaConfig {
             no_implicit_moves: false,
             exportable: false,
             background: false,
+            deterministic_placement: false,
         }
     }
 }
@@ -186,6 +206,9 @@ pub struct Arena {
     driver_va: (u64, u64),
     chunk: u64,
     reserve_fallbacks: u64,
+    /// The device its exports name (`ExportLayout::device`): the CUDA
+    /// ordinal, -1 on other backends.
+    device: i32,
 }
 
 impl std::fmt::Debug for Arena {
@@ -321,6 +344,7 @@ impl Arena {
 
     /// Creates an arena over any driver (a backend, a mock, a fault injector).
     pub fn with_driver<D: Driver + 'static>(driver: D, config: ArenaConfig) -> Result<Arena> {
+        let driver_name = driver.name();
         let Granularity { minimum, recommended } = driver.granularity()?;
         let chunk = match config.chunk_bytes {
             0 => DEFAULT_CHUNK_BYTES.max(recommended).div_ceil(minimum) * minimum,
@@ -374,6 +398,7 @@ impl Arena {
                 }
             };
         st.tag = id_tag(key, base);
+        st.deterministic = config.deterministic_placement;
         let sh = Arc::new(Shared {
             driver: Box::new(driver),
             counts: Counters::default(),
@@ -394,8 +419,16 @@ impl Arena {
             work: Condvar::new(),
             key,
         });
-        let mut arena =
-            Arena { sh, worker: None, base, reserved_bytes: reserve, driver_va, chunk, reserve_fallbacks: fallbacks };
+        let mut arena = Arena {
+            sh,
+            worker: None,
+            base,
+            reserved_bytes: reserve,
+            driver_va,
+            chunk,
+            reserve_fallbacks: fallbacks,
+            device: if driver_name == "cuda" { config.device } else { -1 },
+        };
         if config.background {
             // On failure `arena` drops and gives everything back.
             arena.worker = Some(worker::start(arena.sh.clone())?);
@@ -457,6 +490,11 @@ impl Arena {
         // failed call then applies the watermark too (it changed nothing
         // else, and must not leave the pool past the watermark).
         let mut reclaimed = false;
+        // Frees that waited for their DMA-BUFs to close finish first.
+        #[cfg(unix)]
+        if !inner.shares.held.is_empty() {
+            dmabuf::reap(&mut inner, &ctx);
+        }
         if !inner.st.pending.is_empty() {
             // Frees whose events completed since the last look serve this
             // operation rather than new chunks: a poll (no wait) until the
@@ -545,7 +583,7 @@ impl Arena {
                     let a = st.alloc(slot);
                     (st.addr(a.start), a.size, a.sleep.is_some())
                 }
-                Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), false),
+                Target::Small(ss) => (small_ptr(st, ss), st.small.size_of(ss), alloc::small_asleep(st, ss)),
             },
         };
         match offset.checked_add(len as u64) {

@@ -60,7 +60,7 @@ impl Arena {
     /// asynchronous streams: nothing to record (on the host every call has
     /// completed when it returns, and the promise holds at once there).
     /// Errors: `UnknownAllocation`; `Asleep` for a sleeping allocation (it
-    /// maps nothing); a failure to record the event is `Error::Driver` and
+    /// maps nothing; a small one too); a failure to record the event is `Error::Driver` and
     /// changes nothing.
     pub fn quiesce_on_stream(&self, id: Id, stream: u64) -> Result<()> {
         self.run(Touch::Nothing, |inner, ctx, _| {
@@ -70,6 +70,7 @@ impl Arena {
             }
             let slot = match inner.st.resolve(id)? {
                 Target::Chunks(slot) => slot,
+                Target::Small(ss) if super::alloc::small_asleep(&inner.st, ss) => return Err(Error::Asleep(id.get())),
                 Target::Small(_) => return Ok(()),
             };
             #[cfg(unix)]

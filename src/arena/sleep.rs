@@ -6,35 +6,58 @@ use crate::error::{Error, Result};
 use crate::Id;
 
 use super::alias;
-use super::alloc::Target;
+use super::alloc::{copy_small, Target};
 use super::moves::release_retired_into;
-use super::state::{self, Alloc, State};
+use super::state::{self, Alloc, Owner, State};
 use super::txn;
 use super::{Arena, Ctx, Inner, Touch, ALL_TAGS, SLEEP_BACKUP};
 
 impl Arena {
-    /// Sets an allocation's tag (0 by default), which [`Arena::sleep`] and
-    /// [`Arena::wake`] select by. Works on a sleeping allocation too.
+    /// Sets an allocation's tag (0 by default, or the one it was allocated
+    /// with: [`Arena::alloc_tagged`]), which [`Arena::sleep`] and
+    /// [`Arena::wake`] select by. Every allocation takes a tag, whatever its
+    /// size or history.
     ///
-    /// Small allocations (at most half a chunk, made by [`Arena::alloc`])
-    /// share slabs with others and cannot sleep on their own:
-    /// `Error::InvalidArgument` for them. Allocate more than half a chunk,
-    /// or with [`Arena::alloc_growable`], to tag an allocation. Small
-    /// allocations never sleep, whatever the tag asked for.
+    /// An allocation of whole chunks keeps its place; this works asleep or
+    /// pinned too. A small allocation (in a slab: at most half a chunk,
+    /// made by [`Arena::alloc`] or [`Arena::alloc_tagged`]) shares its slab
+    /// only with allocations of its tag, so a new tag moves it: its bytes
+    /// are copied into a slab of the new tag (as a resize past its size
+    /// class does: the address changes, the move callback fires, the copy
+    /// counts in `bytes_copied`). That move is refused for a pinned one
+    /// (`Error::Pinned`) and a sleeping one (`Error::Asleep`), and needs a
+    /// slab's room (`Error::OutOfMemory`); on any error nothing changed.
+    /// Setting the tag it has already is a no-op.
     pub fn set_tag(&self, id: Id, tag: u32) -> Result<()> {
-        let mut inner = self.lock()?;
-        #[cfg(unix)]
-        inner.shares.check_tag(&inner.st, id)?;
-        let st = &mut inner.st;
-        match st.resolve(id)? {
-            Target::Chunks(slot) => {
-                st.alloc_mut(slot).tag = tag;
-                Ok(())
+        self.run(Touch::Nothing, |inner, ctx, events| {
+            #[cfg(unix)]
+            inner.shares.check_tag(&inner.st, id)?;
+            let st = &mut inner.st;
+            match st.resolve(id)? {
+                Target::Chunks(slot) => {
+                    st.alloc_mut(slot).tag = tag;
+                    Ok(())
+                }
+                Target::Small(ss) => {
+                    let s = st.small.slab_of(ss).expect("resolve gives Small only for objects in slabs");
+                    if s.tag == tag {
+                        return Ok(());
+                    }
+                    let size = st.small.size_of(ss);
+                    let mut tx = ctx.txn(st);
+                    match copy_small(st, &mut tx, ss, id, size, tag, events) {
+                        Ok(_) => {
+                            tx.commit();
+                            Ok(())
+                        }
+                        Err(e) => {
+                            tx.rollback();
+                            Err(e)
+                        }
+                    }
+                }
             }
-            Target::Small(_) => Err(Error::invalid(
-                "small allocations share slabs and cannot be tagged; allocate more than half a chunk, or use alloc_growable, to tag it",
-            )),
-        }
+        })
     }
 
     /// Puts every awake allocation with tag `tag` ([`ALL_TAGS`]: every tag)
@@ -47,9 +70,10 @@ impl Arena {
     /// map one of their chunks or a pooled one, and a mapped chunk's memory
     /// is not given back); unmaps them and every cached pooled chunk; then
     /// releases their chunks and every pooled chunk, whatever
-    /// `retain_bytes` says. Pinned allocations sleep too,
-    /// already sleeping ones are left as they are, small allocations never
-    /// sleep (see [`Arena::set_tag`]).
+    /// `retain_bytes` says. Pinned allocations sleep too, already sleeping
+    /// ones are left as they are. Small allocations sleep with their slab:
+    /// a slab holds one tag's allocations only (see [`Arena::set_tag`]), and
+    /// sleeps and wakes as one allocation of that tag.
     ///
     /// All or nothing: a failure of any call up to the unmaps (a backup
     /// buffer refused included) undoes them (remaps, frees the buffers) and
@@ -90,9 +114,10 @@ impl Arena {
     }
 }
 
-/// Whether `a` is a caller's allocation of whole chunks that `tag` selects.
+/// Whether `a` is a caller's allocation of whole chunks, or a slab of small
+/// ones, that `tag` selects.
 fn tagged(a: &Alloc, tag: u32) -> bool {
-    a.owner.counts_live() && (tag == ALL_TAGS || a.tag == tag)
+    (a.owner.counts_live() || matches!(a.owner, Owner::Slab(_))) && (tag == ALL_TAGS || a.tag == tag)
 }
 
 /// [`Arena::sleep`]: the reversible part (synchronize, backups, unmaps) on a
@@ -110,6 +135,12 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
         .values()
         .copied()
         .filter(|&s| inner.st.alloc(s).sleep.is_none() && tagged(inner.st.alloc(s), tag) && !exported(s))
+        // A slab of retired objects only backs nothing: releasing retired
+        // memory below frees it.
+        .filter(|&s| match inner.st.alloc(s).owner {
+            Owner::Slab(i) => inner.st.small.slab(i).used > inner.st.small.slab(i).retired,
+            _ => true,
+        })
         .collect();
     let st = &mut inner.st;
     let nothing_held = st.retired.is_empty() && st.small.nothing_retired() && st.pooled_pages() == 0;

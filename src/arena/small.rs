@@ -14,10 +14,14 @@
 //! large class wastes at most 256 bytes per object at its tail instead of
 //! up to a third of the chunk.
 //!
+//! Slabs are keyed by tag as well as class: small allocations of different
+//! tags never share a slab, so a tag's slabs sleep and wake with it (see
+//! `Arena::sleep`) and no other tag's bytes are in them.
+//!
 //! This module is bookkeeping only: which slab and index an allocation
 //! uses. The arena maps slabs and reports moves.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Objects are aligned to this (and class sizes are multiples of it).
 pub const SMALL_ALIGN: u64 = 256;
@@ -76,6 +80,7 @@ impl SizeClasses {
         (self.chunk / self.size(class)) as u32
     }
 
+    #[cfg(test)]
     pub fn count(&self) -> usize {
         self.sizes.len()
     }
@@ -87,6 +92,8 @@ pub(crate) struct Slab {
     /// The arena slot of the slab's chunk allocation.
     pub alloc_slot: u32,
     pub class: u16,
+    /// The tag of every object in it (and of its chunk allocation).
+    pub tag: u32,
     /// Small-table slot of the allocation at each index.
     pub members: Vec<Option<u32>>,
     free: Vec<u32>,
@@ -121,8 +128,8 @@ pub(crate) struct SmallTable {
     free_slots: Vec<u32>,
     pub slabs: Vec<Option<Slab>>,
     free_slabs: Vec<u32>,
-    /// Slabs with a free object, per class.
-    partial: Vec<BTreeSet<u32>>,
+    /// Slabs with a free object, per tag and class.
+    partial: BTreeMap<(u32, u16), BTreeSet<u32>>,
     /// Live small allocations in slabs, and their requested bytes.
     pub live: u64,
     pub live_bytes: u64,
@@ -134,15 +141,13 @@ pub(crate) struct SmallTable {
 
 impl SmallTable {
     pub fn new(chunk: u64) -> SmallTable {
-        let classes = SizeClasses::new(chunk);
-        let n = classes.count();
         SmallTable {
-            classes,
+            classes: SizeClasses::new(chunk),
             slots: Vec::new(),
             free_slots: Vec::new(),
             slabs: Vec::new(),
             free_slabs: Vec::new(),
-            partial: vec![BTreeSet::new(); n],
+            partial: BTreeMap::new(),
             live: 0,
             live_bytes: 0,
             retired: Vec::new(),
@@ -150,17 +155,31 @@ impl SmallTable {
         }
     }
 
-    /// A slab of `class` with a free object, if any.
-    pub fn partial_slab(&self, class: u16) -> Option<u32> {
-        self.partial[class as usize].first().copied()
+    /// The slabs of `tag` and `class` with a free object, lowest first.
+    pub fn partial_slabs(&self, tag: u32, class: u16) -> impl Iterator<Item = u32> + '_ {
+        self.partial.get(&(tag, class)).into_iter().flatten().copied()
     }
 
-    /// Registers a new, empty slab over the arena allocation `alloc_slot`.
-    pub fn add_slab(&mut self, class: u16, alloc_slot: u32) -> u32 {
+    fn partial_mut(&mut self, tag: u32, class: u16) -> &mut BTreeSet<u32> {
+        self.partial.entry((tag, class)).or_default()
+    }
+
+    fn not_partial(&mut self, tag: u32, class: u16, slab: u32) {
+        if let Some(set) = self.partial.get_mut(&(tag, class)) {
+            set.remove(&slab);
+            if set.is_empty() {
+                self.partial.remove(&(tag, class));
+            }
+        }
+    }
+
+    /// Registers a new, empty slab of `tag` over the arena allocation `alloc_slot`.
+    pub fn add_slab(&mut self, tag: u32, class: u16, alloc_slot: u32) -> u32 {
         let n = self.classes.per_slab(class);
         let slab = Slab {
             alloc_slot,
             class,
+            tag,
             members: vec![None; n as usize],
             free: (0..n).rev().collect(),
             used: 0,
@@ -177,7 +196,7 @@ impl SmallTable {
                 (self.slabs.len() - 1) as u32
             }
         };
-        self.partial[class as usize].insert(idx);
+        self.partial_mut(tag, class).insert(idx);
         idx
     }
 
@@ -210,9 +229,9 @@ impl SmallTable {
         let s = self.slab_mut(slab);
         s.members[index as usize] = Some(slot);
         s.used += 1;
-        let (class, full) = (s.class, s.free.is_empty());
+        let (tag, class, full) = (s.tag, s.class, s.free.is_empty());
         if full {
-            self.partial[class as usize].remove(&slab);
+            self.not_partial(tag, class, slab);
         }
         self.live += 1;
         self.live_bytes += size;
@@ -233,20 +252,28 @@ impl SmallTable {
         s.members[index as usize] = None;
         s.free.push(index);
         s.used -= 1;
-        let (class, used, alloc_slot) = (s.class, s.used, s.alloc_slot);
+        let (tag, class, used, alloc_slot) = (s.tag, s.class, s.used, s.alloc_slot);
         if used == 0 {
-            self.partial[class as usize].remove(&slab);
+            self.not_partial(tag, class, slab);
             self.slabs[slab as usize] = None;
             self.free_slabs.push(slab);
             return Some(alloc_slot);
         }
-        self.partial[class as usize].insert(slab);
+        self.partial_mut(tag, class).insert(slab);
         None
     }
 
     /// The entry of a live small slot.
     pub fn entry_of(&self, slot: u32) -> &SmallEntry {
         self.slots[slot as usize].entry.as_ref().expect("live small slot")
+    }
+
+    /// The slab of a small allocation in a slab, `None` for a promoted one.
+    pub fn slab_of(&self, slot: u32) -> Option<&Slab> {
+        match self.entry_of(slot) {
+            SmallEntry::InSlab { slab, .. } => Some(self.slab(*slab)),
+            SmallEntry::Promoted { .. } => None,
+        }
     }
 
     /// Requested size of a small allocation (in a slab).
@@ -469,14 +496,15 @@ mod tests {
         let mut t = SmallTable::new(C);
         let cls = t.classes.class_of(1 << 20).unwrap();
         assert_eq!(t.classes.per_slab(cls), 2);
-        let slab = t.add_slab(cls, 7);
+        let slab = t.add_slab(0, cls, 7);
         let (a, ia) = t.take(slab, 1 << 20);
         let (b, ib) = t.take(slab, 1000);
         assert_ne!(ia, ib);
-        assert_eq!(t.partial_slab(cls), None, "full");
+        assert_eq!(t.partial_slabs(0, cls).next(), None, "full");
         assert_eq!(t.give_back(slab, ia, 1 << 20), None);
         t.drop_slot(a);
-        assert_eq!(t.partial_slab(cls), Some(slab));
+        assert_eq!(t.partial_slabs(0, cls).next(), Some(slab));
+        assert_eq!(t.partial_slabs(1, cls).next(), None, "another tag's slab");
         assert_eq!(t.give_back(slab, ib, 1000), Some(7), "empty slab is dropped");
         t.drop_slot(b);
         assert_eq!((t.live, t.live_bytes), (0, 0));

@@ -72,7 +72,7 @@ impl Alloc {
     /// Whether no planner may move it: pinned, or asleep (its reservation
     /// must stay where the caller's pointers are).
     pub fn immovable(&self) -> bool {
-        self.pinned || self.sleep.is_some() || self.owner == Owner::Pending
+        self.pinned || self.sleep.is_some() || matches!(self.owner, Owner::Pending | Owner::DmaBuf)
     }
 }
 
@@ -113,6 +113,10 @@ pub(crate) enum Owner {
     /// complete: no id names it, and it keeps its pages and chunks where
     /// they are until the event completes (see [`Pending`]).
     Pending,
+    /// Freed while a DMA-BUF of it is open (`Arena::dmabuf`): no id names
+    /// it, and it keeps its pages and chunks where they are, out of every
+    /// plan's reach, until the last DMA-BUF closes (see `arena/dmabuf.rs`).
+    DmaBuf,
 }
 
 impl Owner {
@@ -174,6 +178,8 @@ pub(crate) struct State {
     pub cap_pages: u64,
     pub retain_bytes: u64,
     pub no_implicit_moves: bool,
+    /// Placement ignores the pool (`ArenaConfig::deterministic_placement`).
+    pub deterministic: bool,
     /// The chunk mapped at each page (backing, cached or retired), if any.
     pub mapped: PageTable,
     pub free: FreeRanges,
@@ -287,6 +293,7 @@ impl State {
             cap_pages,
             retain_bytes,
             no_implicit_moves,
+            deterministic: false,
             mapped,
             free: FreeRanges::with_range(0, pages),
             slots: Vec::new(),

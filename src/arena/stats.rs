@@ -13,7 +13,9 @@ pub struct Stats {
     /// Sum of the sizes callers asked for.
     pub live_bytes: u64,
     /// Physical bytes backing live allocations (each chunk once: a slab's
-    /// chunk counts while one of its objects is live).
+    /// chunk counts while one of its objects is live), and the chunks of
+    /// freed allocations that an open DMA-BUF still holds (`Arena::dmabuf`:
+    /// not reusable, so not pooled).
     pub mapped_bytes: u64,
     /// Physical bytes held but backing no live allocation: cached and
     /// unmapped pooled chunks (prefetched ones included, and those the

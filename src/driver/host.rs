@@ -26,6 +26,22 @@
 //! as the CUDA driver frees a chunk exported to another process only when
 //! that process has released its handle too.
 //!
+//! An importer recognises an exported chunk by its memfd's name
+//! (`vmm-arena-chunk`, read from `/proc/self/fd`) and its seals, so a
+//! memfd a caller made is refused. This tells a mistake from a chunk; it
+//! is no defence against a caller who forges both (that caller only maps
+//! memory it already had).
+//!
+//! **DMA-BUF stand-in** ([`HostDriver::with_dmabuf_standin`]): the host has
+//! no DMA-BUF, so [`Driver::dmabuf_fd`] is `Unsupported` by default. With
+//! the stand-in on, it returns a descriptor (an empty memfd) bound to the
+//! physical memory behind the span *at the time of the call*, as
+//! `cuMemGetHandleForAddressRange` binds the pages and not the addresses;
+//! [`HostDriver::standin_dmabuf_read`] and
+//! [`HostDriver::standin_dmabuf_write`] reach that memory the way a
+//! network card registered with the DMA-BUF would. It exists to test the
+//! arena's bookkeeping of DMA-BUF lifetimes on machines without a GPU.
+//!
 //! Every call is first checked against the CUDA rules checker (`rules.rs`),
 //! so an arena bug that a GPU driver would reject fails here too instead of
 //! silently working.
@@ -131,6 +147,8 @@ mod linux {
         options: HostOptions,
         /// Every created chunk gets a sealed memfd of its own (see the module docs).
         exportable: bool,
+        /// `dmabuf_fd` answers with the stand-in (see the module docs).
+        dmabuf_standin: bool,
         inner: Mutex<HostState>,
     }
 
@@ -154,7 +172,23 @@ mod linux {
         own: HashMap<ChunkHandle, OwnChunk>,
         file_len: u64,
         next_handle: u64,
+        /// Stand-in DMA-BUFs by their memfd's inode: the memory each reaches.
+        dmabufs: HashMap<u64, Vec<StandinPiece>>,
     }
+
+    /// A span of physical memory a stand-in DMA-BUF reaches: `len` bytes
+    /// at `offset` of a chunk's own memfd (a duplicate, which keeps that
+    /// memory alive as a DMA-BUF does), or of the arena's memfd (`None`:
+    /// bound to the offset, whatever chunk later lives there).
+    #[derive(Debug)]
+    struct StandinPiece {
+        own: Option<OwnedFd>,
+        offset: u64,
+        len: u64,
+    }
+
+    /// How `/proc/self/fd` shows an exported chunk's memfd (`create_own`).
+    const CHUNK_LINK: &str = "/memfd:vmm-arena-chunk ";
 
     fn errno() -> i32 {
         std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -280,6 +314,7 @@ mod linux {
                 page,
                 options,
                 exportable: false,
+                dmabuf_standin: false,
                 inner: Mutex::new(HostState {
                     rules: Rules::new(page),
                     offsets: HashMap::new(),
@@ -287,8 +322,73 @@ mod linux {
                     own: HashMap::new(),
                     file_len: 0,
                     next_handle: 1,
+                    dmabufs: HashMap::new(),
                 }),
             })
+        }
+
+        /// This driver with the DMA-BUF stand-in on (see the module docs).
+        pub fn with_dmabuf_standin(mut self) -> HostDriver {
+            self.dmabuf_standin = true;
+            self
+        }
+
+        /// Reads `dst.len()` bytes at `offset` of the memory a stand-in
+        /// DMA-BUF reaches, as a device registered with it would.
+        pub fn standin_dmabuf_read(&self, fd: BorrowedFd<'_>, offset: u64, dst: &mut [u8]) -> Result<()> {
+            self.standin_io(fd, offset, dst.len() as u64, |file, at, done, n| {
+                // SAFETY: `dst[done..done + n]` is in bounds (`standin_io`
+                // splits `dst.len()` bytes), pread writes at most n bytes.
+                unsafe { libc::pread(file, dst[done..].as_mut_ptr().cast(), n, at as libc::off_t) }
+            })
+        }
+
+        /// Writes `src` at `offset` of the memory a stand-in DMA-BUF reaches.
+        pub fn standin_dmabuf_write(&self, fd: BorrowedFd<'_>, offset: u64, src: &[u8]) -> Result<()> {
+            self.standin_io(fd, offset, src.len() as u64, |file, at, done, n| {
+                // SAFETY: `src[done..done + n]` is in bounds, pwrite reads n bytes.
+                unsafe { libc::pwrite(file, src[done..].as_ptr().cast(), n, at as libc::off_t) }
+            })
+        }
+
+        /// Splits `offset..offset + len` of a stand-in DMA-BUF over its
+        /// pieces and runs `io(file, file_offset, done, n)` on each.
+        fn standin_io(
+            &self,
+            fd: BorrowedFd<'_>,
+            offset: u64,
+            len: u64,
+            mut io: impl FnMut(i32, u64, usize, usize) -> isize,
+        ) -> Result<()> {
+            let s = self.state()?;
+            let ino = fstat(fd.as_raw_fd())?.st_ino;
+            let pieces = s.dmabufs.get(&ino).ok_or_else(|| Error::invalid("not a stand-in DMA-BUF of this driver"))?;
+            let total: u64 = pieces.iter().map(|p| p.len).sum();
+            if offset.checked_add(len).map_or(true, |end| end > total) {
+                return Err(Error::invalid(format!("{offset}+{len} is past the DMA-BUF's {total} bytes")));
+            }
+            let (mut skip, mut done) = (offset, 0u64);
+            for p in pieces {
+                if done == len {
+                    break;
+                }
+                if skip >= p.len {
+                    skip -= p.len;
+                    continue;
+                }
+                let n = (p.len - skip).min(len - done);
+                let (file, base) = match &p.own {
+                    Some(f) => (f.as_raw_fd(), 0),
+                    None => (self.memfd.as_raw_fd(), 0),
+                };
+                let got = io(file, base + p.offset + skip, done as usize, n as usize);
+                if got != n as isize {
+                    return Err(os_error("pread/pwrite", errno()));
+                }
+                done += n;
+                skip = 0;
+            }
+            Ok(())
         }
 
         fn state(&self) -> Result<MutexGuard<'_, HostState>> {
@@ -313,6 +413,7 @@ mod linux {
 
         /// Creates one exportable chunk: a sealed memfd of its own.
         fn create_own(&self, size: u64) -> Result<OwnedFd> {
+            // The name `import_chunk` recognises (`CHUNK_LINK`).
             let name = c"vmm-arena-chunk";
             // SAFETY: `name` is a valid NUL-terminated string; flags are constants.
             let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
@@ -588,6 +689,18 @@ mod linux {
                     "import: descriptor {raw} is not sealed against resizing (not an exported chunk)"
                 )));
             }
+            // A sealed memfd of the right size that no arena made is not a
+            // chunk: refused by its name (the header promises INVALID_ARGUMENT).
+            match std::fs::read_link(format!("/proc/self/fd/{raw}")) {
+                Ok(target) if target.to_string_lossy().starts_with(CHUNK_LINK) => {}
+                Ok(target) => {
+                    return Err(Error::invalid(format!(
+                        "import: descriptor {raw} is {} , not an exported chunk",
+                        target.display()
+                    )))
+                }
+                Err(e) => return Err(os_error("readlink(/proc/self/fd)", e.raw_os_error().unwrap_or(0))),
+            }
             let fd = fd
                 .try_clone_to_owned()
                 .map_err(|e| os_error("fcntl(F_DUPFD_CLOEXEC)", e.raw_os_error().unwrap_or(0)))?;
@@ -600,6 +713,38 @@ mod linux {
                 s.rules.add_chunk(h, size);
             }
             Ok(h)
+        }
+
+        fn dmabuf_fd(&self, addr: u64, size: u64) -> Result<OwnedFd> {
+            if !self.dmabuf_standin {
+                return Err(Error::Unsupported("the host backend has no DMA-BUF handles (GPU only)".into()));
+            }
+            let mut s = self.state()?;
+            let mut pieces = Vec::new();
+            for (chunk, offset, len) in s.rules.resolve("dmabuf_fd", addr, size)? {
+                pieces.push(match s.own.get(&chunk) {
+                    Some(c) => StandinPiece {
+                        own: Some(
+                            c.fd.try_clone()
+                                .map_err(|e| os_error("fcntl(F_DUPFD_CLOEXEC)", e.raw_os_error().unwrap_or(0)))?,
+                        ),
+                        offset,
+                        len,
+                    },
+                    None => StandinPiece { own: None, offset: s.offsets[&chunk].0 + offset, len },
+                });
+            }
+            let name = c"vmm-arena-dmabuf-standin";
+            // SAFETY: `name` is a valid NUL-terminated string; flags are constants.
+            let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+            if raw < 0 {
+                return Err(os_error("memfd_create", errno()));
+            }
+            // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            let ino = fstat(fd.as_raw_fd())?.st_ino;
+            s.dmabufs.insert(ino, pieces);
+            Ok(fd)
         }
     }
 

@@ -6,7 +6,11 @@
 #![allow(dead_code)]
 
 pub mod fixtures;
+mod json;
 mod snap_parse;
+
+#[allow(unused_imports)] // not every includer reads a JSON tree
+pub use json::Json;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, OnceLock};
@@ -107,161 +111,6 @@ impl TestBackend {
             TestBackend::Cuda => (cuda_device(), None),
         };
         TestDriver { fault: Arc::new(FaultDriver::new(inner)), host }
-    }
-}
-
-// ---------------------------------------------------------------- JSON
-
-/// A parsed JSON value (only what the snapshot uses: no floats, no escapes
-/// beyond the basic ones).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Json {
-    Null,
-    Bool(bool),
-    Num(u64),
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(BTreeMap<String, Json>),
-}
-
-impl Json {
-    pub fn parse(text: &str) -> Json {
-        let b = text.as_bytes();
-        let mut at = 0;
-        let v = parse_value(b, &mut at);
-        skip_ws(b, &mut at);
-        assert_eq!(at, b.len(), "trailing text after the JSON value");
-        v
-    }
-
-    pub fn get(&self, key: &str) -> Option<&Json> {
-        match self {
-            Json::Obj(m) => m.get(key),
-            _ => None,
-        }
-    }
-
-    pub fn u64(&self, key: &str) -> u64 {
-        match self.get(key) {
-            Some(Json::Num(n)) => *n,
-            other => panic!("field {key}: expected a number, got {other:?}"),
-        }
-    }
-
-    pub fn bool(&self, key: &str) -> bool {
-        match self.get(key) {
-            Some(Json::Bool(b)) => *b,
-            other => panic!("field {key}: expected a bool, got {other:?}"),
-        }
-    }
-
-    pub fn str(&self, key: &str) -> &str {
-        match self.get(key) {
-            Some(Json::Str(s)) => s,
-            other => panic!("field {key}: expected a string, got {other:?}"),
-        }
-    }
-}
-
-fn skip_ws(b: &[u8], at: &mut usize) {
-    while *at < b.len() && b[*at].is_ascii_whitespace() {
-        *at += 1;
-    }
-}
-
-fn expect(b: &[u8], at: &mut usize, c: u8) {
-    skip_ws(b, at);
-    assert_eq!(b.get(*at), Some(&c), "expected {:?} at byte {}", c as char, *at);
-    *at += 1;
-}
-
-fn parse_value(b: &[u8], at: &mut usize) -> Json {
-    skip_ws(b, at);
-    match b[*at] {
-        b'{' => {
-            *at += 1;
-            let mut m = BTreeMap::new();
-            skip_ws(b, at);
-            if b[*at] == b'}' {
-                *at += 1;
-                return Json::Obj(m);
-            }
-            loop {
-                let Json::Str(k) = parse_value(b, at) else { panic!("object key is not a string") };
-                expect(b, at, b':');
-                let v = parse_value(b, at);
-                assert!(m.insert(k.clone(), v).is_none(), "duplicate key {k}");
-                skip_ws(b, at);
-                match b[*at] {
-                    b',' => *at += 1,
-                    b'}' => {
-                        *at += 1;
-                        return Json::Obj(m);
-                    }
-                    c => panic!("unexpected {:?} in object", c as char),
-                }
-            }
-        }
-        b'[' => {
-            *at += 1;
-            let mut v = Vec::new();
-            skip_ws(b, at);
-            if b[*at] == b']' {
-                *at += 1;
-                return Json::Arr(v);
-            }
-            loop {
-                v.push(parse_value(b, at));
-                skip_ws(b, at);
-                match b[*at] {
-                    b',' => *at += 1,
-                    b']' => {
-                        *at += 1;
-                        return Json::Arr(v);
-                    }
-                    c => panic!("unexpected {:?} in array", c as char),
-                }
-            }
-        }
-        b'"' => {
-            *at += 1;
-            let mut s = String::new();
-            while b[*at] != b'"' {
-                if b[*at] == b'\\' {
-                    *at += 1;
-                    s.push(match b[*at] {
-                        b'n' => '\n',
-                        b't' => '\t',
-                        c => c as char,
-                    });
-                } else {
-                    s.push(b[*at] as char);
-                }
-                *at += 1;
-            }
-            *at += 1;
-            Json::Str(s)
-        }
-        b't' if b[*at..].starts_with(b"true") => {
-            *at += 4;
-            Json::Bool(true)
-        }
-        b'f' if b[*at..].starts_with(b"false") => {
-            *at += 5;
-            Json::Bool(false)
-        }
-        b'n' if b[*at..].starts_with(b"null") => {
-            *at += 4;
-            Json::Null
-        }
-        c if c.is_ascii_digit() => {
-            let start = *at;
-            while *at < b.len() && b[*at].is_ascii_digit() {
-                *at += 1;
-            }
-            Json::Num(std::str::from_utf8(&b[start..*at]).unwrap().parse().expect("number fits u64"))
-        }
-        c => panic!("unexpected {:?} at byte {}", c as char, *at),
     }
 }
 
@@ -417,7 +266,7 @@ impl Snap {
             .iter()
             .map(|r| match r.kind {
                 Kind::Live => r.mapped_bytes + r.pooled_mapped_bytes,
-                Kind::Slab => r.bytes,
+                Kind::Slab => r.mapped_bytes,
                 Kind::Free => r.pooled_mapped_bytes,
                 Kind::Retired => r.bytes,
                 Kind::Pending => r.mapped_bytes + r.pooled_mapped_bytes,
@@ -460,6 +309,11 @@ impl Snap {
                 }
                 Kind::Slab => {
                     assert_eq!(r.bytes, c, "a slab is one chunk: {r:?}");
+                    assert_eq!(
+                        r.mapped_bytes,
+                        if r.asleep { 0 } else { c },
+                        "a slab maps its chunk while awake: {r:?}"
+                    );
                     assert!(r.class_bytes % 256 == 0 && r.class_bytes > 0 && r.class_bytes <= c / 2, "{r:?}");
                     assert_eq!(r.objects, c / r.class_bytes, "{r:?}");
                     assert!(
@@ -491,6 +345,9 @@ impl Snap {
         assert!(s["live_bytes"] >= self.live().map(|r| r.size).sum::<u64>() + small, "live_bytes");
         // A slab holding only retired objects backs nothing live: pooled.
         let idle_slabs = self.slabs().filter(|r| Self::retired_only(r)).count() as u64;
+        // A sleeping slab maps nothing (it never holds retired objects: a
+        // sleep releases them first).
+        let asleep_slabs = self.slabs().filter(|r| r.asleep).count() as u64;
         // A shared chunk counts once: each holder lists it in its
         // `shared_bytes`, the stats once in theirs.
         let holders_shared: u64 = self.live().map(|r| r.shared_bytes).sum();
@@ -501,7 +358,7 @@ impl Snap {
                 s["mapped_bytes"],
                 self.live().map(|r| r.mapped_bytes).sum::<u64>() - holders_shared
                     + s["shared_bytes"]
-                    + (slabs - idle_slabs) * c,
+                    + (slabs - idle_slabs - asleep_slabs) * c,
                 "mapped_bytes"
             );
             assert_eq!(s["pending_free_bytes"], pending, "pending_free_bytes");
@@ -510,12 +367,13 @@ impl Snap {
             // (which keeps it): the snapshot does not say which, so only
             // bounds hold.
             assert!(
-                s["mapped_bytes"] <= self.live().map(|r| r.mapped_bytes).sum::<u64>() + (slabs - idle_slabs) * c,
+                s["mapped_bytes"]
+                    <= self.live().map(|r| r.mapped_bytes).sum::<u64>() + (slabs - idle_slabs - asleep_slabs) * c,
                 "mapped_bytes"
             );
             assert!(s["pending_free_bytes"] <= pending, "pending_free_bytes");
         }
-        let asleep: Vec<&Range> = self.live().filter(|r| r.asleep).collect();
+        let asleep: Vec<&Range> = self.live().chain(self.slabs()).filter(|r| r.asleep).collect();
         assert_eq!(s["asleep_bytes"], asleep.iter().map(|r| r.bytes).sum::<u64>(), "asleep_bytes");
         assert_eq!(s["backup_bytes"], asleep.iter().map(|r| r.backup_bytes).sum::<u64>(), "backup_bytes");
         let cached: u64 = self.ranges.iter().map(|r| r.pooled_mapped_bytes).sum();

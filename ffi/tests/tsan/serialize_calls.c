@@ -86,6 +86,11 @@ WRAP(vmm_arena_status, vmm_arena_alloc, (vmm_arena * a, uint64_t size, vmm_arena
      (a, size, id, p))
 WRAP(vmm_arena_status, vmm_arena_alloc_growable,
      (vmm_arena * a, uint64_t size, uint64_t max, vmm_arena_id *id, uint64_t *p), (a, size, max, id, p))
+WRAP(vmm_arena_status, vmm_arena_alloc_tagged,
+     (vmm_arena * a, uint64_t size, uint32_t tag, vmm_arena_id *id, uint64_t *p), (a, size, tag, id, p))
+WRAP(vmm_arena_status, vmm_arena_alloc_growable_tagged,
+     (vmm_arena * a, uint64_t size, uint64_t max, uint32_t tag, vmm_arena_id *id, uint64_t *p),
+     (a, size, max, tag, id, p))
 WRAP(vmm_arena_status, vmm_arena_alloc_shared,
      (vmm_arena * a, vmm_arena_id src, uint64_t offset, uint64_t bytes, uint64_t max, vmm_arena_id *id, uint64_t *p),
      (a, src, offset, bytes, max, id, p))
@@ -142,6 +147,9 @@ WRAP(vmm_arena_status, vmm_arena_group_stats_get, (struct vmm_arena_group * g, u
      (g, m, s))
 WRAP(vmm_arena_status, vmm_arena_group_snapshot_json,
      (struct vmm_arena_group * g, char *buf, size_t cap, size_t *len), (g, buf, cap, len))
+WRAP(vmm_arena_status, vmm_arena_group_create_with_configs,
+     (const vmm_arena_config *c, uint32_t count, uint32_t flags, struct vmm_arena_group **out), (c, count, flags, out))
+WRAP(vmm_arena_status, vmm_arena_group_member, (struct vmm_arena_group * g, uint32_t m, vmm_arena **out), (g, m, out))
 
 /* Export and import (closing an export drops its pin, which the arena reads). */
 WRAP(vmm_arena_status, vmm_arena_export_open, (vmm_arena * a, vmm_arena_id id, vmm_arena_export **out), (a, id, out))
@@ -157,3 +165,23 @@ WRAP(vmm_arena_status, vmm_arena_export_dmabuf, (vmm_arena * a, vmm_arena_id id,
 WRAP(vmm_arena_status, vmm_arena_sharing_stats,
      (vmm_arena * a, uint64_t *imported, uint64_t *imported_bytes, uint64_t *exported),
      (a, imported, imported_bytes, exported))
+WRAP(vmm_arena_status, vmm_arena_export_send, (const vmm_arena_export *h, int32_t sock), (h, sock))
+WRAP(vmm_arena_status, vmm_arena_import_recv,
+     (vmm_arena * a, int32_t sock, uint32_t flags, vmm_arena_id *id, uint64_t *p), (a, sock, flags, id, p))
+
+/* DMA-BUF handles (closing one may let the arena reap a held free). */
+WRAP(vmm_arena_status, vmm_arena_dmabuf_open, (vmm_arena * a, vmm_arena_id id, vmm_arena_dmabuf **out), (a, id, out))
+WRAP(vmm_arena_status, vmm_arena_dmabuf_fd, (const vmm_arena_dmabuf *h, int32_t *fd, uint64_t *bytes), (h, fd, bytes))
+WRAP_VOID(vmm_arena_dmabuf_close, (vmm_arena_dmabuf * h), (h))
+
+/* Two-phase operations. */
+WRAP(vmm_arena_status, vmm_arena_prepare_alloc,
+     (vmm_arena * a, uint64_t size, uint64_t max, uint32_t flags, vmm_arena_prepared **out, vmm_arena_id *id,
+      uint64_t *p),
+     (a, size, max, flags, out, id, p))
+WRAP(vmm_arena_status, vmm_arena_prepare_resize,
+     (vmm_arena * a, vmm_arena_id id, uint64_t size, vmm_arena_prepared **out, uint64_t *p), (a, id, size, out, p))
+WRAP(vmm_arena_status, vmm_arena_prepare_free, (vmm_arena * a, vmm_arena_id id, vmm_arena_prepared **out),
+     (a, id, out))
+WRAP(vmm_arena_status, vmm_arena_commit, (vmm_arena * a, vmm_arena_prepared *p), (a, p))
+WRAP(vmm_arena_status, vmm_arena_abort, (vmm_arena * a, vmm_arena_prepared *p), (a, p))

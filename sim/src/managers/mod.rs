@@ -356,6 +356,8 @@ fn slot_vec<T>(v: &mut Vec<Option<T>>, seq: usize) -> &mut Option<T> {
 
 mod arena;
 mod ideal;
+pub mod kvcached;
+pub mod kvcached_pool;
 mod torch;
 mod vllm;
 

@@ -486,7 +486,7 @@ impl Driver for CudaDriver {
         let fd = self.lib.export_fd(chunk.0)?;
         // SAFETY: the driver just created this descriptor for the caller,
         // who owns it from here on.
-        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+        close_on_exec(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
     }
 
     fn import_chunk(&self, fd: std::os::fd::BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
@@ -512,7 +512,35 @@ impl Driver for CudaDriver {
         let _cur = self.enter()?;
         let fd = self.lib.range_dmabuf_fd(addr, size)?;
         // SAFETY: the driver just created this descriptor for the caller.
-        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+        close_on_exec(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+/// Sets FD_CLOEXEC on a descriptor the driver made (the driver API has no
+/// flag for it), so that a child started with fork+exec does not keep GPU
+/// memory alive. A failure closes it. A fork+exec on another thread between
+/// the driver's call and this one can still inherit it: the driver gives no
+/// way to close that window.
+#[cfg(unix)]
+fn close_on_exec(fd: std::os::fd::OwnedFd) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on a descriptor owned here; F_GETFD/F_SETFD touch only
+    // its flags.
+    let ok = unsafe {
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFD);
+        flags >= 0 && libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, flags | libc::FD_CLOEXEC) == 0
+    };
+    match ok {
+        true => Ok(fd),
+        false => {
+            let code = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            Err(Error::Driver {
+                call: "fcntl(F_SETFD, FD_CLOEXEC)",
+                code: code as i64,
+                name: format!("errno {code}"),
+                message: std::io::Error::from_raw_os_error(code).to_string(),
+            })
+        }
     }
 }
 

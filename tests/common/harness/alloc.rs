@@ -9,17 +9,25 @@ use super::model::Model;
 use super::{count, Harness};
 
 impl Harness {
-    pub(super) fn alloc(&mut self, size: u64, max: u64, growable: bool) {
+    /// `tag`: made with `alloc_tagged` (fixed-size only here).
+    pub(super) fn alloc(&mut self, size: u64, max: u64, growable: bool, tag: Option<u32>) {
         let small = !growable && size <= self.small_max();
         // Pages the request needs at most (a small one: a new slab).
         let (np, nr) = if small { (1, 1) } else { (self.pages(size), self.pages(max)) };
         let obtainable = self.obtainable();
-        let (r, f) = self.call("alloc", false, |a| if growable { a.alloc_growable(size, max) } else { a.alloc(size) });
+        let (r, f) = self.call("alloc", false, |a| match (growable, tag) {
+            (true, _) => a.alloc_growable(size, max),
+            (false, Some(t)) => a.alloc_tagged(size, t),
+            (false, None) => a.alloc(size),
+        });
         if let Faulted::RolledBack = f {
             return;
         }
         match r {
             Ok((id, ptr)) => {
+                if small && tag.is_some_and(|t| t != 0) {
+                    count("alloc small tagged");
+                }
                 count(match (small, self.moved_so_far()) {
                     (true, 0) => "alloc small ok",
                     (false, 0) => "alloc ok",
@@ -36,7 +44,7 @@ impl Harness {
                     ptr,
                     reserved: 0,
                     stamps: Stamps::default(),
-                    tag: 0,
+                    tag: tag.unwrap_or(0),
                     asleep: false,
                     chunks,
                     slept: None,

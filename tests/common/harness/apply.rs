@@ -29,8 +29,9 @@ impl Harness {
                 self.apply(inner);
                 self.fault = None;
             }
-            &Op::Alloc(size) => self.alloc(size, size, false),
-            &Op::AllocGrowable(size, max) => self.alloc(size, max, true),
+            &Op::Alloc(size) => self.alloc(size, size, false, None),
+            &Op::AllocTagged(size, tag) => self.alloc(size, size, false, Some(tag)),
+            &Op::AllocGrowable(size, max) => self.alloc(size, max, true, None),
             &Op::AllocShared { src, first, pages, extra } => self.alloc_shared(src, first, pages, extra),
             &Op::Free(i) => {
                 let Some(id) = self.nth(i) else { return };
@@ -178,19 +179,38 @@ impl Harness {
             &Op::SetTag(i, tag) => {
                 let Some(id) = self.nth(i) else { return };
                 let m = self.live.get_mut(&id).unwrap();
+                // Every allocation takes a tag; a small one in a slab of
+                // another tag moves to a slab of the new one (a copy),
+                // which a pinned or sleeping one refuses, and which needs
+                // a slab's room.
+                let moves = m.small && m.tag != tag;
                 match self.arena.set_tag(id, tag) {
                     Ok(()) => {
-                        assert!(!m.small, "a small allocation took a tag");
+                        assert!(!(moves && (m.pinned || m.asleep)), "a pinned or sleeping small allocation moved");
                         m.tag = tag;
-                        count(if m.asleep { "set_tag asleep" } else { "set_tag" });
+                        count(match (m.small, moves, m.asleep) {
+                            (true, true, _) => "set_tag small moved",
+                            (true, false, _) => "set_tag small same tag",
+                            (false, _, true) => "set_tag asleep",
+                            (false, _, false) => "set_tag",
+                        });
                     }
                     Err(e) => {
-                        assert!(m.small && e.status() == Status::InvalidArgument, "set_tag: {e}");
+                        assert!(moves, "set_tag: {e}");
+                        let expected = if m.pinned {
+                            Status::Pinned
+                        } else if m.asleep {
+                            Status::Asleep
+                        } else {
+                            Status::OutOfMemory
+                        };
+                        let room = expected == Status::OutOfMemory && e.status() == Status::OutOfAddressSpace;
+                        assert!(e.status() == expected || room, "set_tag of a small allocation: {e}");
                         count("set_tag small refused");
                     }
                 }
-                assert_eq!(self.arena.query(id).unwrap().tag, m.tag);
-                self.check("set_tag", &[]);
+                assert_eq!(self.arena.query(id).unwrap().tag, self.live[&id].tag);
+                self.check("set_tag", &[id]);
             }
             Op::ResizeMany(picks) => self.resize_many(picks),
             &Op::Maintain { precreate, ahead } => self.maintain(precreate, ahead),

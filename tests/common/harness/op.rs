@@ -15,6 +15,9 @@ pub struct Config {
 #[derive(Clone, Debug)]
 pub enum Op {
     Alloc(u64),
+    /// An allocation made with a tag (`alloc_tagged`); a small one goes
+    /// into a slab of that tag.
+    AllocTagged(u64, u32),
     AllocGrowable(u64, u64),
     /// A share of the `src`th live allocation: from its whole page
     /// `first`, `pages` pages, reserving `extra` pages more (each taken

@@ -23,7 +23,8 @@ impl Harness {
         let selected: Vec<Id> = self
             .live
             .iter()
-            .filter(|(_, m)| !m.small && !m.asleep && (tag == ALL_TAGS || m.tag == tag))
+            // Small allocations sleep with their slab, which holds one tag's.
+            .filter(|(_, m)| !m.asleep && (tag == ALL_TAGS || m.tag == tag))
             .map(|(&id, _)| id)
             .collect();
         // A page shared with any other live allocation (awake, or asleep in
@@ -64,6 +65,9 @@ impl Harness {
             (false, false) => "sleep",
             (false, true) => "sleep with backup",
         });
+        if selected.iter().any(|id| self.live[id].small) {
+            count(if backup { "sleep of small allocations with backup" } else { "sleep of small allocations" });
+        }
         if shared_pages > 0 {
             count("sleep of sharers");
         }
@@ -98,7 +102,9 @@ impl Harness {
                 }
             }
         }
-        let needed = dead.len() as u64;
+        // And a chunk for each sleeping slab of the tag.
+        let slabs = self.snap.slabs().filter(|r| r.asleep && (tag == ALL_TAGS || r.tag == tag as u64)).count();
+        let needed = (dead.len() + slabs) as u64;
         let obtainable = self.obtainable();
         // Chunks of slabs holding only retired objects come back only when
         // retired memory is released, which wake does not do.
@@ -121,6 +127,10 @@ impl Harness {
                     let m = &self.live[&id];
                     let z = m.slept.as_ref().expect("a sleeper");
                     let mut marks = Vec::new();
+                    if m.small {
+                        // Its slab's backup (the whole chunk) holds its bytes.
+                        marks = z.backup.clone().unwrap_or_default();
+                    }
                     for (i, &k) in m.chunks.iter().enumerate() {
                         let i = i as u64;
                         let from: Option<Marks> = if let Some(&(h, j)) = self.awake_holders(k).first() {

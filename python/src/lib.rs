@@ -1,0 +1,789 @@
+//! `vmm_arena._vmm_arena`: the Rust arena for Python (the package
+//! `vmm_arena` re-exports it with its docs and the typed `Stats`).
+//!
+//! Rules kept here:
+//! - every arena call runs with the GIL released, and the move callback
+//!   takes the GIL to call Python: a thread holding the GIL never waits for
+//!   the arena's lock, so the two locks cannot deadlock;
+//! - a Python exception raised by the move callback is reported through
+//!   `sys.unraisablehook` and goes no further (the arena is not poisoned);
+//! - arguments are converted here, so that a wrong type, a negative or a
+//!   too large number is `InvalidArgument`, never a crash or an overflow;
+//! - a DLPack view pins its buffer until the consumer releases it, so a
+//!   view is never left at an old address (see `Buffer::__dlpack__`).
+
+use std::ffi::{c_void, CStr};
+use std::sync::{Arc, Mutex};
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyDict};
+
+use vmm_arena::{Arena as RArena, ArenaConfig, Backend, Error, Id, Status, ALL_TAGS, SLEEP_BACKUP};
+
+create_exception!(_vmm_arena, VmmArenaError, PyException, "Base of every error the arena reports.");
+create_exception!(
+    _vmm_arena,
+    InvalidArgument,
+    VmmArenaError,
+    "A bad argument: wrong type, out of range, not allowed here."
+);
+create_exception!(_vmm_arena, OutOfMemory, VmmArenaError, "The capacity (or the device) has no room for the request.");
+create_exception!(
+    _vmm_arena,
+    OutOfAddressSpace,
+    VmmArenaError,
+    "The reserved virtual range has no room for the request."
+);
+create_exception!(
+    _vmm_arena,
+    UnknownAllocation,
+    VmmArenaError,
+    "The allocation was freed, or belongs to another arena."
+);
+create_exception!(
+    _vmm_arena,
+    Pinned,
+    VmmArenaError,
+    "The allocation is pinned (or has DLPack views alive) and cannot move."
+);
+create_exception!(_vmm_arena, Asleep, VmmArenaError, "The allocation sleeps: wake its tag first.");
+create_exception!(_vmm_arena, Unsupported, VmmArenaError, "Not supported by this backend.");
+create_exception!(_vmm_arena, DriverError, VmmArenaError, "The driver refused a call.");
+create_exception!(_vmm_arena, InternalError, VmmArenaError, "A bug in the library (reported, never a crash).");
+
+fn to_py(e: Error) -> PyErr {
+    let m = e.to_string();
+    match e.status() {
+        Status::InvalidArgument => InvalidArgument::new_err(m),
+        Status::OutOfMemory => OutOfMemory::new_err(m),
+        Status::OutOfAddressSpace => OutOfAddressSpace::new_err(m),
+        Status::UnknownAllocation => UnknownAllocation::new_err(m),
+        Status::Pinned => Pinned::new_err(m),
+        Status::Asleep => Asleep::new_err(m),
+        Status::Unsupported => Unsupported::new_err(m),
+        Status::Driver => DriverError::new_err(m),
+        _ => InternalError::new_err(m),
+    }
+}
+
+/// A non-negative integer that fits in 64 bits, else `InvalidArgument`.
+fn u64_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    if v.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(InvalidArgument::new_err(format!("{name} must be an int, not a bool")));
+    }
+    let n: i128 = v.extract().map_err(|_| {
+        InvalidArgument::new_err(format!(
+            "{name} must be an int, not {}",
+            v.get_type().name().map_or("?".into(), |n| n.to_string())
+        ))
+    })?;
+    u64::try_from(n).map_err(|_| InvalidArgument::new_err(format!("{name} = {n} is out of range (0 .. 2**64)")))
+}
+
+fn u32_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
+    let n = u64_arg(v, name)?;
+    u32::try_from(n).map_err(|_| InvalidArgument::new_err(format!("{name} = {n} is out of range (0 .. 2**32)")))
+}
+
+fn opt_u64(v: Option<&Bound<'_, PyAny>>, name: &str, default: u64) -> PyResult<u64> {
+    match v {
+        Some(v) if !v.is_none() => u64_arg(v, name),
+        _ => Ok(default),
+    }
+}
+
+/// What the DLPack views of a buffer hold: the arena and the count of
+/// views alive (the buffer is pinned while it is not zero, or while the
+/// caller pinned it).
+struct Pins {
+    views: usize,
+    user: bool,
+}
+
+struct Shared {
+    arena: RArena,
+    /// The CUDA device (DLPack's device id).
+    device: i32,
+    /// Ids with views or a caller's pin, by id.
+    pins: Mutex<std::collections::HashMap<u64, Pins>>,
+}
+
+impl Shared {
+    /// Applies the pin the books say the id should have.
+    fn sync_pin(&self, id: u64, was: bool, now: bool) -> Result<(), Error> {
+        match (was, now) {
+            (false, true) => self.arena.pin(Id::from_raw(id).ok_or_else(|| Error::InvalidArgument("id 0".into()))?),
+            (true, false) => self.arena.unpin(Id::from_raw(id).ok_or_else(|| Error::InvalidArgument("id 0".into()))?),
+            _ => Ok(()),
+        }
+    }
+
+    fn pinned(&self, id: u64) -> bool {
+        self.pins.lock().map(|p| p.get(&id).is_some_and(|p| p.user || p.views > 0)).unwrap_or(false)
+    }
+
+    fn views(&self, id: u64) -> usize {
+        self.pins.lock().map(|p| p.get(&id).map_or(0, |p| p.views)).unwrap_or(0)
+    }
+
+    /// Changes the views or the caller's pin of `id`; pins or unpins it.
+    fn change(&self, id: u64, f: impl FnOnce(&mut Pins)) -> Result<(), Error> {
+        let mut all = self.pins.lock().map_err(|_| Error::Internal("pin books poisoned".into()))?;
+        let p = all.entry(id).or_insert(Pins { views: 0, user: false });
+        let was = p.user || p.views > 0;
+        let before = (p.views, p.user);
+        f(p);
+        let now = p.user || p.views > 0;
+        if let Err(e) = self.sync_pin(id, was, now) {
+            (p.views, p.user) = before;
+            return Err(e);
+        }
+        if !now {
+            all.remove(&id);
+        }
+        Ok(())
+    }
+}
+
+fn id_of(v: &Bound<'_, PyAny>, arena: &Arc<Shared>) -> PyResult<Id> {
+    if let Ok(a) = v.downcast::<Allocation>() {
+        let a = a.borrow();
+        if !Arc::ptr_eq(&a.shared, arena) {
+            return Err(UnknownAllocation::new_err("the allocation belongs to another arena"));
+        }
+        return Id::from_raw(a.id).ok_or_else(|| UnknownAllocation::new_err("id 0"));
+    }
+    if let Ok(b) = v.downcast::<Buffer>() {
+        let b = b.borrow();
+        let a = b.as_super();
+        if !Arc::ptr_eq(&a.shared, arena) {
+            return Err(UnknownAllocation::new_err("the buffer belongs to another arena"));
+        }
+        return Id::from_raw(a.id).ok_or_else(|| UnknownAllocation::new_err("id 0"));
+    }
+    let raw = u64_arg(v, "id")?;
+    Id::from_raw(raw).ok_or_else(|| UnknownAllocation::new_err("id 0 is never issued"))
+}
+
+/// An arena over the CUDA backend (`backend="cuda"`) or host memory
+/// (`backend="host"`), configured by keyword arguments.
+#[pyclass(module = "vmm_arena._vmm_arena", subclass, frozen)]
+struct Arena {
+    shared: Arc<Shared>,
+}
+
+#[pymethods]
+impl Arena {
+    #[new]
+    #[pyo3(signature = (*, backend="host", device=0, capacity_bytes=None, reserve_bytes=None, chunk_bytes=None, retain_bytes=None, no_implicit_moves=false, background=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        backend: &str,
+        device: i32,
+        capacity_bytes: Option<&Bound<'_, PyAny>>,
+        reserve_bytes: Option<&Bound<'_, PyAny>>,
+        chunk_bytes: Option<&Bound<'_, PyAny>>,
+        retain_bytes: Option<&Bound<'_, PyAny>>,
+        no_implicit_moves: bool,
+        background: bool,
+    ) -> PyResult<Arena> {
+        let backend = match backend {
+            "cuda" => Backend::Cuda,
+            "host" => Backend::Host,
+            "host-sparse" => Backend::HostSparse,
+            other => {
+                return Err(InvalidArgument::new_err(format!(
+                    "backend {other:?}: one of 'cuda', 'host', 'host-sparse'"
+                )))
+            }
+        };
+        let config = ArenaConfig {
+            backend,
+            device,
+            capacity_bytes: opt_u64(capacity_bytes, "capacity_bytes", 0)?,
+            reserve_bytes: opt_u64(reserve_bytes, "reserve_bytes", 0)?,
+            chunk_bytes: opt_u64(chunk_bytes, "chunk_bytes", 0)?,
+            retain_bytes: opt_u64(retain_bytes, "retain_bytes", u64::MAX)?,
+            no_implicit_moves,
+            exportable: false,
+            background,
+        };
+        let arena = py.allow_threads(|| RArena::new(config)).map_err(to_py)?;
+        Ok(Arena { shared: Arc::new(Shared { arena, device, pins: Mutex::new(Default::default()) }) })
+    }
+
+    /// Bytes of one physical chunk.
+    #[getter]
+    fn chunk_bytes(&self) -> u64 {
+        self.shared.arena.chunk_bytes()
+    }
+
+    /// "cuda" or "host".
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.shared.arena.backend_name()
+    }
+
+    /// (base address, bytes) of the reserved virtual range.
+    #[getter]
+    fn va_range(&self) -> (u64, u64) {
+        self.shared.arena.va_range()
+    }
+
+    /// A fixed-size allocation (small ones, at most half a chunk, share
+    /// slabs with allocations of the same tag only).
+    #[pyo3(signature = (size, tag=None))]
+    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, tag: Option<&Bound<'_, PyAny>>) -> PyResult<Allocation> {
+        let size = u64_arg(size, "size")?;
+        let tag = match tag {
+            Some(t) if !t.is_none() => u32_arg(t, "tag")?,
+            _ => 0,
+        };
+        let (id, _) = py.allow_threads(|| self.shared.arena.alloc_tagged(size, tag)).map_err(to_py)?;
+        Ok(Allocation { shared: self.shared.clone(), id: id.get() })
+    }
+
+    /// A growable buffer: `size` bytes backed inside a reservation of
+    /// `max_size`, growing in place up to it; viewable through DLPack.
+    #[pyo3(signature = (size, max_size=None, tag=None))]
+    fn alloc_growable(
+        &self,
+        py: Python<'_>,
+        size: &Bound<'_, PyAny>,
+        max_size: Option<&Bound<'_, PyAny>>,
+        tag: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<Buffer>> {
+        let size = u64_arg(size, "size")?;
+        let max = opt_u64(max_size, "max_size", size)?;
+        let tag = match tag {
+            Some(t) if !t.is_none() => u32_arg(t, "tag")?,
+            _ => 0,
+        };
+        let (id, _) = py.allow_threads(|| self.shared.arena.alloc_growable_tagged(size, max, tag)).map_err(to_py)?;
+        let init =
+            PyClassInitializer::from(Allocation { shared: self.shared.clone(), id: id.get() }).add_subclass(Buffer);
+        Py::new(py, init)
+    }
+
+    /// Frees an allocation (an `Allocation`, a `Buffer` or a raw id).
+    fn free(&self, py: Python<'_>, a: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_of(a, &self.shared)?;
+        free_id(py, &self.shared, id, None)
+    }
+
+    /// Frees once the work queued on `stream` (a CUstream as an int, 0 the
+    /// default stream) has passed this point.
+    fn free_on_stream(&self, py: Python<'_>, a: &Bound<'_, PyAny>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_of(a, &self.shared)?;
+        let stream = u64_arg(stream, "stream")?;
+        free_id(py, &self.shared, id, Some(stream))
+    }
+
+    /// Resizes an allocation; returns its (maybe new) address.
+    fn resize(&self, py: Python<'_>, a: &Bound<'_, PyAny>, new_size: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let id = id_of(a, &self.shared)?;
+        resize_id(py, &self.shared, id, u64_arg(new_size, "new_size")?)
+    }
+
+    /// Moves unpinned allocations together; returns a dict of what it did.
+    fn compact<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = py.allow_threads(|| self.shared.arena.compact()).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("moved_allocations", r.moved_allocations)?;
+        d.set_item("moved_bytes", r.moved_bytes)?;
+        d.set_item("largest_free_va_before", r.largest_free_va_before)?;
+        d.set_item("largest_free_va_after", r.largest_free_va_after)?;
+        Ok(d)
+    }
+
+    /// Gives pooled chunks back to the driver down to `keep_bytes`; returns
+    /// the bytes given back.
+    #[pyo3(signature = (keep_bytes=None))]
+    fn trim(&self, py: Python<'_>, keep_bytes: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let keep = opt_u64(keep_bytes, "keep_bytes", 0)?;
+        py.allow_threads(|| self.shared.arena.trim(keep)).map_err(to_py)
+    }
+
+    /// Unmaps the old addresses of moved allocations.
+    fn release_retired(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.shared.arena.release_retired()).map_err(to_py)
+    }
+
+    /// The JSON snapshot: every range in address order, and the stats.
+    fn snapshot_json(&self, py: Python<'_>) -> PyResult<String> {
+        py.allow_threads(|| self.shared.arena.snapshot_json()).map_err(to_py)
+    }
+
+    /// Puts every allocation of `tag` (None: every tag) to sleep; with
+    /// `backup`, their bytes are kept in host memory and come back on wake.
+    #[pyo3(signature = (tag=None, backup=false))]
+    fn sleep(&self, py: Python<'_>, tag: Option<&Bound<'_, PyAny>>, backup: bool) -> PyResult<()> {
+        let tag = match tag {
+            Some(t) if !t.is_none() => u32_arg(t, "tag")?,
+            _ => ALL_TAGS,
+        };
+        let flags = if backup { SLEEP_BACKUP } else { 0 };
+        py.allow_threads(|| self.shared.arena.sleep(tag, flags)).map_err(to_py)
+    }
+
+    /// Wakes every sleeping allocation of `tag` (None: every tag) at its address.
+    #[pyo3(signature = (tag=None))]
+    fn wake(&self, py: Python<'_>, tag: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let tag = match tag {
+            Some(t) if !t.is_none() => u32_arg(t, "tag")?,
+            _ => ALL_TAGS,
+        };
+        py.allow_threads(|| self.shared.arena.wake(tag)).map_err(to_py)
+    }
+
+    /// Installs `callback(id, old_ptr, new_ptr, size)`, called for every
+    /// move (None removes it). It runs during the call that moved, with
+    /// the arena locked: calls into the arena from it fail. An exception it
+    /// raises is reported to `sys.unraisablehook` and changes nothing.
+    #[pyo3(signature = (callback=None))]
+    fn set_move_callback(&self, py: Python<'_>, callback: Option<PyObject>) -> PyResult<()> {
+        let cb: Option<vmm_arena::MoveCallback> = match callback {
+            None => None,
+            Some(f) if f.is_none(py) => None,
+            Some(f) => {
+                if !f.bind(py).is_callable() {
+                    return Err(InvalidArgument::new_err("the move callback must be callable"));
+                }
+                Some(Box::new(move |e: &vmm_arena::MoveEvent| {
+                    Python::with_gil(|py| {
+                        if let Err(err) = f.call1(py, (e.id.get(), e.old_ptr, e.new_ptr, e.size)) {
+                            err.write_unraisable(py, Some(f.bind(py)));
+                        }
+                    })
+                }))
+            }
+        };
+        py.allow_threads(|| self.shared.arena.set_move_callback(cb)).map_err(to_py)
+    }
+
+    /// The stats as a dict of ints (the package's `Arena.stats()` types it).
+    fn stats_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let json = py.allow_threads(|| self.shared.arena.snapshot_json()).map_err(to_py)?;
+        let json_mod = py.import("json")?;
+        let v = json_mod.call_method1("loads", (json,))?;
+        Ok(v.get_item("stats")?.downcast_into::<PyDict>()?)
+    }
+}
+
+fn free_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, stream: Option<u64>) -> PyResult<()> {
+    if shared.views(id.get()) > 0 {
+        return Err(Pinned::new_err(format!("{:#x} has DLPack views alive: release them before freeing", id.get())));
+    }
+    py.allow_threads(|| match stream {
+        None => shared.arena.free(id),
+        Some(s) => shared.arena.free_on_stream(id, s),
+    })
+    .map_err(to_py)?;
+    if let Ok(mut p) = shared.pins.lock() {
+        p.remove(&id.get());
+    }
+    Ok(())
+}
+
+fn resize_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, new_size: u64) -> PyResult<u64> {
+    if shared.views(id.get()) > 0 {
+        let size = py.allow_threads(|| shared.arena.query(id)).map_err(to_py)?.size;
+        if new_size < size {
+            return Err(Pinned::new_err(format!(
+                "{:#x} has DLPack views alive over its {size} bytes: it cannot shrink until they are released",
+                id.get()
+            )));
+        }
+    }
+    py.allow_threads(|| shared.arena.resize(id, new_size)).map_err(to_py)
+}
+
+/// One allocation of an arena. Freed by `free()` (or the arena's), not by
+/// garbage collection: the arena owns the memory.
+#[pyclass(module = "vmm_arena._vmm_arena", subclass, frozen)]
+struct Allocation {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Allocation {
+    fn rid(&self) -> PyResult<Id> {
+        Id::from_raw(self.id).ok_or_else(|| UnknownAllocation::new_err("id 0"))
+    }
+
+    fn info(&self, py: Python<'_>) -> PyResult<vmm_arena::AllocInfo> {
+        let id = self.rid()?;
+        py.allow_threads(|| self.shared.arena.query(id)).map_err(to_py)
+    }
+}
+
+#[pymethods]
+impl Allocation {
+    /// The id the arena knows it by.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.id
+    }
+    /// Its current address (it may change when it moves).
+    #[getter]
+    fn ptr(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.info(py)?.ptr)
+    }
+    #[getter]
+    fn size(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.info(py)?.size)
+    }
+    #[getter]
+    fn reserved_bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.info(py)?.reserved_bytes)
+    }
+    #[getter]
+    fn tag(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(self.info(py)?.tag)
+    }
+    #[getter]
+    fn asleep(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.info(py)?.asleep)
+    }
+    #[getter]
+    fn pinned(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.info(py)?.pinned)
+    }
+    #[getter]
+    fn growable(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.info(py)?.growable)
+    }
+    /// Sets its tag (a small one moves into a slab of the new tag).
+    fn set_tag(&self, py: Python<'_>, tag: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (id, tag) = (self.rid()?, u32_arg(tag, "tag")?);
+        py.allow_threads(|| self.shared.arena.set_tag(id, tag)).map_err(to_py)
+    }
+    fn resize(&self, py: Python<'_>, new_size: &Bound<'_, PyAny>) -> PyResult<u64> {
+        resize_id(py, &self.shared, self.rid()?, u64_arg(new_size, "new_size")?)
+    }
+    fn free(&self, py: Python<'_>) -> PyResult<()> {
+        free_id(py, &self.shared, self.rid()?, None)
+    }
+    fn free_on_stream(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        free_id(py, &self.shared, self.rid()?, Some(u64_arg(stream, "stream")?))
+    }
+    /// Pins it: it never moves until unpinned.
+    fn pin(&self, py: Python<'_>) -> PyResult<()> {
+        let _ = self.info(py)?;
+        self.shared.change(self.id, |p| p.user = true).map_err(to_py)
+    }
+    fn unpin(&self, py: Python<'_>) -> PyResult<()> {
+        let _ = self.info(py)?;
+        self.shared.change(self.id, |p| p.user = false).map_err(to_py)
+    }
+    /// Copies `data` (bytes-like) in at `offset`.
+    #[pyo3(signature = (data, offset=None))]
+    fn write(&self, py: Python<'_>, data: &[u8], offset: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let (id, off) = (self.rid()?, opt_u64(offset, "offset", 0)?);
+        py.allow_threads(|| self.shared.arena.write(id, off, data)).map_err(to_py)
+    }
+    /// `length` bytes from `offset` (default: all of it).
+    #[pyo3(signature = (offset=None, length=None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: Option<&Bound<'_, PyAny>>,
+        length: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let id = self.rid()?;
+        let off = opt_u64(offset, "offset", 0)?;
+        let size = self.info(py)?.size;
+        let len = opt_u64(length, "length", size.saturating_sub(off))?;
+        let len = usize::try_from(len).map_err(|_| InvalidArgument::new_err("length too large"))?;
+        if len as u64 > size {
+            return Err(InvalidArgument::new_err(format!("length {len} exceeds the allocation's {size} bytes")));
+        }
+        let mut out = vec![0u8; len];
+        py.allow_threads(|| self.shared.arena.read(id, off, &mut out)).map_err(to_py)?;
+        Ok(pyo3::types::PyBytes::new(py, &out))
+    }
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.info(py) {
+            Ok(i) => format!("<vmm_arena allocation {:#x}: {} bytes at {:#x}, tag {}>", self.id, i.size, i.ptr, i.tag),
+            Err(_) => format!("<vmm_arena allocation {:#x} (freed)>", self.id),
+        }
+    }
+}
+
+/// A growable allocation, viewable through DLPack as a 1-D array of bytes.
+///
+/// The rule for views: a view (`numpy.from_dlpack(buf)`,
+/// `torch.from_dlpack(buf)`) covers the bytes the buffer had when it was
+/// taken, at the address it had then. While any view is alive the buffer
+/// is pinned: compaction leaves it, growth within its reservation is in
+/// place (the view stays valid, and does not see the new bytes: take a new
+/// view), growth past its reservation, a shrink and `free` are refused
+/// (`Pinned`). Sleep keeps the address: views are valid again after wake,
+/// and must not be touched while it sleeps.
+#[pyclass(module = "vmm_arena._vmm_arena", extends = Allocation, frozen)]
+struct Buffer;
+
+const KDLCPU: i32 = 1;
+const KDLCUDA: i32 = 2;
+
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version: [u32; 2],
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+/// The release of a versioned view (DLPack 1.0).
+///
+/// # Safety
+/// `t` came from `Buffer::__dlpack__` and is released once.
+unsafe extern "C" fn versioned_deleter(t: *mut DLManagedTensorVersioned) {
+    if t.is_null() {
+        return;
+    }
+    // SAFETY: made by Box::into_raw in __dlpack__, released once.
+    let t = unsafe { Box::from_raw(t) };
+    // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it.
+    let ctx = unsafe { Box::from_raw(t.manager_ctx.cast::<ViewCtx>()) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = ctx.shared.change(ctx.id, |p| p.views = p.views.saturating_sub(1));
+    }));
+}
+
+const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
+
+/// The destructor of a versioned capsule no consumer took.
+unsafe extern "C" fn versioned_capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: as capsule_destructor, for the versioned name.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
+            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr())
+                .cast::<DLManagedTensorVersioned>();
+            versioned_deleter(t);
+        } else {
+            pyo3::ffi::PyErr_Clear();
+        }
+    }
+}
+
+/// What one view keeps alive: its shape and the buffer's pin.
+struct ViewCtx {
+    shape: [i64; 1],
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+/// The consumer's release of a view: unpins the buffer when it was the last.
+///
+/// # Safety
+/// `t` came from `Buffer::__dlpack__` and is released once.
+unsafe extern "C" fn view_deleter(t: *mut DLManagedTensor) {
+    if t.is_null() {
+        return;
+    }
+    // SAFETY: made by Box::into_raw in __dlpack__, released once (the
+    // consumer's contract).
+    let t = unsafe { Box::from_raw(t) };
+    // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it.
+    let ctx = unsafe { Box::from_raw(t.manager_ctx.cast::<ViewCtx>()) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = ctx.shared.change(ctx.id, |p| p.views = p.views.saturating_sub(1));
+    }));
+}
+
+const DLTENSOR: &CStr = c"dltensor";
+
+/// The capsule's destructor: a capsule no consumer took (still named
+/// "dltensor") releases its view.
+unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with the capsule; its name decides whether a
+    // consumer owns the tensor now ("used_dltensor").
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
+            view_deleter(t);
+        } else {
+            pyo3::ffi::PyErr_Clear();
+        }
+    }
+}
+
+#[pymethods]
+impl Buffer {
+    /// A DLPack capsule viewing the buffer's bytes as uint8[size], no copy.
+    /// `stream` and the other keywords of the protocol are accepted; the
+    /// arena's memory is ordinary device memory, so no stream work is needed.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        slf: PyRef<'py, Self>,
+        py: Python<'py>,
+        stream: Option<PyObject>,
+        max_version: Option<PyObject>,
+        dl_device: Option<PyObject>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = (stream, dl_device);
+        if copy == Some(true) {
+            return Err(pyo3::exceptions::PyBufferError::new_err("vmm_arena buffers are viewed, never copied"));
+        }
+        let a = slf.as_super();
+        let info = a.info(py)?;
+        if info.asleep {
+            return Err(Asleep::new_err(format!("{:#x} sleeps: wake its tag before viewing it", a.id)));
+        }
+        let len = i64::try_from(info.size).map_err(|_| InvalidArgument::new_err("too large"))?;
+        // Pinned from here until the consumer releases the view.
+        a.shared.change(a.id, |p| p.views += 1).map_err(to_py)?;
+        // The address after pinning (pinning does not move it).
+        let ptr = match a.info(py) {
+            Ok(i) => i.ptr,
+            Err(e) => {
+                let _ = a.shared.change(a.id, |p| p.views -= 1);
+                return Err(e);
+            }
+        };
+        let (device_type, device_id) =
+            if a.shared.arena.backend_name() == "cuda" { (KDLCUDA, device_of(&a.shared)) } else { (KDLCPU, 0) };
+        let ctx = Box::into_raw(Box::new(ViewCtx { shape: [len], shared: a.shared.clone(), id: a.id }));
+        // SAFETY: ctx is a live Box until the deleter frees it.
+        let shape = unsafe { (*ctx).shape.as_mut_ptr() };
+        let tensor = DLTensor {
+            data: ptr as *mut c_void,
+            device: DLDevice { device_type, device_id },
+            ndim: 1,
+            dtype: DLDataType { code: 1, bits: 8, lanes: 1 }, // kDLUInt, 8 bits
+            shape,
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        };
+        // DLPack 1.0 (writable views) when the consumer asks for it.
+        let versioned =
+            max_version.as_ref().and_then(|v| v.extract::<(u32, u32)>(py).ok()).is_some_and(|(major, _)| major >= 1);
+        let cap = if versioned {
+            let t = Box::into_raw(Box::new(DLManagedTensorVersioned {
+                version: [1, 0],
+                manager_ctx: ctx.cast(),
+                deleter: Some(versioned_deleter),
+                flags: 0,
+                dl_tensor: tensor,
+            }));
+            // SAFETY: a valid pointer, a static name and a destructor that
+            // releases the tensor unless a consumer took it.
+            let cap = unsafe {
+                pyo3::ffi::PyCapsule_New(t.cast(), DLTENSOR_VERSIONED.as_ptr(), Some(versioned_capsule_destructor))
+            };
+            if cap.is_null() {
+                // SAFETY: not handed to anyone.
+                unsafe { versioned_deleter(t) };
+                return Err(PyErr::fetch(py));
+            }
+            cap
+        } else {
+            let t = Box::into_raw(Box::new(DLManagedTensor {
+                dl_tensor: tensor,
+                manager_ctx: ctx.cast(),
+                deleter: Some(view_deleter),
+            }));
+            // SAFETY: as above, legacy name.
+            let cap = unsafe { pyo3::ffi::PyCapsule_New(t.cast(), DLTENSOR.as_ptr(), Some(capsule_destructor)) };
+            if cap.is_null() {
+                // SAFETY: not handed to anyone.
+                unsafe { view_deleter(t) };
+                return Err(PyErr::fetch(py));
+            }
+            cap
+        };
+        // SAFETY: a new reference just made.
+        let cap = unsafe { Bound::from_owned_ptr(py, cap) };
+        let _: &Bound<'_, PyCapsule> = cap.downcast()?;
+        Ok(cap)
+    }
+
+    /// (device type, device id): kDLCPU (1) on the host backend, kDLCUDA (2) on CUDA.
+    fn __dlpack_device__(slf: PyRef<'_, Self>) -> (i32, i32) {
+        let a = slf.as_super();
+        if a.shared.arena.backend_name() == "cuda" {
+            (KDLCUDA, device_of(&a.shared))
+        } else {
+            (KDLCPU, 0)
+        }
+    }
+
+    /// DLPack views alive now.
+    #[getter]
+    fn views(slf: PyRef<'_, Self>) -> usize {
+        let a = slf.as_super();
+        a.shared.views(a.id)
+    }
+}
+
+fn device_of(shared: &Shared) -> i32 {
+    shared.device
+}
+
+/// Whether the caller pinned, or views pin, an allocation (for tests).
+#[pyfunction]
+fn _pinned_by_views(a: PyRef<'_, Allocation>) -> bool {
+    a.shared.pinned(a.id)
+}
+
+#[pymodule]
+fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Arena>()?;
+    m.add_class::<Allocation>()?;
+    m.add_class::<Buffer>()?;
+    m.add_function(wrap_pyfunction!(_pinned_by_views, m)?)?;
+    m.add("ALL_TAGS", ALL_TAGS)?;
+    for (name, e) in [
+        ("VmmArenaError", py.get_type::<VmmArenaError>()),
+        ("InvalidArgument", py.get_type::<InvalidArgument>()),
+        ("OutOfMemory", py.get_type::<OutOfMemory>()),
+        ("OutOfAddressSpace", py.get_type::<OutOfAddressSpace>()),
+        ("UnknownAllocation", py.get_type::<UnknownAllocation>()),
+        ("Pinned", py.get_type::<Pinned>()),
+        ("Asleep", py.get_type::<Asleep>()),
+        ("Unsupported", py.get_type::<Unsupported>()),
+        ("DriverError", py.get_type::<DriverError>()),
+        ("InternalError", py.get_type::<InternalError>()),
+    ] {
+        m.add(name, e)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,481 @@
+//! Several models served on one GPU, timed: each model has its own
+//! continuous-batching scheduler and its own traffic, with intermittent
+//! peaks, and the models share the device's KV memory through one of:
+//!
+//! - `static`: vLLM's paged pool per model, the memory split evenly (a
+//!   model never holds more than its share, nor less);
+//! - `kvcached`: one kvcached pool per model (the model of
+//!   `managers/kvcached.rs`, prefix caching off as in kvcached's
+//!   `bench_latency_benefit`), its pages mapped from the shared device when
+//!   a block on them is needed and unmapped when the last one goes, each
+//!   pool keeping its pre-mapped reserve of 5 to 10 pages;
+//! - `arena`: one vmm-arena per model process, all on one device of the
+//!   shared capacity: one allocation per request (token-major), grown a
+//!   16-token block at a time, freed when the request ends; freed chunks
+//!   stay pooled up to the arena's retain watermark and go back beyond it.
+//!
+//! Time: the models' steps time-share the GPU (one step at a time, the
+//! models taken in turn), each step charged by the profile's step-time
+//! model (`timing.rs`: prefill compute, the decode's weights and KV read)
+//! with the driver calls its scheduling made, priced by the profile, as
+//! work between steps: hidden up to the step's GPU time, the excess charged
+//! (the same rule for every manager: an engine with asynchronous
+//! scheduling prepares step k+1's memory while step k runs). kvcached's
+//! pre-allocation thread's maps are off that path and not charged. A decode that finds no memory preempts the request admitted
+//! last (recomputed when admitted again, as vLLM V1 does).
+//!
+//! Traffic: model `m` replays its own slice of a trace (arrival gaps,
+//! prompt and output lengths), its gaps scaled by `rate_scale`, and
+//! divided by `peak` while it is in its peak phase: the phases rotate,
+//! model `m` peaking during `[k·N·W + m·W, k·N·W + (m+1)·W)`.
+
+use std::collections::{HashMap, VecDeque};
+
+use vmm_arena::{Arena, ArenaConfig, Id};
+
+use crate::counted::Calls;
+use crate::managers::kvcached::{BlockManager, SharedHbm, KVCACHED_GPU_UTILIZATION};
+use crate::managers::kvcached_pool::{ElasticBlockPool, KvcachedPool, KVCACHED_BLOCK_TOKENS};
+use crate::managers::{new_device, Dev};
+use crate::timing::{Profile, StepWork};
+use crate::trace::Request;
+
+pub mod plot;
+
+/// One request of one model.
+#[derive(Clone, Copy, Debug)]
+pub struct MmRequest {
+    pub arrival: f64,
+    pub prompt: u64,
+    pub output: u64,
+}
+
+/// The setting.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MmConfig {
+    pub models: usize,
+    /// KV bytes per token (Llama-3.1-8B: 32 layers × 2 × 8 heads × 128 × 2 B).
+    pub kv_bytes_per_token: u64,
+    pub layers: u64,
+    /// The device's memory and what the models' KV may use of it in all.
+    pub device_bytes: u64,
+    pub kv_bytes: u64,
+    pub step_tokens: u64,
+    pub max_batch: usize,
+    pub requests_per_model: usize,
+    pub rate_scale: f64,
+    pub peak: f64,
+    pub phase_s: f64,
+    pub arena_retain: u64,
+    /// Tokens an arena allocation's reservation is sized for (the
+    /// engine's `max_model_len`): it grows in place up to it.
+    pub max_context: u64,
+}
+
+/// Each model's requests: slices of `trace` `requests_per_model` apart,
+/// with the phases of the module documentation.
+pub fn model_requests(c: &MmConfig, trace: &[Request]) -> Vec<Vec<MmRequest>> {
+    (0..c.models)
+        .map(|m| {
+            let n = c.requests_per_model.min(trace.len() / c.models);
+            let slice = &trace[m * n..(m + 1) * n];
+            let mut t = 0.0;
+            let mut out = Vec::with_capacity(n);
+            for (k, q) in slice.iter().enumerate() {
+                if k > 0 {
+                    let gap = (q.arrival_s - slice[k - 1].arrival_s).max(0.0) / c.rate_scale;
+                    let phase = (t / c.phase_s) as u64 % c.models as u64;
+                    t += if phase == m as u64 { gap / c.peak } else { gap };
+                }
+                out.push(MmRequest { arrival: t, prompt: q.prompt.max(1), output: q.output.max(1) });
+            }
+            out
+        })
+        .collect()
+}
+
+/// The KV memory of all models under one sharing policy.
+pub trait SharedKv {
+    fn name(&self) -> &'static str;
+    /// Room for `tokens` tokens of request `rid` of model `m` (a new
+    /// request, or more for a running one); false if there is none.
+    fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool;
+    fn free(&mut self, m: usize, rid: usize);
+    /// Physical bytes model `m` holds.
+    fn held(&self, m: usize) -> u64;
+    /// Driver calls made on the scheduler's path so far, all models.
+    fn path_calls(&self) -> Calls;
+}
+
+/// `static`: a fixed block budget per model.
+pub struct StaticKv {
+    per_model_blocks: u64,
+    block_bytes: u64,
+    used: Vec<u64>,
+    blocks: HashMap<(usize, usize), u64>,
+}
+
+impl StaticKv {
+    pub fn new(c: &MmConfig) -> StaticKv {
+        let block_bytes = KVCACHED_BLOCK_TOKENS * c.kv_bytes_per_token;
+        StaticKv {
+            per_model_blocks: c.kv_bytes / c.models as u64 / block_bytes,
+            block_bytes,
+            used: vec![0; c.models],
+            blocks: HashMap::new(),
+        }
+    }
+}
+
+impl SharedKv for StaticKv {
+    fn name(&self) -> &'static str {
+        "static"
+    }
+    fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool {
+        let have = self.blocks.get(&(m, rid)).copied().unwrap_or(0);
+        let need = tokens.div_ceil(KVCACHED_BLOCK_TOKENS).saturating_sub(have);
+        if self.used[m] + need > self.per_model_blocks {
+            return false;
+        }
+        self.used[m] += need;
+        self.blocks.insert((m, rid), have + need);
+        true
+    }
+    fn free(&mut self, m: usize, rid: usize) {
+        if let Some(b) = self.blocks.remove(&(m, rid)) {
+            self.used[m] -= b;
+        }
+    }
+    fn held(&self, _m: usize) -> u64 {
+        self.per_model_blocks * self.block_bytes
+    }
+    fn path_calls(&self) -> Calls {
+        Calls::default()
+    }
+}
+
+/// `kvcached`: a kvcached pool per model on one device.
+pub struct KvcachedKv {
+    pools: Vec<KvcachedPool>,
+    admitted: HashMap<(usize, usize), u64>,
+}
+
+impl KvcachedKv {
+    pub fn new(c: &MmConfig) -> Result<KvcachedKv, String> {
+        // kvcached maps while the device's free memory exceeds the 5 %
+        // headroom; the device is given what the KV may use plus that.
+        let headroom = (c.device_bytes as f64 * (1.0 - KVCACHED_GPU_UTILIZATION)) as u64;
+        let hbm = SharedHbm::new(c.device_bytes, c.kv_bytes + headroom);
+        let per_buffer = KVCACHED_BLOCK_TOKENS * c.kv_bytes_per_token / (2 * c.layers);
+        let num_blocks = c.kv_bytes / (KVCACHED_BLOCK_TOKENS * c.kv_bytes_per_token);
+        let pools = (0..c.models)
+            .map(|_| {
+                let mgr = BlockManager::new(num_blocks, per_buffer, c.layers, hbm.clone())?;
+                Ok(KvcachedPool::new(ElasticBlockPool::new(mgr, num_blocks, false, 0)))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(KvcachedKv { pools, admitted: HashMap::new() })
+    }
+}
+
+impl SharedKv for KvcachedKv {
+    fn name(&self) -> &'static str {
+        "kvcached"
+    }
+    fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool {
+        let p = &mut self.pools[m];
+        if let std::collections::hash_map::Entry::Vacant(e) = self.admitted.entry((m, rid)) {
+            if p.admit(rid as u64, std::sync::Arc::from(Vec::new()), tokens).is_none() {
+                return false;
+            }
+            e.insert(tokens);
+            return true;
+        }
+        p.decode(rid as u64, tokens)
+    }
+    fn free(&mut self, m: usize, rid: usize) {
+        if self.admitted.remove(&(m, rid)).is_some() {
+            self.pools[m].finish(rid as u64);
+        }
+    }
+    fn held(&self, m: usize) -> u64 {
+        self.pools[m].pool.mgr.mapped_bytes()
+    }
+    fn path_calls(&self) -> Calls {
+        self.pools.iter().fold(Calls::default(), |a, p| a.plus(&p.pool.mgr.page_allocator.foreground_calls()))
+    }
+}
+
+/// `arena`: an arena per model on one counted device.
+pub struct ArenaKv {
+    dev: Dev,
+    arenas: Vec<Arena>,
+    block_bytes: u64,
+    max_bytes: u64,
+    allocs: HashMap<(usize, usize), (Id, u64)>,
+}
+
+impl ArenaKv {
+    pub fn new(c: &MmConfig) -> Result<ArenaKv, String> {
+        let dev = new_device(c.kv_bytes)?;
+        let block_bytes = KVCACHED_BLOCK_TOKENS * c.kv_bytes_per_token;
+        let max_bytes = c.max_context.div_ceil(KVCACHED_BLOCK_TOKENS) * block_bytes;
+        // Room for two full batches of reservations (address space only).
+        let reserve = (c.kv_bytes * 4).max(2 * c.max_batch as u64 * max_bytes);
+        let arenas = (0..c.models)
+            .map(|_| {
+                let cfg = ArenaConfig {
+                    capacity_bytes: c.kv_bytes,
+                    reserve_bytes: reserve,
+                    retain_bytes: c.arena_retain,
+                    ..ArenaConfig::default()
+                };
+                Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(ArenaKv { dev, arenas, block_bytes, max_bytes, allocs: HashMap::new() })
+    }
+}
+
+impl SharedKv for ArenaKv {
+    fn name(&self) -> &'static str {
+        "arena"
+    }
+    fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool {
+        let size = tokens.div_ceil(KVCACHED_BLOCK_TOKENS) * self.block_bytes;
+        match self.allocs.get(&(m, rid)).copied() {
+            None => match self.arenas[m].alloc_growable(size, size.max(self.max_bytes)) {
+                Ok((id, _)) => {
+                    self.allocs.insert((m, rid), (id, size));
+                    true
+                }
+                Err(_) => false,
+            },
+            Some((_, have)) if have >= size => true,
+            Some((id, _)) => {
+                if self.arenas[m].resize(id, size).is_err() {
+                    return false;
+                }
+                self.allocs.insert((m, rid), (id, size));
+                true
+            }
+        }
+    }
+    fn free(&mut self, m: usize, rid: usize) {
+        if let Some((id, _)) = self.allocs.remove(&(m, rid)) {
+            let _ = self.arenas[m].free(id);
+        }
+    }
+    fn held(&self, m: usize) -> u64 {
+        self.arenas[m].stats().map_or(0, |s| s.mapped_bytes + s.pooled_bytes)
+    }
+    fn path_calls(&self) -> Calls {
+        self.dev.calls()
+    }
+}
+
+/// One model's figures.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ModelReport {
+    pub model: usize,
+    pub requests: usize,
+    /// Requests that finished.
+    pub served: usize,
+    pub ttft_mean_s: f64,
+    pub ttft_p99_s: f64,
+    pub tpot_p99_s: f64,
+    pub tokens_per_s: f64,
+    pub preemptions: u64,
+    pub peak_held_bytes: u64,
+}
+
+/// A run's figures and its memory timeline: (time, bytes held per model).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct MmReport {
+    pub manager: String,
+    pub makespan_s: f64,
+    pub driver_s: f64,
+    pub models: Vec<ModelReport>,
+    #[serde(skip)]
+    pub timeline: Vec<(f64, Vec<u64>)>,
+}
+
+struct Running {
+    rid: usize,
+    /// Output tokens produced (the first by the prefill).
+    done: u64,
+}
+
+struct ModelState {
+    waiting: VecDeque<usize>,
+    next: usize,
+    running: Vec<Running>,
+    first_token: Vec<Option<f64>>,
+    finish: Vec<Option<f64>>,
+    preemptions: u64,
+    peak: u64,
+    /// Output tokens of preempted requests, recomputed on readmission.
+    resumed: HashMap<usize, u64>,
+}
+
+fn p99(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1]
+}
+
+/// Runs every model's requests through `kv` on `profile`'s GPU.
+pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile: &Profile) -> MmReport {
+    let mut st: Vec<ModelState> = reqs
+        .iter()
+        .map(|r| ModelState {
+            waiting: VecDeque::new(),
+            next: 0,
+            running: Vec::new(),
+            first_token: vec![None; r.len()],
+            finish: vec![None; r.len()],
+            preemptions: 0,
+            peak: 0,
+            resumed: HashMap::new(),
+        })
+        .collect();
+    let mut t = 0.0f64;
+    let mut driver_total = 0.0;
+    let mut timeline = Vec::new();
+    let mut turn = 0usize;
+    loop {
+        for (m, s) in st.iter_mut().enumerate() {
+            while s.next < reqs[m].len() && reqs[m][s.next].arrival <= t {
+                s.waiting.push_back(s.next);
+                s.next += 1;
+            }
+        }
+        let busy = |s: &ModelState| !s.running.is_empty() || !s.waiting.is_empty();
+        if !st.iter().any(busy) {
+            let next = st
+                .iter()
+                .enumerate()
+                .filter(|(m, s)| s.next < reqs[*m].len())
+                .map(|(m, s)| reqs[m][s.next].arrival)
+                .fold(f64::INFINITY, f64::min);
+            if next.is_infinite() {
+                break;
+            }
+            t = next;
+            continue;
+        }
+        // The next model with work, in turn.
+        let m = (0..c.models).map(|k| (turn + k) % c.models).find(|&k| busy(&st[k])).expect("a busy model");
+        turn = m + 1;
+        let calls_before = kv.path_calls();
+        let s = &mut st[m];
+        // Decodes first, in running order; a request that finds no memory
+        // preempts the one admitted last (itself if it is the last).
+        let mut i = 0;
+        while i < s.running.len() {
+            let r = &s.running[i];
+            let q = reqs[m][r.rid];
+            if kv.reserve(m, r.rid, q.prompt + r.done) {
+                i += 1;
+                continue;
+            }
+            let victim = s.running.pop().expect("running");
+            kv.free(m, victim.rid);
+            s.resumed.insert(victim.rid, victim.done);
+            s.waiting.push_front(victim.rid);
+            s.preemptions += 1;
+        }
+        let mut decode_kv: u64 =
+            s.running.iter().map(|r| (reqs[m][r.rid].prompt + r.done) * c.kv_bytes_per_token).sum();
+        let decoding = !s.running.is_empty();
+        // Admissions while the step's tokens and the batch allow.
+        let mut prefill = 0u64;
+        let mut admitted = Vec::new();
+        while s.running.len() + admitted.len() < c.max_batch {
+            let Some(&rid) = s.waiting.front() else { break };
+            let q = reqs[m][rid];
+            let done = s.resumed.get(&rid).copied().unwrap_or(0);
+            let tokens = q.prompt + done;
+            if prefill + tokens > c.step_tokens && (prefill > 0 || decoding) {
+                break;
+            }
+            if !kv.reserve(m, rid, tokens) {
+                break;
+            }
+            s.waiting.pop_front();
+            s.resumed.remove(&rid);
+            prefill += tokens;
+            decode_kv += tokens * c.kv_bytes_per_token;
+            admitted.push((rid, done));
+        }
+        let driver = profile.driver_s(&kv.path_calls().since(&calls_before));
+        let work = StepWork {
+            prefill_tokens: prefill,
+            decode_kv_bytes: decode_kv,
+            decoding,
+            alloc_between_s: driver,
+            ..StepWork::default()
+        };
+        let step = profile.step(&work);
+        driver_total += step.alloc_charged_s;
+        t += step.total_s;
+        for r in s.running.iter_mut() {
+            r.done += 1;
+        }
+        for (rid, done) in admitted {
+            if s.first_token[rid].is_none() {
+                s.first_token[rid] = Some(t);
+            }
+            s.running.push(Running { rid, done: done + 1 });
+        }
+        let mut k = 0;
+        while k < s.running.len() {
+            let rid = s.running[k].rid;
+            if s.running[k].done >= reqs[m][rid].output {
+                kv.free(m, rid);
+                s.finish[rid] = Some(t);
+                s.running.remove(k);
+            } else {
+                k += 1;
+            }
+        }
+        let held: Vec<u64> = (0..c.models).map(|k| kv.held(k)).collect();
+        for (k, h) in held.iter().enumerate() {
+            st[k].peak = st[k].peak.max(*h);
+        }
+        if timeline.last().map_or(true, |(lt, _): &(f64, Vec<u64>)| t - lt >= 0.25) {
+            timeline.push((t, held));
+        }
+    }
+    let models = st
+        .iter()
+        .enumerate()
+        .map(|(m, s)| {
+            let r = &reqs[m];
+            let ttft: Vec<f64> = r.iter().zip(&s.first_token).filter_map(|(q, f)| f.map(|f| f - q.arrival)).collect();
+            let tpot: Vec<f64> = r
+                .iter()
+                .zip(s.first_token.iter().zip(&s.finish))
+                .filter(|(q, _)| q.output > 1)
+                .filter_map(|(q, (f, e))| Some((e.as_ref()? - f.as_ref()?) / (q.output - 1) as f64))
+                .collect();
+            let out: u64 = r.iter().map(|q| q.output).sum();
+            let end = s.finish.iter().flatten().fold(0.0f64, |a, &b| a.max(b));
+            let start = r.first().map_or(0.0, |q| q.arrival);
+            ModelReport {
+                model: m,
+                requests: r.len(),
+                served: s.finish.iter().flatten().count(),
+                ttft_mean_s: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
+                ttft_p99_s: p99(ttft),
+                tpot_p99_s: p99(tpot),
+                tokens_per_s: out as f64 / (end - start).max(1e-9),
+                preemptions: s.preemptions,
+                peak_held_bytes: s.peak,
+            }
+        })
+        .collect();
+    MmReport { manager: kv.name().into(), makespan_s: t, driver_s: driver_total, models, timeline }
+}
