@@ -62,8 +62,8 @@ for t in "${targets[@]}"; do
     # -max_len=128: inputs of about 20 operations (ops) or 15 calls
     # (c_abi). Every operation is followed by the whole model check, so an
     # input's cost grows with its length: libFuzzer's default grows inputs
-    # past 1 KiB (96 operations), a third of the rate (RELIABILITY.md,
-    # "Execution rates"). The property test runs sequences of up to 80.
+    # past 1 KiB (96 operations), at about a third of the rate (measured on
+    # ops). The property test runs sequences of up to 80.
     # -entropic=0: libFuzzer's default scheduler (entropic) keeps per-input
     # frequencies of rare features, updated for every feature an execution
     # hits; these targets hit thousands (every operation is followed by a
