@@ -345,6 +345,13 @@ cmd_run() {
             sed -i '$d' "$WORK/status.txt" # replaces run_step's "ok" line
             report gpu_measure "FAILED" "${STEP_SECS}s, a GPU was found but CUDA is unsupported; see gpu-measure.log"
         fi
+        if [[ $MEASURE_STATUS == ok ]]; then
+            # The arena's unmap probe (also in gpu-measure.md and .json):
+            # true = one cuMemUnmap may cover several separate mappings.
+            local spans
+            spans=$(grep -o '"unmap_spans_mappings": [a-z]*' "$WORK/gpu-measure.json" 2>/dev/null | awk '{print $2}')
+            echo "gpu-check run: one cuMemUnmap over separate mappings accepted (the arena's probe): ${spans:-unknown}" >&2
+        fi
     fi
 
     # 4. PyTorch, through the library's torch entry points.

@@ -44,9 +44,9 @@ cxx=${CXX:-c++}
 common=(-Wall -Wextra -Werror -g -O1 -pthread -I ffi/include -I ffi/tests/c)
 link=(-L "$lib" -lvmm_arena "-Wl,-rpath,$lib")
 
-# name:language:source
+# name:language:sources (comma-separated)
 programs=(
-    test_api:c:ffi/tests/c/test_api.c
+    test_api:c:ffi/tests/c/test_api.c,ffi/tests/c/api_create.c,ffi/tests/c/api_moves.c,ffi/tests/c/api_sleep_share.c,ffi/tests/c/api_stats.c,ffi/tests/c/api_stream.c
     test_threads:c:ffi/tests/c/test_threads.c
     test_torch:c:ffi/tests/c/test_torch.c
     test_faults:c:ffi/tests/c/test_faults.c
@@ -63,14 +63,15 @@ wanted=("$@")
 failed=0
 for p in "${programs[@]}"; do
     IFS=: read -r name lang src <<<"$p"
+    IFS=, read -r -a srcs <<<"$src"
     if [ ${#wanted[@]} -gt 0 ] && [[ ! " ${wanted[*]} " == *" $name "* ]]; then
         continue
     fi
     exe=$work/$name
     if [ "$lang" = c ]; then
-        "$cc" -std=c11 -Wstrict-prototypes "${common[@]}" -o "$exe" "$src" "${link[@]}"
+        "$cc" -std=c11 -Wstrict-prototypes "${common[@]}" -o "$exe" "${srcs[@]}" "${link[@]}"
     else
-        "$cxx" -std=c++17 "${common[@]}" -o "$exe" "$src" "${link[@]}"
+        "$cxx" -std=c++17 "${common[@]}" -o "$exe" "${srcs[@]}" "${link[@]}"
     fi
     log=$work/$name.log
     start=$(date +%s)

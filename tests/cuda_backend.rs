@@ -68,8 +68,13 @@ impl Span {
         d.set_access(self.base, self.chunk * chunks.len() as u64).unwrap();
     }
 
+    /// One `unmap` per mapping: `cuMemUnmap`'s text asks for "the entire
+    /// contiguous address range that was mapped to", and a strict driver
+    /// refuses a span of separate mappings.
     fn unmap_all(&self, d: &CudaDriver, n: usize) {
-        d.unmap(self.base, self.chunk * n as u64).unwrap();
+        for i in 0..n as u64 {
+            d.unmap(self.base + i * self.chunk, self.chunk).unwrap();
+        }
     }
 
     fn free(self, d: &CudaDriver) {
@@ -248,6 +253,42 @@ fn creating_more_than_the_device_holds_is_out_of_memory() {
         Err(Error::OutOfMemory(msg)) => assert!(msg.contains("cuMemCreate"), "{msg}"),
         other => panic!("expected OutOfMemory, got {other:?}"),
     }
+}
+
+/// The calling thread's current context, straight from the driver.
+fn current_context() -> usize {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: libcuda is loaded (the caller opened a `CudaDriver`); the
+    // out-pointer is a valid local.
+    let r = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut ctx) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    ctx as usize
+}
+
+/// A thread that had no context has none after calling in: the backend
+/// restores what was current. Left current, the primary context outlives
+/// the last arena on that thread, and once the driver resets it (its last
+/// reference released) the thread's own next driver call fails with
+/// CUDA_ERROR_CONTEXT_IS_DESTROYED.
+#[test]
+fn a_thread_without_a_context_has_none_after_calling_in() {
+    let Some(d) = gpu("a_thread_without_a_context_has_none_after_calling_in") else { return };
+    let d = Arc::new(d);
+    std::thread::spawn(move || {
+        assert_eq!(current_context(), 0, "a fresh thread has no context");
+        let c = chunk_size(&d);
+        let h = d.create(c).unwrap();
+        assert_eq!(current_context(), 0, "after cuMemCreate");
+        d.release(h).unwrap();
+        let cfg = ArenaConfig { capacity_bytes: 4 * c, chunk_bytes: c, ..Default::default() };
+        let a = Arena::with_driver(Arc::clone(&d), cfg).unwrap();
+        let (x, _) = a.alloc(2 * c).unwrap();
+        a.free(x).unwrap();
+        drop(a);
+        assert_eq!(current_context(), 0, "after an arena's life");
+    })
+    .join()
+    .unwrap();
 }
 
 #[test]
@@ -526,4 +567,40 @@ fn stream_ordered_frees_prefetch_and_resize_many_on_the_device() {
     a.free_on_stream(g, 0).unwrap();
     a.free(h).unwrap();
     drop(a); // destroys the pending event, releases everything
+}
+
+/// `Driver::import_chunk` refuses a descriptor of another size than the
+/// one claimed, as the trait says, with `InvalidArgument`: a chunk twice
+/// the claimed size (its second half would be silently missing) and one
+/// half of it (`cuMemMap` would fail later with a driver error).
+#[test]
+fn imports_of_another_size_are_invalid_arguments() {
+    let test = "imports_of_another_size_are_invalid_arguments";
+    let Some(d) = gpu(test) else { return };
+    let c = chunk_size(&d);
+    let d = match CudaDriver::with_options(0, &[], true) {
+        Ok(d) => d,
+        Err(e) => return eprintln!("{test}: skipped, no exportable chunks here: {e}"),
+    };
+    let big = d.create(2 * c).unwrap();
+    let small = d.create(c).unwrap();
+    let big_fd = d.export_chunk(big).unwrap();
+    let small_fd = d.export_chunk(small).unwrap();
+    use std::os::fd::AsFd;
+    for (fd, claimed, what) in [(&big_fd, c, "twice the claimed size"), (&small_fd, 2 * c, "half the claimed size")] {
+        match d.import_chunk(fd.as_fd(), claimed, false) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("size"), "{what}: {m}"),
+            Ok(h) => {
+                d.release(h).unwrap();
+                panic!("{what}: accepted");
+            }
+            Err(e) => panic!("{what}: {e:?}"),
+        }
+    }
+    for (fd, size) in [(&big_fd, 2 * c), (&small_fd, c)] {
+        let h = d.import_chunk(fd.as_fd(), size, false).unwrap();
+        d.release(h).unwrap();
+    }
+    d.release(big).unwrap();
+    d.release(small).unwrap();
 }

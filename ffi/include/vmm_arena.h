@@ -713,8 +713,11 @@ enum vmm_arena_status vmm_arena_resize(struct vmm_arena *arena,
  * completed the arena knows them idle: another address takes them, and the
  * pool or the driver gets them back, without a device-wide synchronization
  * (for a caller that shrinks often, e.g. a prefix cache evicting the tails
- * of its entries). An event is recorded only for a shrink that leaves whole
- * chunks behind; growth, an unchanged chunk count, a small allocation, an
+ * of its entries). Growth of whole chunks is work ordered on stream: it may
+ * take memory freed or shrunk on the same stream at once, with no event
+ * wait and no synchronization (see vmm_arena_alloc_on_stream). An event is
+ * recorded only for a shrink that leaves whole chunks behind; an unchanged
+ * chunk count, a small allocation, an
  * exported allocation or an import, and the host backend (no asynchronous
  * streams) resize exactly as vmm_arena_resize. A failure to record the event
  * is VMM_ARENA_ERR_DRIVER and changes nothing. An addition of this project
@@ -1434,6 +1437,50 @@ enum vmm_arena_status vmm_arena_alloc_growable_tagged(struct vmm_arena *arena,
                                                       uint32_t tag,
                                                       vmm_arena_id *out_id,
                                                       uint64_t *out_ptr);
+
+/**
+ * Allocates like vmm_arena_alloc, for work ordered on stream (a CUstream;
+ * 0 = the legacy default stream): the caller queues every use of the new
+ * memory on stream, after the work queued there so far. The allocation may
+ * then take memory freed (vmm_arena_free_on_stream) or shrunk
+ * (vmm_arena_resize_on_stream) on the same stream at once, with no event
+ * wait and no device-wide synchronization: stream order runs the old
+ * owner's queued work first. Memory given up on another stream is reused
+ * only after its event has completed (the arena waits for it when nothing
+ * else can serve). A reused chunk is mapped at the new address at once;
+ * its old address is unmapped once the free's event has completed. A small
+ * allocation (size within a small class: it shares a slab with objects of
+ * any stream) is placed exactly as by vmm_arena_alloc. Host backend (no
+ * asynchronous streams): the same as vmm_arena_alloc. Errors: as
+ * vmm_arena_alloc.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or
+ * writable; `stream` is 0 or a CUstream of the arena's device context.
+ */
+enum vmm_arena_status vmm_arena_alloc_on_stream(struct vmm_arena *arena,
+                                                uint64_t size,
+                                                uint64_t stream,
+                                                vmm_arena_id *out_id,
+                                                uint64_t *out_ptr);
+
+/**
+ * vmm_arena_alloc_growable for work ordered on stream, as
+ * vmm_arena_alloc_on_stream: it may take memory freed or shrunk on the same
+ * stream at once. Growing it with vmm_arena_resize_on_stream on that
+ * stream reuses the stream's memory too. max_size < size is
+ * VMM_ARENA_ERR_INVALID_ARGUMENT; other errors as vmm_arena_alloc_growable.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_id` and `out_ptr` are NULL or
+ * writable; `stream` is 0 or a CUstream of the arena's device context.
+ */
+enum vmm_arena_status vmm_arena_alloc_growable_on_stream(struct vmm_arena *arena,
+                                                         uint64_t size,
+                                                         uint64_t max_size,
+                                                         uint64_t stream,
+                                                         vmm_arena_id *out_id,
+                                                         uint64_t *out_ptr);
 
 /**
  * Prepares an allocation of size bytes, in whole chunks however small

@@ -448,6 +448,38 @@ class Arena {
     if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
     return Allocation(handle_, id);
   }
+  /* Allocations whose work is ordered on stream (a CUstream; 0 = the legacy
+   * default stream): they may take memory freed or shrunk on that same
+   * stream at once, with no event wait and no synchronization; memory given
+   * up on another stream is reused only after its event. See
+   * vmm_arena_alloc_on_stream; grow them with resize_on_stream on the same
+   * stream. Errors: as alloc() and alloc_growable(). */
+  Allocation alloc_on_stream(uint64_t size, uint64_t stream) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_alloc_on_stream(handle_, size, stream, &id, &p));
+    return Allocation(handle_, id);
+  }
+  Result<Allocation> try_alloc_on_stream(uint64_t size, uint64_t stream) noexcept {
+    Id id = 0;
+    uint64_t p = 0;
+    vmm_arena_status s = vmm_arena_alloc_on_stream(handle_, size, stream, &id, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
+    return Allocation(handle_, id);
+  }
+  Allocation alloc_growable_on_stream(uint64_t size, uint64_t max_size, uint64_t stream) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(vmm_arena_alloc_growable_on_stream(handle_, size, max_size, stream, &id, &p));
+    return Allocation(handle_, id);
+  }
+  Result<Allocation> try_alloc_growable_on_stream(uint64_t size, uint64_t max_size, uint64_t stream) noexcept {
+    Id id = 0;
+    uint64_t p = 0;
+    vmm_arena_status s = vmm_arena_alloc_growable_on_stream(handle_, size, max_size, stream, &id, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
+    return Allocation(handle_, id);
+  }
   /* Zero-copy sharing: a new growable allocation (size bytes, reserving
    * max_size) whose first bytes are src's chunks of [src_offset, src_offset +
    * bytes), mapped a second time; writes through either are seen through the

@@ -29,6 +29,13 @@ use arena::{Arena, Error, Id, MoveEvent};
 mod types;
 
 mod boundary;
+
+// The exported functions: after this file's own, cbindgen emits each
+// module's in the order they are declared here (the contract's order).
+mod sleep;
+
+mod compact;
+
 mod dmabuf;
 mod group;
 
@@ -37,11 +44,18 @@ mod group;
 mod export;
 mod tags;
 
+// After `export`: the committed header lists the stream-ordered
+// allocations last among the modules' functions.
+mod stream;
+
 mod testing;
 mod torch;
 mod two_phase;
 
 use boundary::*;
+// At the crate root as before (the fuzz logic calls them as `ffi::...`).
+pub use compact::*;
+pub use sleep::*;
 pub use types::*;
 // The fuzz target calls these through the crate's root, as the ones here.
 pub use tags::{vmm_arena_alloc_growable_tagged, vmm_arena_alloc_tagged};
@@ -412,8 +426,11 @@ pub unsafe extern "C" fn vmm_arena_resize(
 /// completed the arena knows them idle: another address takes them, and the
 /// pool or the driver gets them back, without a device-wide synchronization
 /// (for a caller that shrinks often, e.g. a prefix cache evicting the tails
-/// of its entries). An event is recorded only for a shrink that leaves whole
-/// chunks behind; growth, an unchanged chunk count, a small allocation, an
+/// of its entries). Growth of whole chunks is work ordered on stream: it may
+/// take memory freed or shrunk on the same stream at once, with no event
+/// wait and no synchronization (see vmm_arena_alloc_on_stream). An event is
+/// recorded only for a shrink that leaves whole chunks behind; an unchanged
+/// chunk count, a small allocation, an
 /// exported allocation or an import, and the host backend (no asynchronous
 /// streams) resize exactly as vmm_arena_resize. A failure to record the event
 /// is VMM_ARENA_ERR_DRIVER and changes nothing. An addition of this project
@@ -556,262 +573,6 @@ pub unsafe extern "C" fn vmm_arena_unpin(arena: *mut vmm_arena, id: vmm_arena_id
         // SAFETY: per this function's contract.
         let h = unsafe { handle(arena) }?;
         h.live()?.unpin(id_arg(id)).map_err(with_raw_id(id))
-    })
-}
-
-/// Sets an allocation's tag (0 by default), which vmm_arena_sleep and
-/// vmm_arena_wake select by; works on a sleeping allocation too.
-///
-/// Sleep and wake (e.g. an inference engine giving its GPU memory to a
-/// training step, then resuming): a sleeping allocation is live: it counts
-/// in live_allocations and live_bytes, its id, size, address and
-/// reservation stay (so pointers held elsewhere, by kernels or CUDA graphs,
-/// are valid again after wake), and its reservation is not free address
-/// space; it maps nothing and counts nothing in mapped_bytes. It must not be
-/// touched. resize (growing or shrinking) and pin return
-/// VMM_ARENA_ERR_ASLEEP; query, unpin, set_tag and free work (free drops its
-/// backup). Compaction never moves it; like a pinned allocation, it can be
-/// why a request gets OUT_OF_ADDRESS_SPACE.
-///
-/// Every allocation takes a tag, whatever its size or history. One of whole
-/// chunks keeps its place (asleep or pinned too). A small allocation (in a
-/// slab: at most half a chunk, from vmm_arena_alloc or
-/// vmm_arena_alloc_tagged) shares its slab only with allocations of its
-/// tag, so a new tag moves it: its bytes are copied into a slab of the new
-/// tag, as a resize past its size class does (the address changes, the
-/// move callback reports it, bytes_copied counts it). That move is refused
-/// for a pinned one (VMM_ARENA_ERR_PINNED) and a sleeping one
-/// (VMM_ARENA_ERR_ASLEEP) and needs a slab's room (OUT_OF_MEMORY or
-/// OUT_OF_ADDRESS_SPACE); on any error nothing changed. Setting the tag it
-/// has is a no-op. Small allocations sleep with their slab.
-///
-/// # Safety
-/// `arena` is NULL or a live handle.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_set_tag(arena: *mut vmm_arena, id: vmm_arena_id, tag: u32) -> vmm_arena_status {
-    boundary("vmm_arena_set_tag", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        h.live()?.set_tag(id_arg(id), tag).map_err(with_raw_id(id))
-    })
-}
-
-/// Puts every awake allocation with this tag (VMM_ARENA_ALL_TAGS: all) to
-/// sleep: waits for the device, copies each one's bytes to host memory when
-/// flags has VMM_ARENA_SLEEP_BACKUP (else its contents are lost), unmaps it,
-/// gives its chunks back to the driver, then gives back every pooled chunk
-/// whatever retain_bytes says. Pinned allocations sleep too. Already
-/// sleeping ones are left as they are. Unknown flag bits are
-/// INVALID_ARGUMENT. All or nothing: on failure nothing has slept.
-///
-/// Backups are host memory from the backend: page-locked (cuMemHostAlloc)
-/// on CUDA, ordinary memory where that much cannot be pinned and on the
-/// host backend. One that cannot be had fails the sleep, nothing slept.
-///
-/// Retired ranges (the old addresses of moved allocations) are all
-/// unmapped, after the device wait, as vmm_arena_release_retired does: one
-/// may still map a sleeper's or a pooled chunk, and the driver frees no
-/// chunk that is still mapped. The arena may release them whenever it has
-/// synchronized; only the old addresses the move callback reported stop
-/// being mapped.
-///
-/// The chunks are given back after the point of no return (a released
-/// chunk cannot be had back): a chunk the driver refuses to release stays
-/// pooled (held, not leaked: pooled_bytes counts it), and
-/// vmm_arena_trim or the next sleep gives it back. The sleepers have slept,
-/// so the call returns VMM_ARENA_OK: an error would say they had not.
-///
-/// # Safety
-/// `arena` is NULL or a live handle.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_sleep(arena: *mut vmm_arena, tag: u32, flags: u32) -> vmm_arena_status {
-    boundary("vmm_arena_sleep", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        if flags & !VMM_ARENA_SLEEP_BACKUP != 0 {
-            return Err(Error::InvalidArgument(format!("unknown sleep flags {flags:#x}")));
-        }
-        h.live()?.sleep(tag, flags)
-    })
-}
-
-/// Wakes every sleeping allocation with this tag (or all), each at its own
-/// address: its chunks are new (or pooled) and receive the backed-up bytes
-/// (without a backup it holds whatever the driver gives). All or nothing: on
-/// failure (e.g. OUT_OF_MEMORY) every one of them is still asleep, its
-/// backup intact.
-///
-/// # Safety
-/// `arena` is NULL or a live handle.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_wake(arena: *mut vmm_arena, tag: u32) -> vmm_arena_status {
-    boundary("vmm_arena_wake", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        h.live()?.wake(tag)
-    })
-}
-
-/// Moves unpinned allocations by remapping to close address-space holes.
-/// report may be NULL.
-///
-/// # Safety
-/// `arena` is NULL or a live handle; `report` is NULL or writable.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_compact(
-    arena: *mut vmm_arena,
-    report: *mut vmm_arena_compact_report,
-) -> vmm_arena_status {
-    boundary("vmm_arena_compact", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        let out = optional(report, "report")?;
-        let r = h.live()?.compact()?;
-        if let Some(p) = out {
-            let r = vmm_arena_compact_report {
-                moved_allocations: r.moved_allocations,
-                moved_bytes: r.moved_bytes,
-                largest_free_va_before: r.largest_free_va_before,
-                largest_free_va_after: r.largest_free_va_after,
-            };
-            // SAFETY: a checked out-parameter, writable per this function's contract.
-            unsafe { put(p, r) };
-        }
-        Ok(())
-    })
-}
-
-/// Unmaps the old ranges of moved allocations (CUDA: after synchronizing
-/// the device). The arena also does this by itself when it needs their
-/// address space, with the same synchronization.
-///
-/// # Safety
-/// `arena` is NULL or a live handle.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_release_retired(arena: *mut vmm_arena) -> vmm_arena_status {
-    boundary("vmm_arena_release_retired", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        h.live()?.release_retired()
-    })
-}
-
-/// Gives pooled physical chunks back to the driver until at most keep_bytes
-/// stay pooled. out_released (may be NULL) receives the bytes released.
-/// Pooled is what pooled_bytes counts: a slab holding only retired objects
-/// is given back too when the other pooled chunks are not enough (its
-/// retired objects are released then, after synchronizing the device).
-/// The retain watermark counts them the same way.
-///
-/// # Safety
-/// `arena` is NULL or a live handle; `out_released` is NULL or writable.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_trim(
-    arena: *mut vmm_arena,
-    keep_bytes: u64,
-    out_released: *mut u64,
-) -> vmm_arena_status {
-    boundary("vmm_arena_trim", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        let out = optional(out_released, "out_released")?;
-        let released = h.live()?.trim(keep_bytes)?;
-        if let Some(p) = out {
-            // SAFETY: a checked out-parameter, writable per this function's contract.
-            unsafe { put(p, released) };
-        }
-        Ok(())
-    })
-}
-
-/// stats->struct_size must be set by the caller.
-///
-/// # Safety
-/// `arena` is NULL or a live handle; `stats` is NULL or points to at least
-/// `stats->struct_size` writable bytes starting with a `uint32_t struct_size`.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_stats_get(arena: *mut vmm_arena, stats: *mut vmm_arena_stats) -> vmm_arena_status {
-    boundary("vmm_arena_stats_get", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        let out = required(stats, "stats")?;
-        // SAFETY: non-NULL and aligned; the caller's struct starts with its
-        // uint32_t struct_size, and nothing past it is read.
-        let size = unsafe { out.as_ptr().cast::<u32>().read() };
-        if size as usize != std::mem::size_of::<vmm_arena_stats>() {
-            return Err(invalid(format!(
-                "stats->struct_size is {size}, expected sizeof(vmm_arena_stats) = {}",
-                std::mem::size_of::<vmm_arena_stats>()
-            )));
-        }
-        let c = c_stats(&h.live()?.stats()?);
-        // SAFETY: the caller's struct is struct_size = sizeof(vmm_arena_stats)
-        // writable bytes, per this function's contract.
-        unsafe { put(out, c) };
-        Ok(())
-    })
-}
-
-/// Installs the move callback; fn == NULL removes the callback. The arena
-/// calls it under its lock, so once this returns the previous callback is
-/// not running and will not run again.
-///
-/// # Safety
-/// `arena` is NULL or a live handle; `fn` (if not NULL) and `user` follow
-/// the rules of `vmm_arena_move_fn` for as long as they stay installed.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_set_move_callback(
-    arena: *mut vmm_arena,
-    r#fn: vmm_arena_move_fn,
-    user: *mut c_void,
-) -> vmm_arena_status {
-    boundary("vmm_arena_set_move_callback", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        let a = h.live()?;
-        let cb = r#fn.map(|f| {
-            let cb = CMoveCallback { f, user, owner: arena as usize };
-            Box::new(move |e: &MoveEvent| cb.call(e)) as Box<dyn FnMut(&MoveEvent) + Send>
-        });
-        a.set_move_callback(cb)
-    })
-}
-
-/// A JSON object of every range (live, free, retired) and the stats. If cap
-/// is at least the size needed, writes it with its terminating NUL; else
-/// (buf may then be NULL) writes nothing. Either way *out_len receives the
-/// size needed, NUL included, and the status is VMM_ARENA_OK.
-///
-/// # Safety
-/// `arena` is NULL or a live handle; `buf` is NULL or has `cap` writable
-/// bytes; `out_len` is NULL or writable.
-#[no_mangle]
-pub unsafe extern "C" fn vmm_arena_snapshot_json(
-    arena: *mut vmm_arena,
-    buf: *mut c_char,
-    cap: usize,
-    out_len: *mut usize,
-) -> vmm_arena_status {
-    boundary("vmm_arena_snapshot_json", arena, || {
-        // SAFETY: per this function's contract.
-        let h = unsafe { handle(arena) }?;
-        let out = required(out_len, "out_len")?;
-        let json = h.live()?.snapshot_json()?;
-        let needed = json.len() + 1;
-        if cap >= needed {
-            if buf.is_null() {
-                return Err(invalid(format!("buf is NULL while cap {cap} covers the {needed} bytes needed")));
-            }
-            // SAFETY: `buf` has `cap >= json.len() + 1` writable bytes per
-            // this function's contract, and cannot overlap a fresh String.
-            unsafe {
-                std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), json.len());
-                buf.add(json.len()).write(0);
-            }
-        }
-        // SAFETY: a checked out-parameter, writable per this function's contract.
-        unsafe { put(out, needed) };
-        Ok(())
     })
 }
 

@@ -105,6 +105,14 @@ enum Link {
     None,
 }
 
+/// test_api's translation units: its `main` and the tests, by area.
+fn test_api_sources() -> Vec<PathBuf> {
+    ["test_api.c", "api_create.c", "api_moves.c", "api_sleep_share.c", "api_stats.c", "api_stream.c"]
+        .iter()
+        .map(|f| source(&format!("c/{f}")))
+        .collect()
+}
+
 /// Compiles `sources` into `name` with `include` first on the include path.
 fn compile(name: &str, lang: Lang, sources: &[PathBuf], include: &Path, link: Link) -> PathBuf {
     let t = toolchain();
@@ -209,19 +217,28 @@ fn run_and_expect_pass(program: &Path) {
 
 #[test]
 fn c_api_test_shared_library() {
-    let exe = compile("test_api", Lang::C, &[source("c/test_api.c")], &our_include(), Link::Shared);
+    let exe = compile("test_api", Lang::C, &test_api_sources(), &our_include(), Link::Shared);
     run_and_expect_pass(&exe);
 }
 
 #[test]
 fn c_api_test_static_library() {
-    let exe = compile("test_api_static", Lang::C, &[source("c/test_api.c")], &our_include(), Link::Static);
+    let exe = compile("test_api_static", Lang::C, &test_api_sources(), &our_include(), Link::Static);
     run_and_expect_pass(&exe);
 }
 
 #[test]
 fn c_threads_test() {
     let exe = compile("test_threads", Lang::C, &[source("c/test_threads.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
+/// The C ABI on the CUDA backend, bytes checked through the driver's
+/// copies (skipped without a usable driver, unless VMM_ARENA_REQUIRE_GPU=1;
+/// CI runs it against cuda-standin).
+#[test]
+fn c_cuda_backend_test() {
+    let exe = compile("test_cuda_backend", Lang::C, &[source("c/test_cuda_backend.c")], &our_include(), Link::Shared);
     run_and_expect_pass(&exe);
 }
 
@@ -301,6 +318,17 @@ fn tags_from_cpp() {
     run_and_expect_pass(&exe);
 }
 
+/// Allocations ordered on a stream from C: bytes, reuse of memory freed or
+/// shrunk on the same stream, refusals, and the fault matrix.
+#[test]
+fn c_stream_test() {
+    let exe = compile("test_stream", Lang::C, &[source("c/test_stream.c")], &our_include(), Link::Shared);
+    let out = run(&exe);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    assert!(out.contains("C ABI stream-ordered allocation fault matrix size:"), "{out}");
+}
+
 #[test]
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);
@@ -334,6 +362,19 @@ fn cpp_export_wrapper_test() {
     run_and_expect_pass(&exe);
 }
 
+/// The wrapper's stream-ordered allocations.
+#[test]
+fn cpp_wrapper_stream_test() {
+    let exe = compile(
+        "test_wrapper_stream",
+        Lang::Cxx,
+        &[source("cpp/test_wrapper_stream.cpp")],
+        &our_include(),
+        Link::Shared,
+    );
+    run_and_expect_pass(&exe);
+}
+
 #[test]
 fn headers_compile_as_c_and_cpp_with_warnings_as_errors() {
     // Each header alone in a translation unit, in both languages.
@@ -357,7 +398,7 @@ fn programs_written_from_the_contract_run_against_the_library() {
     let Some(contract) = contract_header() else { return };
     let contract_dir = contract.parent().unwrap().to_path_buf();
     for (tag, include) in [("contract", contract_dir), ("generated", our_include())] {
-        let exe = compile(&format!("contract_c_{tag}"), Lang::C, &[source("c/test_api.c")], &include, Link::Shared);
+        let exe = compile(&format!("contract_c_{tag}"), Lang::C, &test_api_sources(), &include, Link::Shared);
         run_and_expect_pass(&exe);
         let exe = compile(
             &format!("contract_cpp_{tag}"),

@@ -164,7 +164,13 @@ impl ArenaPrefixCache {
             None => {
                 self.make_room(arena, size, discard);
                 let id = loop {
-                    match arena.alloc_growable(size, max) {
+                    // On the stream, memory freed or shrunk on it this
+                    // step serves the admission at once.
+                    let placed = match self.stream {
+                        Some(stream) => arena.alloc_growable_on_stream(size, max, stream),
+                        None => arena.alloc_growable(size, max),
+                    };
+                    match placed {
                         Ok((id, _)) => break id,
                         Err(Error::OutOfMemory(_)) if self.books.queued_units() > 0 => self.evict(arena, 1, discard),
                         Err(e) => return Err(e),
@@ -296,7 +302,11 @@ impl ArenaPrefixCache {
     pub fn resize_many(&mut self, arena: &Arena, targets: &[(Id, u64)], more: u64, discard: bool) -> Result<(), Error> {
         self.make_room(arena, more, discard);
         loop {
-            match arena.resize_many(targets) {
+            let resized = match self.stream {
+                Some(stream) => arena.resize_many_on_stream(targets, stream),
+                None => arena.resize_many(targets),
+            };
+            match resized {
                 Ok(_) => break,
                 Err(Error::OutOfMemory(_)) if self.books.queued_units() > 0 => self.evict(arena, 1, discard),
                 Err(e) => return Err(e),

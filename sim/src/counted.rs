@@ -17,8 +17,9 @@
 //!
 //! - an event recorded while step *k* is prepared or computed completes
 //!   only once the GPU has finished step *k*, that is when step *k + 1*
-//!   begins: memory freed on a stream is not reusable within the step that
-//!   freed it;
+//!   begins: memory freed on a stream is not known idle within the step
+//!   that freed it (the arena lets work on the same stream reuse it at
+//!   once; any other reuse waits for the event);
 //! - [`Driver::event_complete`] (a poll) never blocks and changes nothing;
 //! - a wait on an event that has not completed (`wait_event`) blocks until
 //!   the GPU has drained: it completes every event recorded so far, and

@@ -47,7 +47,7 @@
 //!
 //! That is the whole-prompt schedule (`max_num_batched_tokens` 0). With a
 //! token budget the replay schedules chunked prefill as vLLM V1 does
-//! (DESIGN.md, "Chunked prefill"): the running requests take the budget
+//! (sim/DESIGN.md, "Chunked prefill"): the running requests take the budget
 //! first, in order (one token to decode, or the next chunk of a prompt),
 //! and grow first; admission follows only if that growth preempted
 //! nothing, into the budget left, allocating a request's hit and first

@@ -16,7 +16,7 @@ impl Arena {
     /// Allocates `size` bytes (rounded up to whole chunks). Returns the id and
     /// the address, chunk-aligned.
     pub fn alloc(&self, size: u64) -> Result<(Id, u64)> {
-        self.alloc_inner(size, size, false, 0, Placing::Any)
+        self.alloc_inner(size, size, false, 0, Placing::Any, None)
     }
 
     /// [`Arena::alloc`] in whole chunks however small `size` is (never in a
@@ -26,14 +26,14 @@ impl Arena {
         if max_size < size {
             return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
         }
-        self.alloc_inner(size, max_size, growable, 0, placing)
+        self.alloc_inner(size, max_size, growable, 0, placing, None)
     }
 
     /// [`Arena::alloc`] with a tag (see [`Arena::set_tag`]): the allocation
     /// sleeps and wakes with `tag`. A small one (at most half a chunk) goes
     /// into a slab of that tag only.
     pub fn alloc_tagged(&self, size: u64, tag: u32) -> Result<(Id, u64)> {
-        self.alloc_inner(size, size, false, tag, Placing::Any)
+        self.alloc_inner(size, size, false, tag, Placing::Any, None)
     }
 
     /// Allocates `size` bytes inside a reservation of `max_size`, so the
@@ -47,10 +47,21 @@ impl Arena {
         if max_size < size {
             return Err(Error::invalid(format!("max_size {max_size} < size {size}")));
         }
-        self.alloc_inner(size, max_size, true, tag, Placing::Any)
+        self.alloc_inner(size, max_size, true, tag, Placing::Any, None)
     }
 
-    fn alloc_inner(&self, size: u64, max_size: u64, growable: bool, tag: u32, placing: Placing) -> Result<(Id, u64)> {
+    /// The body of the `alloc*` calls; `stream`: the one the new
+    /// allocation's work is ordered on, if the caller said (see
+    /// `stream_reuse.rs`).
+    pub(super) fn alloc_inner(
+        &self,
+        size: u64,
+        max_size: u64,
+        growable: bool,
+        tag: u32,
+        placing: Placing,
+        stream: Option<u64>,
+    ) -> Result<(Id, u64)> {
         let chunk = self.chunk;
         let pages = pages_for(size, chunk, "size")?;
         let reserved = pages_for(max_size, chunk, "max_size")?;
@@ -69,10 +80,16 @@ impl Arena {
             }
             let placed = match small {
                 Some(class) => alloc_small(st, &mut tx, tag, class, size, events).map(Target::Small),
-                None => alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events).map(|slot| {
-                    st.alloc_mut(slot).tag = tag;
-                    Target::Chunks(slot)
-                }),
+                None => {
+                    // Only an allocation of whole chunks reuses by stream: a
+                    // slab serves objects whose work may be on any stream
+                    // (cleared by `run` when the closure returns).
+                    st.reuse.op_stream = stream;
+                    alloc_pages(st, &mut tx, pages, reserved, size, growable, Owner::User, events).map(|slot| {
+                        st.alloc_mut(slot).tag = tag;
+                        Target::Chunks(slot)
+                    })
+                }
             };
             st.no_implicit_moves = implicit_moves_were_off;
             match placed {
@@ -450,6 +467,19 @@ fn alloc_pages(
         sleep: None,
         quiet: Quiet::No,
     };
+    // On a stream: an allocation freed there, taken over where it is (on
+    // a copy: growing it to `pages` may fail, and then the caller rolls
+    // back; its plan refuses before any driver call if memory is short).
+    if owner == Owner::User && !st.pending.is_empty() && st.reuse.op_stream.is_some() {
+        let mut sim = st.clone();
+        if let Some(slot) = super::stream_reuse::take_over_pending(&mut sim, pages, reserved, size, growable) {
+            if sim.alloc(slot).backed < pages {
+                grow_in_place(&mut sim, tx, slot, pages, size)?;
+            }
+            *st = sim;
+            return Ok(slot);
+        }
+    }
     if let (false, Some(t)) = (short, best_fit_adopting(st, reserved, pages)) {
         let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
         plan.execute(st, tx)?;
@@ -522,7 +552,11 @@ pub(super) fn alloc_small(
         Some(s) => s,
         None => {
             let chunk = st.chunk;
-            let slot = alloc_pages(st, tx, 1, 1, chunk, false, Owner::Slab(u32::MAX), events)?;
+            // A slab serves objects of any stream: no reuse by stream.
+            let stream = st.reuse.op_stream.take();
+            let placed = alloc_pages(st, tx, 1, 1, chunk, false, Owner::Slab(u32::MAX), events);
+            st.reuse.op_stream = stream;
+            let slot = placed?;
             let slab = st.small.add_slab(tag, class, slot);
             let a = st.alloc_mut(slot);
             a.owner = Owner::Slab(slab);

@@ -38,6 +38,12 @@ impl Arena {
     /// then `Pinned`, `OutOfMemory`, `OutOfAddressSpace` as the requests
     /// meet them. An empty batch does nothing.
     pub fn resize_many(&self, requests: &[(Id, u64)]) -> Result<Vec<u64>> {
+        self.resize_many_ordered(requests, None)
+    }
+
+    /// The body of `resize_many`, and of `resize_many_on_stream` (growth
+    /// ordered on `stream`: see `stream_reuse.rs`).
+    pub(super) fn resize_many_ordered(&self, requests: &[(Id, u64)], stream: Option<u64>) -> Result<Vec<u64>> {
         let chunk = self.chunk;
         let pages: Vec<u64> =
             requests.iter().map(|&(_, size)| pages_for(size, chunk, "new_size")).collect::<Result<_>>()?;
@@ -50,6 +56,8 @@ impl Arena {
         }
         let ids: Vec<Id> = requests.iter().map(|&(id, _)| id).collect();
         self.run(Touch::Nothing, |inner, ctx, events| {
+            // Cleared by `run` when the closure returns.
+            inner.st.reuse.op_stream = stream;
             // What `resize` refuses: an import, an exported allocation's
             // shrink below the chunks it exported.
             #[cfg(unix)]
@@ -89,7 +97,7 @@ impl Arena {
             // own calls may fail. So every refusal comes before any call.
             {
                 let (dry, counts) = (DryRun::new(st.chunk), Counters::default());
-                let mut tx = Txn::new(&dry, &counts, st.base, st.chunk);
+                let mut tx = Txn::new(&dry, &counts, ctx.unmaps, st.base, st.chunk);
                 let planned = run_all(&mut st.clone(), &mut tx, &mut Vec::new());
                 tx.commit();
                 planned?;

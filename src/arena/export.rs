@@ -370,9 +370,9 @@ impl Shares {
 
     /// At the arena's drop (after its synchronize): unmaps and releases
     /// every import, releases the leftovers. Best effort, never panics.
-    pub(super) fn drop_all(&mut self, drv: &dyn crate::driver::Driver, chunk: u64) {
+    pub(super) fn drop_all(&mut self, drv: &dyn crate::driver::Driver, chunk: u64, mode: super::unmap::UnmapMode) {
         for (_, i) in std::mem::take(&mut self.imports) {
-            let _ = drv.unmap(i.base, i.chunks.len() as u64 * chunk);
+            super::unmap::unmap_pages(drv, None, mode, i.base, chunk, i.chunks.len() as u64);
             for h in i.chunks {
                 let _ = drv.release(h);
             }
@@ -410,7 +410,8 @@ fn free_import(inner: &mut Inner, ctx: &Ctx<'_>, k: u32) -> Result<()> {
     bump(&ctx.counts.syncs);
     // An import's unmap and releases are not the arena's own memory: they
     // count in no `driver_*` stat (imports count in the sharing stats).
-    ctx.drv.unmap(i.base, i.chunks.len() as u64 * chunk)?;
+    let uncounted = super::txn::Counters::default();
+    super::unmap::unmap_run(ctx.drv, &uncounted, ctx.unmaps, i.base, chunk, &i.chunks)?;
     let i = inner.shares.imports.remove(&k).expect("listed import");
     for h in i.chunks {
         match ctx.drv.release(h) {
@@ -643,9 +644,7 @@ impl Arena {
             })();
             if let Err(e) = done {
                 // Nothing touched the new mappings: no synchronize needed.
-                if mapped > 0 {
-                    let _ = ctx.drv.unmap(base, mapped * chunk);
-                }
+                super::unmap::unmap_pages(ctx.drv, None, ctx.unmaps, base, chunk, mapped);
                 for h in handles {
                     let _ = ctx.drv.release(h);
                 }

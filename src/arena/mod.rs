@@ -46,8 +46,10 @@ pub(crate) mod small;
 pub(crate) mod state;
 mod stats;
 mod stream;
+mod stream_reuse;
 mod two_phase;
 pub(crate) mod txn;
+mod unmap;
 mod worker;
 
 use self::alloc::{small_ptr, Target};
@@ -182,6 +184,8 @@ struct Shared {
     counts: Counters,
     /// Driver calls of `maintain` and the background worker.
     bg_counts: Counters,
+    /// How runs of pages are unmapped: the answer of the probe at creation.
+    unmaps: unmap::UnmapMode,
     inner: Mutex<Inner>,
     /// Signalled whenever the prefetcher commits (or abandons) work set
     /// aside, and whenever a waited-for stream event is reaped.
@@ -300,6 +304,8 @@ pub(super) fn pages_for(bytes: u64, chunk: u64, what: &str) -> Result<u64> {
 struct Ctx<'a> {
     drv: &'a dyn Driver,
     counts: &'a Counters,
+    /// How runs of pages are unmapped (`unmap.rs`).
+    unmaps: unmap::UnmapMode,
 }
 
 /// Whether an operation waits for all of the prefetcher's work in flight
@@ -318,7 +324,7 @@ enum Touch {
 
 impl Ctx<'_> {
     fn txn(&self, st: &State) -> Txn<'_> {
-        Txn::new(self.drv, self.counts, st.base, st.chunk)
+        Txn::new(self.drv, self.counts, self.unmaps, st.base, st.chunk)
     }
 }
 
@@ -399,10 +405,12 @@ impl Arena {
             };
         st.tag = id_tag(key, base);
         st.deterministic = config.deterministic_placement;
+        let unmaps = unmap::probe(&driver, base, chunk, pages);
         let sh = Arc::new(Shared {
             driver: Box::new(driver),
             counts: Counters::default(),
             bg_counts: Counters::default(),
+            unmaps,
             inner: Mutex::new(Inner {
                 st,
                 callback: None,
@@ -444,6 +452,14 @@ impl Arena {
     /// Base address and size of the reserved virtual range.
     pub fn va_range(&self) -> (u64, u64) {
         (self.base, self.reserved_bytes)
+    }
+
+    /// Whether one unmap call may cover several adjacent pages, each mapped
+    /// separately: the answer of the probe made when the arena was created
+    /// (`false`, one call per page, where the driver refused the span or
+    /// the probe could not run). `cuMemUnmap`'s text leaves it open.
+    pub fn unmaps_span_mappings(&self) -> bool {
+        self.sh.unmaps == unmap::UnmapMode::Spans
     }
 
     /// The backend's name.
@@ -503,7 +519,10 @@ impl Arena {
         }
         let out = loop {
             inner = self.sh.wait_out_conflicts(inner, touch)?;
-            match op(&mut inner, &ctx, &mut events) {
+            let done = op(&mut inner, &ctx, &mut events);
+            // An operation's stream (`stream_reuse.rs`) is its own.
+            inner.st.reuse.op_stream = None;
+            match done {
                 Ok(v) => break v,
                 Err(Error::Internal(m)) if m == state::SET_ASIDE => {
                     // A page the prefetcher is mapping: retry once it landed.
@@ -648,7 +667,7 @@ impl Drop for Arena {
         // Imports live in reservations of their own; exported chunks that
         // could not be released earlier are released here, never pooled.
         #[cfg(unix)]
-        inner.shares.drop_all(&*self.sh.driver, self.chunk);
+        inner.shares.drop_all(&*self.sh.driver, self.chunk, self.sh.unmaps);
         let st = &inner.st;
         // Pending frees' events are the arena's to destroy; their memory is
         // released below with every allocation's (the device is idle now).
@@ -657,7 +676,8 @@ impl Drop for Arena {
         }
         let mapped: Vec<u64> = st.mapped.mapped().map(|(p, _)| p).collect();
         for run in state::runs(&mapped) {
-            let _ = self.sh.driver.unmap(st.addr(run.start), (run.end - run.start) * st.chunk);
+            let pages = run.end - run.start;
+            unmap::unmap_pages(&*self.sh.driver, None, self.sh.unmaps, st.addr(run.start), st.chunk, pages);
         }
         // A set: a shared chunk backs several pages, and is released once.
         let mut owned: std::collections::BTreeSet<ChunkHandle> = st.pool.iter().copied().collect();
@@ -688,12 +708,12 @@ impl Shared {
     }
 
     fn ctx(&self) -> Ctx<'_> {
-        Ctx { drv: &*self.driver, counts: &self.counts }
+        Ctx { drv: &*self.driver, counts: &self.counts, unmaps: self.unmaps }
     }
 
     /// The context of `maintain` and the worker (their own counters).
     fn bg_ctx(&self) -> Ctx<'_> {
-        Ctx { drv: &*self.driver, counts: &self.bg_counts }
+        Ctx { drv: &*self.driver, counts: &self.bg_counts, unmaps: self.unmaps }
     }
 
     /// Waits on `round_done`, giving the lock up meanwhile.

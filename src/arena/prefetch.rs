@@ -156,6 +156,8 @@ pub(super) fn maintain(sh: &Shared) -> Result<bool> {
     // Everything is looked at now; what changes meanwhile sets it again.
     inner.st.prefetch_dirty = false;
     let mut progressed = reap(&mut inner.st, &ctx, Poll::All) > 0;
+    // Old addresses of chunks reused on their stream, now idle.
+    super::stream_reuse::unmap_completed(&mut inner.st, &ctx);
     if progressed {
         sh.round_done.notify_all();
     }
@@ -368,7 +370,7 @@ struct Done {
 }
 
 fn execute(round: &Round, ctx: &super::Ctx<'_>, base: u64, chunk: u64) -> Done {
-    let mut tx = Txn::new(ctx.drv, ctx.counts, base, chunk);
+    let mut tx = Txn::new(ctx.drv, ctx.counts, ctx.unmaps, base, chunk);
     match round {
         Round::Create(n) => {
             let mut created = Vec::new();

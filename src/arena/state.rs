@@ -19,6 +19,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use super::alias::ShareGroups;
 use super::page_table::PageTable;
 use super::small::SmallTable;
+pub(crate) use super::stream::{Held, Pending};
+use super::stream_reuse::{self, StreamReuse, Taken};
 use super::txn::Txn;
 use crate::driver::{ChunkHandle, HostBuffer};
 use crate::error::{Error, Result};
@@ -126,42 +128,6 @@ impl Owner {
     }
 }
 
-/// A stream-ordered free whose event has not been seen complete.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Pending {
-    /// The event recorded on the freeing stream (owned: destroyed when
-    /// the entry goes).
-    pub event: u64,
-    /// The stream it was recorded on: events of one stream complete in
-    /// the order they were recorded.
-    pub stream: u64,
-    pub what: Held,
-    /// A thread waits for the event outside the lock (`stream::reclaim`):
-    /// only that thread may destroy it and reap the entry.
-    pub waited: bool,
-}
-
-/// What a [`Pending`] free keeps from reuse.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Held {
-    /// An allocation of whole chunks, in this slot, owner `Owner::Pending`.
-    Chunks(u32),
-    /// An object of this slab, kept taken (no small slot names it).
-    Small { slab: u32, index: u32 },
-    /// Pages a stream-ordered shrink dropped (`first..first + count`):
-    /// nothing is held from reuse, but those of them still listed in
-    /// `State::pending_idle` with this entry's event become idle when it
-    /// completes.
-    Pages { first: u64, count: u64 },
-    /// A promise of no more work (`Arena::quiesce_on_stream`) through the
-    /// allocation in `slot`: when the event completes, the allocation (if
-    /// it still holds `Quiet::After` this event) becomes `Quiet::Yes`, and
-    /// the pages it gave up meanwhile (listed in `State::pending_idle` with
-    /// this event, wherever it lay when it gave them up: a move may have
-    /// taken it elsewhere) become idle.
-    Quiet { slot: u32 },
-}
-
 #[derive(Clone, Debug)]
 pub(crate) struct Slot {
     pub generation: u32,
@@ -244,6 +210,8 @@ pub(crate) struct State {
     /// many backing pages map each (at least 2). A chunk backing one page
     /// is not listed.
     pub shared: BTreeMap<ChunkHandle, u32>,
+    /// Same-stream reuse (see `stream_reuse.rs`).
+    pub reuse: StreamReuse,
     /// The sum of `count - 1` over `shared`: backing pages that are not
     /// distinct chunks.
     pub shared_extra: u64,
@@ -322,6 +290,7 @@ impl State {
             prefetch: (0, 0),
             prefetch_dirty: false,
             shared: Default::default(),
+            reuse: StreamReuse::default(),
             shared_extra: 0,
             groups: Default::default(),
         })
@@ -384,7 +353,7 @@ impl State {
 
     /// Chunks an operation may still obtain: pooled ones and new ones up to the cap.
     pub fn obtainable_pages(&self) -> u64 {
-        self.pooled_pages() + self.cap_pages.saturating_sub(self.held_pages())
+        self.pooled_pages() + self.cap_pages.saturating_sub(self.held_pages()) + stream_reuse::takeable(self)
     }
 
     pub fn note_peak(&mut self) {
@@ -565,6 +534,8 @@ pub(crate) struct Plan {
     maps: Vec<(u64, Source)>,
     /// Cached pages adopted where they are.
     adopt: Vec<u64>,
+    /// Chunks taken by same-stream reuse, and deferred pages to unmap.
+    reuse: Taken,
     // Filled in by `execute`.
     unmapped_chunks: Vec<ChunkHandle>,
     fresh: Vec<ChunkHandle>,
@@ -621,6 +592,7 @@ impl Plan {
             return Err(Error::Internal(SET_ASIDE.into()));
         }
         for (r, (pages, _)) in ranges.iter().enumerate() {
+            stream_reuse::evict_in(st, &mut plan.reuse, pages.clone());
             for (i, p) in pages.clone().enumerate() {
                 let cached_here = st.cached.contains(&p);
                 let known = if r == 0 { sources.get(i).copied().flatten() } else { None };
@@ -658,12 +630,24 @@ impl Plan {
             plan.unmap.extend(idle);
         }
         if have < fresh_needed {
+            // Memory given up on this operation's stream: no wait, no unmap.
+            let evictions = std::mem::take(&mut plan.reuse);
+            plan.reuse = stream_reuse::pick(st, (fresh_needed - have) as usize, &outside).with_evictions(evictions);
+            have += plan.reuse.count();
+        }
+        if have < fresh_needed {
             // Unmapping needs a device synchronize: take a batch at once,
             // the extra chunks going to the unmapped pool, so that growth
             // token by token synchronizes once per batch, not per chunk.
             let want = ((fresh_needed - have) as usize).max(STEAL_BATCH);
-            let stolen: Vec<u64> =
-                st.cached.iter().rev().filter(|p| !st.idle.contains(p) && outside(p)).copied().take(want).collect();
+            let stolen: Vec<u64> = st
+                .cached
+                .iter()
+                .rev()
+                .filter(|p| !st.idle.contains(p) && outside(p) && !plan.reuse.takes(**p))
+                .copied()
+                .take(want)
+                .collect();
             have += stolen.len() as u64;
             plan.unmap.extend(stolen);
         }
@@ -675,8 +659,12 @@ impl Plan {
             for (pages, keep) in ranges {
                 let tail = st.cached.range(pages.end.max(keep.start)..keep.end.max(pages.end)).rev();
                 let head = st.cached.range(keep.start.min(pages.start)..pages.start).rev();
-                let stolen: Vec<u64> =
-                    tail.chain(head).filter(|p| !plan.unmap.contains(p)).copied().take(want).collect();
+                let stolen: Vec<u64> = tail
+                    .chain(head)
+                    .filter(|p| !plan.unmap.contains(p) && !plan.reuse.takes(**p))
+                    .copied()
+                    .take(want)
+                    .collect();
                 want -= stolen.len();
                 have += stolen.len() as u64;
                 plan.unmap.extend(stolen);
@@ -700,6 +688,7 @@ impl Plan {
     /// Performs the plan's driver calls. On error the caller rolls `tx` back;
     /// the state is untouched either way.
     pub fn execute(&mut self, st: &State, tx: &mut Txn<'_>) -> Result<()> {
+        stream_reuse::execute_evictions(st, &self.reuse, tx)?;
         for run in runs(&self.unmap) {
             // Idle pages need no synchronize; a run is unmapped in pieces
             // of equal idleness (each page is one whole mapping).
@@ -721,7 +710,9 @@ impl Plan {
                 at = end;
             }
         }
-        self.fresh = self.unmapped_chunks.clone();
+        // Reused chunks first: every one is used (they are still mapped).
+        self.fresh = stream_reuse::chunks(st, &self.reuse);
+        self.fresh.extend(self.unmapped_chunks.iter().copied());
         self.fresh.extend(st.pool[st.pool.len() - self.take_pool..].iter().rev());
         for _ in 0..self.create {
             let h = tx.create()?;
@@ -749,6 +740,7 @@ impl Plan {
 
     /// Applies an executed plan to the state (infallible).
     pub fn apply(self, st: &mut State) {
+        stream_reuse::apply(st, &self.reuse);
         for &p in &self.unmap {
             st.cached.remove(&p);
             st.forget_idle(p);

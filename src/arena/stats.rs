@@ -39,6 +39,8 @@ pub struct Stats {
     pub driver_creates: u64,
     pub driver_releases: u64,
     pub driver_maps: u64,
+    /// Unmap calls: one per mapping, or one per run of pages where the
+    /// driver accepts spans ([`Arena::unmaps_span_mappings`]).
     pub driver_unmaps: u64,
     pub driver_access_calls: u64,
     /// Device synchronizations (one before each batch of unmaps of pages

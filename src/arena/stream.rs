@@ -36,7 +36,7 @@ use crate::Id;
 
 use super::alloc::{free_now, resize_target, sync_slab_pin, Target};
 use super::pages_for;
-use super::state::{Held, Owner, Pending, Quiet, State};
+use super::state::{Owner, Quiet, State};
 use super::txn::bump;
 use super::{Arena, Ctx, Inner, Shared, Touch};
 
@@ -50,6 +50,42 @@ pub(super) enum Poll {
     All,
 }
 
+/// A stream-ordered free whose event has not been seen complete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Pending {
+    /// The event recorded on the freeing stream (owned: destroyed when
+    /// the entry goes).
+    pub event: u64,
+    /// The stream it was recorded on: events of one stream complete in
+    /// the order they were recorded.
+    pub stream: u64,
+    pub what: Held,
+    /// A thread waits for the event outside the lock (`stream::reclaim`):
+    /// only that thread may destroy it and reap the entry.
+    pub waited: bool,
+}
+
+/// What a [`Pending`] free keeps from reuse.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// An allocation of whole chunks, in this slot, owner `Owner::Pending`.
+    Chunks(u32),
+    /// An object of this slab, kept taken (no small slot names it).
+    Small { slab: u32, index: u32 },
+    /// Pages a stream-ordered shrink dropped (`first..first + count`):
+    /// nothing is held from reuse, but those of them still listed in
+    /// `State::pending_idle` with this entry's event become idle when it
+    /// completes.
+    Pages { first: u64, count: u64 },
+    /// A promise of no more work (`Arena::quiesce_on_stream`) through the
+    /// allocation in `slot`: when the event completes, the allocation (if
+    /// it still holds `Quiet::After` this event) becomes `Quiet::Yes`, and
+    /// the pages it gave up meanwhile (listed in `State::pending_idle` with
+    /// this event, wherever it lay when it gave them up: a move may have
+    /// taken it elsewhere) become idle.
+    Quiet { slot: u32 },
+}
+
 impl Arena {
     /// Frees like [`Arena::free`], but ordered after the work queued so far
     /// on `stream` (a `CUstream`; 0 is the legacy default stream): the id is
@@ -59,7 +95,7 @@ impl Arena {
     /// first, never with a device-wide synchronize) only when nothing else
     /// can serve a request. Once the event has completed, the memory's
     /// chunks are known idle: reusing them elsewhere, or giving them back,
-    /// needs no device synchronize (see DESIGN.md, "Stream-ordered frees").
+    /// needs no device synchronize (see docs/design/driver_work.md, "Stream-ordered frees").
     ///
     /// On a backend without asynchronous streams (the host) it is
     /// [`Arena::free`], and so it is for an exported allocation and for an
@@ -109,8 +145,12 @@ impl Arena {
     /// shrinks often (a prefix cache evicting the tails of its entries)
     /// needs so as never to drain the device.
     ///
+    /// Growth of whole chunks is work ordered on `stream`: it may take
+    /// memory freed or shrunk on the same stream at once, with no event
+    /// wait and no synchronize (as [`Arena::alloc_on_stream`] does).
+    ///
     /// The arena records an event on `stream` only for a shrink that
-    /// leaves pages behind; growth, an unchanged size, a small allocation,
+    /// leaves pages behind; an unchanged size, a small allocation,
     /// an exported allocation or an import, and a backend without
     /// asynchronous streams (the host) resize exactly as `resize` does.
     /// Errors: as `resize`; a failure to record the event is
@@ -148,7 +188,14 @@ impl Arena {
             };
             let st = &mut inner.st;
             let mut tx = ctx.txn(st);
-            match resize_target(st, &mut tx, target, id, np, new_size, events) {
+            // Growth of whole chunks may reuse memory given up on `stream`
+            // (see `stream_reuse.rs`).
+            if let Target::Chunks(_) = target {
+                st.reuse.op_stream = stream;
+            }
+            let resized = resize_target(st, &mut tx, target, id, np, new_size, events);
+            st.reuse.op_stream = None;
+            match resized {
                 Ok(ptr) => {
                     tx.commit();
                     if let (Some(event), Some((first, count)), Some(stream)) = (event, dropped, stream) {
@@ -300,6 +347,8 @@ pub(super) fn reap(st: &mut State, ctx: &Ctx<'_>, poll: Poll) -> usize {
 fn complete(st: &mut State, ctx: &Ctx<'_>, p: Pending) {
     // A failed destroy leaks one event, nothing of the arena's.
     let _ = ctx.drv.destroy_event(p.event);
+    // Old addresses of chunks reused on its stream: no work uses them now.
+    super::stream_reuse::complete(st, p.event);
     match p.what {
         Held::Chunks(slot) => {
             let a = st.alloc(slot).clone();
@@ -418,5 +467,7 @@ pub(super) fn drain(st: &mut State, ctx: &Ctx<'_>) -> Result<()> {
         st.pending.remove(i);
         complete(st, ctx, p);
     }
+    // Nothing may keep the chunks alive through an old address.
+    super::stream_reuse::unmap_completed(st, ctx);
     Ok(())
 }

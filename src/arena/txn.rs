@@ -15,6 +15,8 @@ use crate::driver::{ChunkHandle, Driver};
 use crate::error::Result;
 use crate::sync::{AtomicU64, Ordering};
 
+use super::unmap::{unmap_pages, unmap_run, UnmapMode};
+
 /// Successful driver calls, ever (the `driver_*` fields of the stats).
 /// The arena keeps two: one for the callers' operations, one for
 /// `maintain` and the background worker.
@@ -76,11 +78,12 @@ pub(crate) struct Txn<'a> {
     chunk: u64,
     undo: Vec<Undo>,
     synced: bool,
+    unmaps: UnmapMode,
 }
 
 impl<'a> Txn<'a> {
-    pub fn new(drv: &'a dyn Driver, counts: &'a Counters, base: u64, chunk: u64) -> Txn<'a> {
-        Txn { drv, counts, base, chunk, undo: Vec::new(), synced: false }
+    pub fn new(drv: &'a dyn Driver, counts: &'a Counters, unmaps: UnmapMode, base: u64, chunk: u64) -> Txn<'a> {
+        Txn { drv, counts, base, chunk, undo: Vec::new(), synced: false, unmaps }
     }
 
     pub fn addr(&self, page: u64) -> u64 {
@@ -126,10 +129,10 @@ impl<'a> Txn<'a> {
     }
 
     /// Unmaps a run of pages known idle (see `State::idle`: no work can
-    /// still use them), without synchronizing the device.
+    /// still use them), without synchronizing the device: one call, or one
+    /// per page (see `unmap.rs`).
     pub fn unmap_idle(&mut self, page: u64, chunks: Vec<ChunkHandle>) -> Result<()> {
-        self.drv.unmap(self.addr(page), chunks.len() as u64 * self.chunk)?;
-        bump(&self.counts.unmaps);
+        unmap_run(self.drv, self.counts, self.unmaps, self.addr(page), self.chunk, &chunks)?;
         self.undo.push(Undo::Remap { page, chunks });
         Ok(())
     }
@@ -159,7 +162,8 @@ impl<'a> Txn<'a> {
             let _ = match u {
                 Undo::Release(h) => self.drv.release(h).map(|_| bump(&self.counts.releases)),
                 Undo::Unmap { page, pages } => {
-                    self.drv.unmap(self.addr(page), pages * self.chunk).map(|_| bump(&self.counts.unmaps))
+                    unmap_pages(self.drv, Some(self.counts), self.unmaps, self.addr(page), self.chunk, pages);
+                    Ok(())
                 }
                 // Undone in reverse order, so the mappings at `addr` are
                 // those the copy wrote through.

@@ -45,6 +45,15 @@ struct FaultState {
     injected: u64,
     /// The kind of call the last injected failure hit.
     last_injected: Option<CallKind>,
+    /// The last injected failure hit an event poll (`event_complete`) or
+    /// an event's destroy (`destroy_event`): calls whose failure the arena
+    /// absorbs (a poll reads as "not complete yet", a destroy leaks one
+    /// event).
+    last_injected_absorbable: bool,
+    /// Events whose `destroy_event` failed by injection: the wrapped driver
+    /// still has them, and this wrapper destroys them when dropped, so that
+    /// an injected failure leaks nothing from the process.
+    undestroyed_events: Vec<u64>,
     chunks: BTreeSet<ChunkHandle>,
     mappings: BTreeMap<u64, u64>,
 }
@@ -66,7 +75,7 @@ impl std::fmt::Debug for ObserverSlot {
 
 /// Wraps a driver and fails the Nth call of a kind on request.
 #[derive(Debug)]
-pub struct FaultDriver<D> {
+pub struct FaultDriver<D: Driver> {
     inner: D,
     state: Mutex<FaultState>,
     observer: ObserverSlot,
@@ -97,6 +106,16 @@ impl HostMemory for TrackedHostBuffer {
 impl Drop for TrackedHostBuffer {
     fn drop(&mut self) {
         self.live.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl<D: Driver> Drop for FaultDriver<D> {
+    fn drop(&mut self) {
+        // Best effort, never a panic: a failure here leaks one event.
+        let events = std::mem::take(&mut self.st().undestroyed_events);
+        for event in events {
+            let _ = self.inner.destroy_event(event);
+        }
     }
 }
 
@@ -138,6 +157,14 @@ impl<D: Driver> FaultDriver<D> {
             None => s.any_calls,
         };
         s.plan = Some((kind, base + n.max(1), fault));
+    }
+
+    /// Whether the last injected failure hit an event poll or an event's
+    /// destroy, whose failures the arena absorbs (a poll reads as "not
+    /// complete yet"; a destroy leaks one event, which this wrapper
+    /// destroys when dropped).
+    pub fn last_injected_into_a_poll_or_destroy(&self) -> bool {
+        self.st().last_injected_absorbable
     }
 
     /// Cancels a planned failure that has not fired.
@@ -211,6 +238,7 @@ impl<D: Driver> FaultDriver<D> {
                 s.plan = None;
                 s.injected += 1;
                 s.last_injected = Some(kind);
+                s.last_injected_absorbable = false;
                 return Err(fault.error(kind));
             }
         }
@@ -289,7 +317,10 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.inner.record_event(stream)
     }
     fn event_complete(&self, event: u64) -> Result<bool> {
-        self.enter(CallKind::Event)?;
+        if let Err(e) = self.enter(CallKind::Event) {
+            self.st().last_injected_absorbable = true;
+            return Err(e);
+        }
         self.inner.event_complete(event)
     }
     fn wait_event(&self, event: u64) -> Result<()> {
@@ -297,7 +328,12 @@ impl<D: Driver> Driver for FaultDriver<D> {
         self.inner.wait_event(event)
     }
     fn destroy_event(&self, event: u64) -> Result<()> {
-        self.enter(CallKind::Event)?;
+        if let Err(e) = self.enter(CallKind::Event) {
+            let mut s = self.st();
+            s.undestroyed_events.push(event);
+            s.last_injected_absorbable = true;
+            return Err(e);
+        }
         self.inner.destroy_event(event)
     }
     fn alloc_host(&self, len: usize) -> Result<HostBuffer> {

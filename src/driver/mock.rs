@@ -12,6 +12,16 @@
 //! when the arena waits for one (`wait_event`, which models the device
 //! finishing that stream's work), so tests can check the ordering rules of
 //! stream-ordered frees.
+//!
+//! Queued work: [`MockDriver::enqueue_write`] queues a device write on a
+//! stream, behind the events recorded there before it. It runs when the
+//! device gets past it (an event recorded after it completes, or
+//! [`MockDriver::complete_stream`]), through the mappings in place *then*,
+//! as a kernel writes through virtual addresses when it runs. A queued
+//! write that finds its address unmapped is a device fault, counted in
+//! [`MockDriver::faults`]; one that lands in memory a later owner uses
+//! shows as that owner's bytes changing. Tests use it to check that reused
+//! memory is never written by its old owner's queued work.
 
 use std::collections::HashMap;
 
@@ -41,6 +51,17 @@ struct MockState {
     /// Live events: id -> (stream, completed).
     events: std::collections::BTreeMap<u64, (u64, bool)>,
     events_waited: u64,
+    /// Work queued per stream, in stream order (see the module doc).
+    queues: HashMap<u64, std::collections::VecDeque<Work>>,
+    /// Queued writes that found their address unmapped when they ran.
+    faults: Vec<String>,
+}
+
+/// One item of a stream's queue.
+#[derive(Debug)]
+enum Work {
+    Write { addr: u64, bytes: Vec<u8> },
+    Event(u64),
 }
 
 impl MockDriver {
@@ -58,6 +79,8 @@ impl MockDriver {
                 next_event: 1,
                 events: Default::default(),
                 events_waited: 0,
+                queues: HashMap::new(),
+                faults: Vec::new(),
             }),
         }
     }
@@ -73,6 +96,16 @@ impl MockDriver {
         d
     }
 
+    /// The same mock, refusing an unmap that spans several separate
+    /// mappings (the strict reading of `cuMemUnmap`; a real driver may
+    /// read it so).
+    pub fn with_strict_unmap(self) -> MockDriver {
+        if let Ok(mut s) = self.state() {
+            s.rules.set_strict_unmap();
+        }
+        self
+    }
+
     /// Completes one recorded event (the device got past it); false if it
     /// is unknown (never recorded, or destroyed).
     pub fn complete_event(&self, event: u64) -> bool {
@@ -80,6 +113,8 @@ impl MockDriver {
             Ok(mut s) => match s.events.get_mut(&event) {
                 Some(e) => {
                     e.1 = true;
+                    let stream = e.0;
+                    s.run_queue(stream, Some(event));
                     true
                 }
                 None => false,
@@ -88,12 +123,29 @@ impl MockDriver {
         }
     }
 
+    /// Queues a device write of `bytes` at `addr` on `stream` (see the
+    /// module doc); without streams it runs at once.
+    pub fn enqueue_write(&self, stream: u64, addr: u64, bytes: &[u8]) -> Result<()> {
+        let mut s = self.state()?;
+        if !s.streams {
+            return s.write_now(addr, bytes);
+        }
+        s.queues.entry(stream).or_default().push_back(Work::Write { addr, bytes: bytes.to_vec() });
+        Ok(())
+    }
+
+    /// Queued writes that found their address unmapped when they ran.
+    pub fn faults(&self) -> Vec<String> {
+        self.state().map(|s| s.faults.clone()).unwrap_or_default()
+    }
+
     /// Completes every event recorded on `stream` so far.
     pub fn complete_stream(&self, stream: u64) {
         if let Ok(mut s) = self.state() {
             for e in s.events.values_mut().filter(|e| e.0 == stream) {
                 e.1 = true;
             }
+            s.run_queue(stream, None);
         }
     }
 
@@ -102,6 +154,10 @@ impl MockDriver {
         if let Ok(mut s) = self.state() {
             for e in s.events.values_mut() {
                 e.1 = true;
+            }
+            let streams: Vec<u64> = s.queues.keys().copied().collect();
+            for stream in streams {
+                s.run_queue(stream, None);
             }
         }
     }
@@ -134,6 +190,41 @@ impl MockDriver {
     /// Mappings currently in place.
     pub fn live_mappings(&self) -> usize {
         self.state().map(|s| s.rules.live_mappings()).unwrap_or(0)
+    }
+}
+
+impl MockState {
+    /// Runs `stream`'s queued work up to `until` (that event included), or
+    /// all of it.
+    fn run_queue(&mut self, stream: u64, until: Option<u64>) {
+        let Some(mut q) = self.queues.remove(&stream) else { return };
+        while let Some(w) = q.pop_front() {
+            match w {
+                Work::Write { addr, bytes } => {
+                    if let Err(e) = self.write_now(addr, &bytes) {
+                        self.faults.push(format!("stream {stream}: queued write at {addr:#x}: {e}"));
+                    }
+                }
+                Work::Event(e) if Some(e) == until => break,
+                Work::Event(_) => {}
+            }
+        }
+        if !q.is_empty() {
+            self.queues.insert(stream, q);
+        }
+    }
+
+    fn write_now(&mut self, addr: u64, src: &[u8]) -> Result<()> {
+        let pieces = self.rules.resolve("write", addr, src.len() as u64)?;
+        let mut at = 0usize;
+        for (h, off, len) in pieces {
+            let len = len as usize;
+            let size = self.rules.chunk_size(h).unwrap_or(0) as usize;
+            let d = self.data.entry(h).or_insert_with(|| vec![0; size]);
+            d[off as usize..off as usize + len].copy_from_slice(&src[at..at + len]);
+            at += len;
+        }
+        Ok(())
     }
 }
 
@@ -210,6 +301,13 @@ impl Driver for MockDriver {
     }
 
     fn synchronize(&self) -> Result<()> {
+        // The device drains: every queued write runs (events stay as the
+        // test set them, so that tests of event order keep control).
+        let mut s = self.state()?;
+        let streams: Vec<u64> = s.queues.keys().copied().collect();
+        for stream in streams {
+            s.run_queue(stream, None);
+        }
         Ok(())
     }
 
@@ -228,17 +326,7 @@ impl Driver for MockDriver {
     }
 
     fn write(&self, addr: u64, src: &[u8]) -> Result<()> {
-        let mut s = self.state()?;
-        let pieces = s.rules.resolve("write", addr, src.len() as u64)?;
-        let mut at = 0usize;
-        for (h, off, len) in pieces {
-            let len = len as usize;
-            let size = s.rules.chunk_size(h).unwrap_or(0) as usize;
-            let d = s.data.entry(h).or_insert_with(|| vec![0; size]);
-            d[off as usize..off as usize + len].copy_from_slice(&src[at..at + len]);
-            at += len;
-        }
-        Ok(())
+        self.state()?.write_now(addr, src)
     }
 
     fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
@@ -255,6 +343,7 @@ impl Driver for MockDriver {
         let id = s.next_event;
         s.next_event += 1;
         s.events.insert(id, (stream, false));
+        s.queues.entry(stream).or_default().push_back(Work::Event(id));
         Ok(Some(id))
     }
 
@@ -274,6 +363,8 @@ impl Driver for MockDriver {
         match s.events.get_mut(&event) {
             Some(e) => {
                 e.1 = true;
+                let stream = e.0;
+                s.run_queue(stream, Some(event));
                 Ok(())
             }
             None if !streams => Ok(()),

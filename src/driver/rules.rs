@@ -40,6 +40,9 @@ pub(crate) struct Rules {
     reservations: BTreeMap<u64, u64>,
     chunks: BTreeMap<ChunkHandle, Chunk>,
     mappings: BTreeMap<u64, Mapping>,
+    /// Refuse an unmap that spans several separate mappings (the strict
+    /// reading of `cuMemUnmap`, see `arena/unmap.rs`).
+    strict_unmap: bool,
 }
 
 fn rule(call: &'static str, message: String) -> Error {
@@ -230,7 +233,17 @@ impl Rules {
     }
 
     pub fn check_unmap(&self, addr: u64, size: u64) -> Result<()> {
-        self.check_whole("unmap", addr, size)
+        self.check_whole("unmap", addr, size)?;
+        let n = self.mappings.range(addr..addr + size).count();
+        if self.strict_unmap && n > 1 {
+            return Err(rule("unmap", format!("span {addr:#x}+{size:#x} covers {n} separate mappings (strict unmap)")));
+        }
+        Ok(())
+    }
+
+    /// From now on, an unmap must cover exactly one mapping.
+    pub fn set_strict_unmap(&mut self) {
+        self.strict_unmap = true;
     }
 
     pub fn unmap(&mut self, addr: u64, size: u64) -> Unmapped {
@@ -310,6 +323,8 @@ mod tests {
         assert!(r.check_unmap(0x10000, G).is_err(), "half a mapping");
         assert!(r.check_unmap(0x10000 + G, 2 * G).is_err(), "straddles");
         assert!(r.check_unmap(0x10000, 4 * G).is_ok(), "two whole mappings");
+        r.set_strict_unmap();
+        assert!(r.check_unmap(0x10000, 4 * G).is_err(), "two mappings, strict");
         assert!(r.check_set_access(0x10000, 6 * G).is_err(), "gap");
     }
 

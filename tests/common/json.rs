@@ -1,8 +1,7 @@
-//! A reader of JSON (only what the arena's snapshots use: no floats, no
-//! escapes beyond the basic ones), for tests that look at a snapshot's
-//! structure as a tree. `Snap::parse` reads the snapshot in one pass instead.
+//! A reader for the arena's JSON snapshot (the library has no JSON
+//! dependency, and neither do its tests): only what the snapshot uses.
 
-use std::collections::BTreeMap;
+use super::*;
 
 /// A parsed JSON value (only what the snapshot uses: no floats, no escapes
 /// beyond the basic ones).

@@ -235,8 +235,29 @@ fn measure_calls(d: &CudaDriver, chunk: u64, n: usize) -> Res<Vec<CallRow>> {
     Ok(rows)
 }
 
-/// `cuMemSetAccess` and `cuMemUnmap` over spans of freshly mapped chunks.
-fn measure_spans(d: &CudaDriver, chunk: u64, spans: &[(u64, usize)]) -> Res<Vec<SpanRow>> {
+/// Unmaps `n` separately mapped chunks from `base` as the arena does: one
+/// `cuMemUnmap` when the driver accepts a span of mappings (the arena's
+/// probe said so), else one per chunk.
+fn unmap_chunks(d: &CudaDriver, base: u64, n: u64, chunk: u64, spans: bool) -> Res<()> {
+    if spans {
+        return d.unmap(base, n * chunk);
+    }
+    for i in 0..n {
+        d.unmap(base + i * chunk, chunk)?;
+    }
+    Ok(())
+}
+
+/// Whether the arena unmaps a span of separate mappings with one call on
+/// this device: the answer of its probe at creation.
+fn unmap_spans(device: i32, chunk: u64) -> Res<bool> {
+    let cfg = ArenaConfig { capacity_bytes: 4 * chunk, reserve_bytes: 8 * chunk, ..Default::default() };
+    Ok(Arena::with_driver(CudaDriver::new(device)?, cfg)?.unmaps_span_mappings())
+}
+
+/// `cuMemSetAccess` and `cuMemUnmap` over spans of freshly mapped chunks
+/// (the unmap as the arena makes it: one call, or one per chunk).
+fn measure_spans(d: &CudaDriver, chunk: u64, spans: &[(u64, usize)], unmap_spans: bool) -> Res<Vec<SpanRow>> {
     let max = spans.iter().map(|s| s.0).max().unwrap_or(1);
     let handles: Vec<ChunkHandle> = (0..max).map(|_| d.create(chunk)).collect::<Res<_>>()?;
     let base = d.reserve(chunk * max, chunk)?;
@@ -250,7 +271,7 @@ fn measure_spans(d: &CudaDriver, chunk: u64, spans: &[(u64, usize)]) -> Res<Vec<
             let mut a = Stats::new();
             let mut u = Stats::new();
             a.time(|| d.set_access(base, n * chunk))?;
-            u.time(|| d.unmap(base, n * chunk))?;
+            u.time(|| unmap_chunks(d, base, n, chunk, unmap_spans))?;
             if rep > 0 {
                 row.set_access.ns.extend(a.ns);
                 row.unmap.ns.extend(u.ns);
@@ -266,7 +287,7 @@ fn measure_spans(d: &CudaDriver, chunk: u64, spans: &[(u64, usize)]) -> Res<Vec<
 }
 
 /// Move by remap vs copy by `cuMemcpyDtoD`, sizes doubling from one chunk.
-fn measure_moves(d: &CudaDriver, chunk: u64, sizes: &[u64], quick: bool) -> Res<Vec<MoveRow>> {
+fn measure_moves(d: &CudaDriver, chunk: u64, sizes: &[u64], quick: bool, spans: bool) -> Res<Vec<MoveRow>> {
     let max_bytes = sizes.iter().copied().max().unwrap_or(chunk);
     let max_n = max_bytes / chunk;
     let src: Vec<ChunkHandle> = (0..max_n).map(|_| d.create(chunk)).collect::<Res<_>>()?;
@@ -317,7 +338,7 @@ fn measure_moves(d: &CudaDriver, chunk: u64, sizes: &[u64], quick: bool) -> Res<
             }
             // What a move defers: the old range's unmap (same span size).
             d.synchronize()?;
-            u.time(|| d.unmap(b, bytes))?;
+            u.time(|| unmap_chunks(d, b, n, chunk, spans))?;
             k.time(|| d.copy(c, a, bytes))?;
             if rep > 0 {
                 row.remap.ns.extend(r.ns);
@@ -328,8 +349,8 @@ fn measure_moves(d: &CudaDriver, chunk: u64, sizes: &[u64], quick: bool) -> Res<
         rows.push(row);
     }
     d.synchronize()?;
-    d.unmap(a, max_bytes)?;
-    d.unmap(c, max_bytes)?;
+    unmap_chunks(d, a, max_n, chunk, spans)?;
+    unmap_chunks(d, c, max_n, chunk, spans)?;
     for base in [a, b, c] {
         d.free_reservation(base, max_bytes)?;
     }
@@ -377,6 +398,7 @@ fn run(d: &CudaDriver, device: i32, quick: bool, out: &mut Report) -> Res<()> {
     out.chunk = chunk;
     out.granularity = (g.minimum, g.recommended);
     out.total = total;
+    out.unmap_spans = unmap_spans(device, chunk)?;
 
     let progress = Stages::new(4);
     let n = if quick { 50 } else { 500 };
@@ -391,7 +413,7 @@ fn run(d: &CudaDriver, device: i32, quick: bool, out: &mut Report) -> Res<()> {
         .map(|(s, r)| (s, if quick { 3 } else { r }))
         .collect();
     let t = Instant::now();
-    out.spans = measure_spans(d, chunk, &spans)?;
+    out.spans = measure_spans(d, chunk, &spans, out.unmap_spans)?;
     progress.done(format!("span latencies done in {:.1?}", t.elapsed()));
 
     let max_move = if quick { 512 * MIB } else { 4 * GIB }.min(budget);
@@ -405,7 +427,7 @@ fn run(d: &CudaDriver, device: i32, quick: bool, out: &mut Report) -> Res<()> {
         sizes.push(max_move);
     }
     let t = Instant::now();
-    out.moves = measure_moves(d, chunk, &sizes, quick)?;
+    out.moves = measure_moves(d, chunk, &sizes, quick, out.unmap_spans)?;
     progress.done(format!("remap vs copy done in {:.1?}", t.elapsed()));
 
     let t = Instant::now();
@@ -456,6 +478,8 @@ struct Report {
     granularity: (u64, u64),
     total: u64,
     quick: bool,
+    /// The arena's probe: one `cuMemUnmap` may cover several separate mappings.
+    unmap_spans: bool,
     calls: Vec<CallRow>,
     spans: Vec<SpanRow>,
     moves: Vec<MoveRow>,
@@ -480,6 +504,15 @@ impl Report {
             size_label(self.chunk),
             if self.quick { " (quick run)" } else { "" },
             self.seconds
+        );
+        let _ = writeln!(
+            m,
+            "Unmap of several separately mapped chunks with one `cuMemUnmap` (the arena's probe): {}.\n",
+            if self.unmap_spans {
+                "accepted, the arena unmaps a run with one call"
+            } else {
+                "refused, the arena unmaps one mapping per call (and so do the unmaps measured here)"
+            }
         );
         let _ = writeln!(m, "## Driver calls, one chunk each\n");
         let _ = writeln!(m, "| call | n | median µs | p99 µs | mean µs |");
@@ -567,6 +600,7 @@ impl Report {
             granularity: GranularityJson { minimum: self.granularity.0, recommended: self.granularity.1 },
             chunk_bytes: self.chunk,
             quick: self.quick,
+            unmap_spans_mappings: self.unmap_spans,
             seconds: self.seconds,
             calls: self.calls.iter().map(|r| CallJson { call: &r.call, latency: r.stats.json() }).collect(),
             set_access_spans: self
@@ -650,6 +684,9 @@ struct ReportJson<'a> {
     granularity: GranularityJson,
     chunk_bytes: u64,
     quick: bool,
+    /// The arena's probe at creation: whether one `cuMemUnmap` may cover
+    /// several separately mapped chunks (else the arena unmaps one per call).
+    unmap_spans_mappings: bool,
     seconds: f64,
     calls: Vec<CallJson<'a>>,
     set_access_spans: Vec<SpanJson>,

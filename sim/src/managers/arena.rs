@@ -60,6 +60,25 @@ pub struct ArenaMgr {
     growth_pending: bool,
     /// The replay schedules chunked prefill (learnt from its token budget).
     chunked: bool,
+    /// `Stream` mode: the prefetch targets asked for (`ArenaOptions`), and
+    /// what sizes the chunks created ahead to the need (see
+    /// [`ArenaMgr::size_precreate`]).
+    base_prefetch: (u64, u64),
+    growth: GrowthRate,
+}
+
+/// The recent growth of the memory backing allocations, per step: the
+/// chunks an engine must have created before the next step's admissions
+/// and growth can map them without a create on the critical path.
+#[derive(Clone, Copy, Debug, Default)]
+struct GrowthRate {
+    /// Backed bytes at the last look.
+    last: u64,
+    /// Exponentially weighted mean of the per-step increase (decreases
+    /// count as none: freed memory is pooled, and serves growth at once).
+    mean: f64,
+    /// The precreate target set last.
+    target: u64,
 }
 
 /// How the engine drives the arena (see [`ArenaMgr`]).
@@ -179,6 +198,8 @@ impl ArenaMgr {
             prepared_growth: (0, 0),
             growth_pending: false,
             chunked: false,
+            base_prefetch: (o.precreate_bytes, o.map_ahead_bytes),
+            growth: GrowthRate::default(),
         })
     }
 
@@ -209,7 +230,7 @@ impl ArenaMgr {
     }
 
     /// Turns the mapping of admissions over several steps on (`Stream`
-    /// mode, the `arena-staged` row; see DESIGN.md, "Staged admissions").
+    /// mode, the `arena-staged` row; see sim/DESIGN.md, "Staged admissions").
     /// Off, each admission is prepared whole in the step before it.
     pub fn with_staged_admissions(mut self) -> ArenaMgr {
         self.stage = true;
@@ -257,7 +278,13 @@ impl ArenaMgr {
         let n = self.shape.n_allocs() as usize;
         let mut ids = Vec::with_capacity(n);
         for k in 0..n {
-            match self.arena.alloc_growable(size, max) {
+            let placed = match self.mode {
+                // Ordered on the engine's stream: what this step freed there
+                // serves it at once (no event wait, no synchronize).
+                ArenaMode::Stream => self.arena.alloc_growable_on_stream(size, max, ENGINE_STREAM),
+                ArenaMode::Sync => self.arena.alloc_growable(size, max),
+            };
+            match placed {
                 Ok((id, _)) => ids.push(id),
                 Err(e) => {
                     let f = self.fail(e, (n - k) as u64 * size);
@@ -285,13 +312,47 @@ impl ArenaMgr {
         }
     }
 
-    /// Whether `bytes` more fit in the capacity with no stream free still
-    /// pending (no free of this step): none is pending, or they fit beside
-    /// what is pending (bounded by the request's whole size: its hit and
-    /// evictions only lower the need).
-    fn fits_without_pending(&self, bytes: u64) -> bool {
+    /// Whether `bytes` more fit beside the live allocations, or nothing is
+    /// pending. Memory freed on the stream serves an allocation on it at
+    /// once, but one that does not fit even with it would wait for the
+    /// frees' events (a drain) only to fail: it is left to the next step.
+    fn fits_beside_live(&self, bytes: u64) -> bool {
         let Ok(s) = self.arena.stats() else { return false };
-        s.pending_free_bytes == 0 || s.mapped_bytes + s.pending_free_bytes + bytes <= s.capacity_bytes
+        s.pending_free_bytes == 0 || s.mapped_bytes + bytes <= s.capacity_bytes
+    }
+
+    /// Sizes the chunks created ahead to the need: at least the asked-for
+    /// target, and as much as backed memory grew per step lately (the
+    /// weighted mean of the increases, half each step), so that a step's
+    /// admissions and growth find created chunks while live KV climbs,
+    /// and nothing more is held once it stops climbing (then freed
+    /// memory serves them). The pool gives way to allocations before any
+    /// request is refused (it is the first source of every plan), so it
+    /// never causes a preemption; beyond the asked-for target it is bounded
+    /// by 1/64 of the backed memory (the footprint) and by the room left
+    /// beside what is backed.
+    fn size_precreate(&mut self) {
+        let (base, map_ahead) = self.base_prefetch;
+        if base == 0 && map_ahead == 0 {
+            return; // prefetch off
+        }
+        let Ok(s) = self.arena.stats() else { return };
+        let rise = s.mapped_bytes.saturating_sub(self.growth.last) as f64;
+        self.growth.last = s.mapped_bytes;
+        self.growth.mean = 0.5 * self.growth.mean + 0.5 * rise;
+        let room = s.capacity_bytes.saturating_sub(s.mapped_bytes + s.pending_free_bytes);
+        // The footprint bound: what is created beyond the asked-for target
+        // stays within 1/64 of the backed memory (1.6 %).
+        let bound = base + s.mapped_bytes / 64;
+        let want = ((self.growth.mean as u64).min(bound)).div_ceil(self.chunk) * self.chunk;
+        let target = want.max(base).min(room.max(base));
+        if target != self.growth.target {
+            self.growth.target = target;
+            if let Err(e) = self.arena.set_prefetch(target, map_ahead) {
+                self.maintain_errors += 1;
+                self.last_maintain_error = Some(e.to_string());
+            }
+        }
     }
 
     /// One growth (see [`KvManager::grow`]).
@@ -310,7 +371,11 @@ impl ArenaMgr {
             return Ok(());
         }
         for (k, &id) in ids.iter().enumerate() {
-            if let Err(e) = self.arena.resize(id, new_size) {
+            let resized = match self.mode {
+                ArenaMode::Stream => self.arena.resize_on_stream(id, new_size, ENGINE_STREAM),
+                ArenaMode::Sync => self.arena.resize(id, new_size),
+            };
+            if let Err(e) = resized {
                 return Err(self.fail(e, (ids.len() - k) as u64 * (new_size - old_size)));
             }
         }
@@ -343,7 +408,7 @@ impl ArenaMgr {
         match self.prefix.as_mut() {
             // The cache gives up what the batch needs first.
             Some(p) => p.resize_many(&self.arena, &targets, new_total - old_total, self.discard),
-            None => self.arena.resize_many(&targets).map(|_| ()),
+            None => self.arena.resize_many_on_stream(&targets, ENGINE_STREAM).map(|_| ()),
         }
         .map_err(|e| self.fail(e, new_total - old_total))?;
         for (seq, cap) in grown {
@@ -457,12 +522,11 @@ impl KvManager for ArenaMgr {
             let Some((tokens, _)) = admission_tokens(total, || self.prefix_hit(seq, q), &mut tokens_left) else {
                 break;
             };
-            // Memory freed on the stream in this step is not reusable before
-            // the GPU has finished it: an admission that may need it would
-            // wait on its event here (a drain, which unhides all of this
-            // step's between-steps work). It and those after it are left
-            // to the next step's admission, which finds the event complete.
-            if !self.fits_without_pending(self.bytes_for(tokens)) {
+            // Memory freed on the stream in this step serves it at once:
+            // the admission's work is ordered on the same stream
+            // (`Arena::alloc_on_stream`), so nothing waits for the step's
+            // event. One that cannot fit even so is left to the next step.
+            if !self.fits_beside_live(self.bytes_for(tokens)) {
                 self.prepared.deferred += 1;
                 break;
             }
@@ -519,8 +583,9 @@ impl KvManager for ArenaMgr {
         }
         if !batch.is_empty() {
             // As for prepared admissions: memory freed on the stream in this
-            // step is left to the next step, which finds it idle.
-            if !self.fits_without_pending(more) {
+            // step serves the growth at once (same stream), but growth that
+            // cannot fit even so is left to the next step.
+            if !self.fits_beside_live(more) {
                 self.growth_pending = true;
                 return;
             }
@@ -617,6 +682,7 @@ impl KvManager for ArenaMgr {
         }
         // While the GPU computes: bring the prefetch targets back.
         if self.mode == ArenaMode::Stream {
+            self.size_precreate();
             if let Err(e) = self.arena.maintain() {
                 self.maintain_errors += 1;
                 self.last_maintain_error = Some(e.to_string());

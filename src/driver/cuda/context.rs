@@ -12,7 +12,8 @@ use cudarc::driver::sys;
 use super::raw::Lib;
 use crate::driver::HostMemory;
 use crate::error::Result;
-/// Restores the calling thread's previous context, if it was another one.
+/// Restores the calling thread's previous context (none, or another one)
+/// when dropped, unless it was ours already.
 pub(super) struct CurrentCtx {
     lib: Lib,
     restore: Option<sys::CUcontext>,
@@ -51,10 +52,12 @@ impl PrimaryContext {
             return Ok(CurrentCtx { lib: self.lib, restore: None });
         }
         self.lib.ctx_set_current(self.ctx)?;
-        // A thread with no context keeps ours (what the runtime API would
-        // make current anyway); a thread with another context gets it back.
-        let restore = (!prev.is_null()).then_some(prev);
-        Ok(CurrentCtx { lib: self.lib, restore })
+        // The thread gets back what it had, also when that was no context:
+        // left current, ours would outlive the last arena on this thread,
+        // and once its last reference is released (the driver then resets
+        // it) the thread's next driver call would fail with
+        // CUDA_ERROR_CONTEXT_IS_DESTROYED.
+        Ok(CurrentCtx { lib: self.lib, restore: Some(prev) })
     }
 }
 

@@ -27,8 +27,8 @@
 //! in [`CudaDriver::new`] and released in `Drop`. Every driver method first
 //! makes it current on the calling thread, so any thread may call in and the
 //! memory is shared with code using the CUDA runtime API (which also uses the
-//! primary context). If the calling thread had another (non-primary) context
-//! current, it is restored when the method returns.
+//! primary context). Whatever the calling thread had current before (another
+//! context, or none) is current again when the method returns.
 //!
 //! Host buffers ([`Driver::alloc_host`], the backups of sleeping
 //! allocations) are page-locked memory from `cuMemHostAlloc`, which the
@@ -50,7 +50,10 @@
 //! design trap 6) and create chunks exportable as POSIX file descriptors
 //! (`cuMemExportToShareableHandle` / `cuMemImportFromShareableHandle`; a
 //! read-only import's mappings get read-only descriptors), and
-//! [`Driver::dmabuf_fd`] is `cuMemGetHandleForAddressRange`. These paths are
+//! [`Driver::dmabuf_fd`] is `cuMemGetHandleForAddressRange`. An import's size
+//! is checked with trial mappings (the driver API answers no allocation's
+//! size from its handle): another size than the layout's is
+//! [`Error::InvalidArgument`]. These paths are
 //! built and unit-tested here but were not run on a GPU by the tests of this
 //! repository's host-only CI.
 //!
@@ -252,6 +255,45 @@ impl CudaDriver {
         let _cur = self.enter()?;
         self.lib.memset_d32(addr, value, count)?;
         self.lib.default_stream_synchronize()
+    }
+
+    /// Checks that an imported allocation is exactly `size` bytes. The
+    /// driver API has no call that answers an allocation's size from its
+    /// handle (`cuMemGetAllocationPropertiesFromHandle` gives the
+    /// properties, not the size, and the POSIX descriptor is opaque), so it
+    /// is found out with `cuMemMap`, which refuses a mapping past the end of
+    /// the allocation: in a scratch reservation, `size` bytes must map and
+    /// `size` plus one granule must not (sizes are multiples of the minimum
+    /// granularity, so a larger allocation has at least that much more).
+    /// The context is current (the caller's guard).
+    fn check_import_size(&self, handle: u64, size: usize) -> Result<()> {
+        let granule = to_usize("granularity", self.granularity.minimum)?;
+        let mismatch = |what: &str| {
+            Error::invalid(format!("import: the exported chunk is {what} the {size} bytes the layout says (size)"))
+        };
+        if size == 0 || size % granule != 0 {
+            return Err(mismatch("not"));
+        }
+        let probe = size.checked_add(granule).ok_or_else(|| mismatch("not"))?;
+        let base = self.lib.address_reserve(probe, 0)?;
+        let mapped = |len: usize| -> Result<bool> {
+            match self.lib.mem_map(base, len, 0, handle) {
+                Ok(()) => self.lib.mem_unmap(base, len).map(|_| true),
+                Err(Error::Driver { code, .. }) if code == CUresult::CUDA_ERROR_INVALID_VALUE as i64 => Ok(false),
+                Err(e) => Err(e),
+            }
+        };
+        let verdict = match mapped(size) {
+            Ok(false) => Err(mismatch("smaller than")),
+            Ok(true) => match mapped(probe) {
+                Ok(true) => Err(mismatch("larger than")),
+                Ok(false) => Ok(()),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        let freed = self.lib.address_free(base, probe);
+        verdict.and(freed)
     }
 
     /// Makes the primary context current on this thread for one method.
@@ -491,7 +533,7 @@ impl Driver for CudaDriver {
 
     fn import_chunk(&self, fd: std::os::fd::BorrowedFd<'_>, size: u64, read_only: bool) -> Result<ChunkHandle> {
         use std::os::fd::AsRawFd;
-        let _ = size; // cuMemMap checks the size against the chunk's own.
+        let bytes = to_usize("size", size)?;
         let _cur = self.enter()?;
         let handle = self.lib.import_fd(fd.as_raw_fd()).map_err(|e| match e {
             Error::Driver { code, message, .. } if code == CUresult::CUDA_ERROR_INVALID_VALUE as i64 => {
@@ -499,6 +541,10 @@ impl Driver for CudaDriver {
             }
             e => e,
         })?;
+        if let Err(e) = self.check_import_size(handle, bytes) {
+            let _ = self.lib.mem_release(handle);
+            return Err(e);
+        }
         self.live().insert(handle);
         if read_only {
             self.ro().0.insert(handle);

@@ -1,4 +1,4 @@
-//! Staged admissions (the `arena-staged` row, an experiment; DESIGN.md,
+//! Staged admissions (the `arena-staged` row, an experiment; sim/DESIGN.md,
 //! "Staged admissions"): an admission's mapping spread over the steps
 //! before it, within what each step's GPU time hides, with idle chunks
 //! only. Whole prompts only: under chunked prefill each chunk is grown
