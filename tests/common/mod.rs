@@ -7,8 +7,10 @@
 
 pub mod fixtures;
 mod json;
+mod snap_parse;
 mod snapshot;
 
+#[allow(unused_imports)] // not every includer reads a JSON tree
 pub use json::*;
 pub use snapshot::*;
 

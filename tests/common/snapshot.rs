@@ -1,33 +1,9 @@
 //! The snapshot parsed (`Snap`: every range of the virtual space, the stats)
 //! and compared, and the stats without the driver counters.
 
+use std::collections::HashMap;
+
 use super::*;
-
-fn numbers(j: Option<&Json>) -> Vec<u64> {
-    match j {
-        Some(Json::Arr(v)) => v
-            .iter()
-            .map(|x| match x {
-                Json::Num(n) => *n,
-                other => panic!("expected a number, got {other:?}"),
-            })
-            .collect(),
-        other => panic!("expected an array, got {other:?}"),
-    }
-}
-
-fn pairs(j: Option<&Json>) -> Vec<(u64, u64)> {
-    match j {
-        Some(Json::Arr(v)) => v
-            .iter()
-            .map(|x| match numbers(Some(x))[..] {
-                [a, b] => (a, b),
-                ref other => panic!("expected a pair, got {other:?}"),
-            })
-            .collect(),
-        other => panic!("expected an array, got {other:?}"),
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -80,7 +56,7 @@ pub struct Snap {
     /// Chunks the prefetcher works on outside the lock (held, pooled).
     pub inflight_chunks: u64,
     pub ranges: Vec<Range>,
-    pub stats: BTreeMap<String, u64>,
+    pub stats: HashMap<String, u64>,
 }
 
 impl Snap {
@@ -88,67 +64,9 @@ impl Snap {
         Snap::parse(&arena.snapshot_json().expect("snapshot"))
     }
 
+    /// Reads a snapshot's text (in one pass: `snap_parse.rs`).
     pub fn parse(text: &str) -> Snap {
-        let j = Json::parse(text);
-        let Some(Json::Arr(rs)) = j.get("ranges") else { panic!("no ranges") };
-        let ranges = rs
-            .iter()
-            .map(|r| {
-                let kind = match r.str("kind") {
-                    "live" => Kind::Live,
-                    "slab" => Kind::Slab,
-                    "free" => Kind::Free,
-                    "retired" => Kind::Retired,
-                    "pending" => Kind::Pending,
-                    k => panic!("unknown range kind {k}"),
-                };
-                let live = kind == Kind::Live;
-                let slab = kind == Kind::Slab;
-                let pending = kind == Kind::Pending;
-                Range {
-                    kind,
-                    addr: r.u64("addr"),
-                    bytes: r.u64("bytes"),
-                    id: if live { r.u64("id") } else { 0 },
-                    size: if live { r.u64("size") } else { 0 },
-                    mapped_bytes: if live || pending || slab { r.u64("mapped_bytes") } else { 0 },
-                    pooled_mapped_bytes: if live || pending || kind == Kind::Free {
-                        r.u64("pooled_mapped_bytes")
-                    } else {
-                        0
-                    },
-                    pinned: (live || slab) && r.bool("pinned"),
-                    growable: live && r.bool("growable"),
-                    class_bytes: if slab { r.u64("class_bytes") } else { 0 },
-                    objects: if slab { r.u64("objects") } else { 0 },
-                    used: if slab { r.u64("used") } else { 0 },
-                    retired_bytes: if slab { r.u64("retired_bytes") } else { 0 },
-                    pending_bytes: if slab { r.u64("pending_bytes") } else { 0 },
-                    tag: if live || slab { r.u64("tag") } else { 0 },
-                    asleep: (live || slab) && r.bool("asleep"),
-                    backup_bytes: if live || slab { r.u64("backup_bytes") } else { 0 },
-                    shared_bytes: if live { r.u64("shared_bytes") } else { 0 },
-                    shared_runs: if live { pairs(r.get("shared_runs")) } else { Vec::new() },
-                    shares_with: if live { numbers(r.get("shares_with")) } else { Vec::new() },
-                }
-            })
-            .collect();
-        let Some(Json::Obj(st)) = j.get("stats") else { panic!("no stats") };
-        let stats = st
-            .iter()
-            .map(|(k, v)| match v {
-                Json::Num(n) => (k.clone(), *n),
-                _ => panic!("stat {k} is not a number"),
-            })
-            .collect();
-        Snap {
-            base: j.u64("base"),
-            chunk: j.u64("chunk_bytes"),
-            pooled_unmapped_chunks: j.u64("pooled_unmapped_chunks"),
-            inflight_chunks: j.u64("inflight_chunks"),
-            ranges,
-            stats,
-        }
+        super::snap_parse::parse(text)
     }
 
     /// The snapshot without the counters of driver calls, which a rolled
