@@ -209,6 +209,7 @@ impl Arena {
             retain_bytes: opt_u64(retain_bytes, "retain_bytes", u64::MAX)?,
             no_implicit_moves,
             exportable: false,
+            deterministic_placement: false,
             background,
         };
         let arena = py.allow_threads(|| RArena::new(config)).map_err(to_py)?;
