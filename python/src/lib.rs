@@ -580,11 +580,9 @@ unsafe extern "C" fn versioned_deleter(t: *mut DLManagedTensorVersioned) {
     }
     // SAFETY: made by Box::into_raw in __dlpack__, released once.
     let t = unsafe { Box::from_raw(t) };
-    // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it.
-    let ctx = unsafe { Box::from_raw(t.manager_ctx.cast::<ViewCtx>()) };
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = ctx.shared.change(ctx.id, |p| p.views = p.views.saturating_sub(1));
-    }));
+    // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it, released
+    // with its tensor, once.
+    unsafe { release_view_ctx(t.manager_ctx) };
 }
 
 const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
@@ -592,15 +590,7 @@ const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
 /// The destructor of a versioned capsule no consumer took.
 unsafe extern "C" fn versioned_capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
     // SAFETY: as capsule_destructor, for the versioned name.
-    unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
-            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr())
-                .cast::<DLManagedTensorVersioned>();
-            versioned_deleter(t);
-        } else {
-            pyo3::ffi::PyErr_Clear();
-        }
-    }
+    unsafe { release_untaken_capsule(capsule, DLTENSOR_VERSIONED, versioned_deleter) }
 }
 
 /// What one view keeps alive: its shape and the buffer's pin.
@@ -621,8 +611,21 @@ unsafe extern "C" fn view_deleter(t: *mut DLManagedTensor) {
     // SAFETY: made by Box::into_raw in __dlpack__, released once (the
     // consumer's contract).
     let t = unsafe { Box::from_raw(t) };
-    // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it.
-    let ctx = unsafe { Box::from_raw(t.manager_ctx.cast::<ViewCtx>()) };
+    // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it, released
+    // with its tensor, once.
+    unsafe { release_view_ctx(t.manager_ctx) };
+}
+
+/// Drops one view's context: the buffer's view count goes down by one
+/// (unpinned when it was the last). A panic stays on this side of the C
+/// boundary.
+///
+/// # Safety
+/// `ctx` is the `Box<ViewCtx>` that `Buffer::__dlpack__` made for the view,
+/// released once.
+unsafe fn release_view_ctx(ctx: *mut c_void) {
+    // SAFETY: the caller's contract.
+    let ctx = unsafe { Box::from_raw(ctx.cast::<ViewCtx>()) };
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = ctx.shared.change(ctx.id, |p| p.views = p.views.saturating_sub(1));
     }));
@@ -635,10 +638,27 @@ const DLTENSOR: &CStr = c"dltensor";
 unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
     // SAFETY: called by Python with the capsule; its name decides whether a
     // consumer owns the tensor now ("used_dltensor").
+    unsafe { release_untaken_capsule(capsule, DLTENSOR, view_deleter) }
+}
+
+/// A capsule still named `name` (no consumer took its tensor) releases its
+/// tensor with `deleter`; a renamed one ("used_...") is the consumer's, and
+/// the name check's error is cleared.
+///
+/// # Safety
+/// `capsule` is a capsule being destroyed by Python, made by
+/// `Buffer::__dlpack__` with a `T` that `deleter` releases under `name`.
+unsafe fn release_untaken_capsule<T>(
+    capsule: *mut pyo3::ffi::PyObject,
+    name: &CStr,
+    deleter: unsafe extern "C" fn(*mut T),
+) {
+    // SAFETY: the caller's contract: a live capsule; under `name` its
+    // pointer is the `T` that `deleter` releases, released here once.
     unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
-            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
-            view_deleter(t);
+        if pyo3::ffi::PyCapsule_IsValid(capsule, name.as_ptr()) == 1 {
+            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, name.as_ptr()).cast::<T>();
+            deleter(t);
         } else {
             pyo3::ffi::PyErr_Clear();
         }
