@@ -53,6 +53,20 @@ fn run(name: &str, kvpt: u64, capacity: u64, requests: &[Request]) -> RunResult 
     run_chunked(name, kvpt, capacity, requests, 0)
 }
 
+/// `requests` replayed on `name` with prefix caching off (whole prompts a
+/// step), on the arena options given; checks nothing itself.
+fn run_without_prefix_caching(name: &str, kvpt: u64, arena: ArenaOptions, requests: &[Request]) -> RunResult {
+    let shape = KvShape { kv_bytes_per_token: kvpt, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
+    let mut m = managers::build(name, shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
+    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: kvpt, profile: profile(), max_num_batched_tokens: 0 };
+    replay(m.as_mut(), requests, &cfg, &AtomicU64::new(0))
+}
+
+/// The value of the run's extra field `k` (panics when it is missing).
+fn extra_field(r: &RunResult, k: &str) -> String {
+    r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap()
+}
+
 /// [`run`] with chunked prefill of `budget` tokens a step (0: whole prompts).
 fn run_chunked(name: &str, kvpt: u64, capacity: u64, requests: &[Request], budget: u64) -> RunResult {
     let shape = KvShape { kv_bytes_per_token: kvpt, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
@@ -181,7 +195,7 @@ fn prefix_hits_follow_the_chain_and_lru_eviction() {
         req(40.0, 1024, 1, &[1, 2]),
     ];
     let r = run("vllm-paged", 1024, 2 << 20, &reqs);
-    let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+    let extra = |k: &str| extra_field(&r, k);
     assert_eq!(extra("num_blocks"), "128");
     assert_eq!(r.prefix_hit_tokens, 512 + 1008 + 1008);
     assert_eq!(r.prompt_tokens, 4 * 1024 + 980);
@@ -190,12 +204,7 @@ fn prefix_hits_follow_the_chain_and_lru_eviction() {
     assert_eq!(r.prefill_tokens, 4 * 1024 + 980 - 2528);
     assert!(close(r.prefix_hit_rate, 2528.0 / 5076.0));
     // Without prefix caching nothing hits.
-    let shape = KvShape { kv_bytes_per_token: 1024, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
-    let arena = ArenaOptions::new(2 << 20, 0);
-    let mut m =
-        managers::build("vllm-paged", shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
-    let cfg = SchedConfig { max_batch: 8, kv_bytes_per_token: 1024, profile: profile(), max_num_batched_tokens: 0 };
-    let off = replay(m.as_mut(), &reqs, &cfg, &AtomicU64::new(0));
+    let off = run_without_prefix_caching("vllm-paged", 1024, ArenaOptions::new(2 << 20, 0), &reqs);
     assert_eq!((off.prefix_hit_tokens, off.integrity_errors), (0, 0));
 }
 
@@ -230,7 +239,7 @@ fn arena_prefix_cache_shares_chunks_evicts_lru_and_cuts_chains() {
     ];
     let mib = 1u64 << 20;
     let r = run("arena", 128 << 10, 256 * mib, &reqs);
-    let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+    let extra = |k: &str| extra_field(&r, k);
     assert_eq!(extra("arena_prefix_caching"), "\"on\"");
     assert_eq!(r.prefix_hit_tokens, 512 + 1008 + 1008 + 560);
     assert_eq!(r.prompt_tokens, 5 * 1024 + 980);
@@ -256,7 +265,6 @@ fn arena_prefix_cache_shares_chunks_evicts_lru_and_cuts_chains() {
     );
     assert_eq!(r.final_physical_bytes, 256 * mib, "the pool keeps what it created (retain all)");
     // Off: the same replay computes every prompt token.
-    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
     let arena = ArenaOptions {
         capacity: 256 * mib,
         reserve: 0,
@@ -265,10 +273,7 @@ fn arena_prefix_cache_shares_chunks_evicts_lru_and_cuts_chains() {
         precreate_bytes: 0,
         map_ahead_bytes: 0,
     };
-    let mut m = managers::build("arena", shape, BuildOptions { arena, prefix_caching: false, max_tokens: 1 }).unwrap();
-    let cfg =
-        SchedConfig { max_batch: 8, kv_bytes_per_token: 128 << 10, profile: profile(), max_num_batched_tokens: 0 };
-    let off = replay(m.as_mut(), &reqs, &cfg, &AtomicU64::new(0));
+    let off = run_without_prefix_caching("arena", 128 << 10, arena, &reqs);
     assert_eq!((off.prefix_hit_tokens, off.integrity_errors), (0, 0));
 }
 
@@ -286,7 +291,7 @@ fn distinct_live_kv_counts_a_shared_prefix_once() {
         assert_eq!(r.peak_distinct_live_bytes, r.peak_live_bytes - 64 * mib, "{name}");
     }
     let r = run("arena", 128 << 10, 256 * mib, &reqs);
-    let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+    let extra = |k: &str| extra_field(&r, k);
     assert_eq!(extra("peak_shared_bytes"), (64 * mib).to_string());
     let footprint: u64 = extra("peak_footprint_bytes").parse().unwrap();
     assert!(
