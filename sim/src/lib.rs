@@ -19,7 +19,8 @@
 //! - [`timing`]: the step-time model (GPU profiles, driver costs);
 //! - [`tp`]: tensor-parallel managers (`kv_serving --tp N`);
 //! - [`scenario`]: the textbook fragmentation failure;
-//! - [`util`]: sizes and a seeded RNG.
+//! - [`util`]: sizes and a seeded RNG; [`cli_args`]: what the
+//!   `multi_tenant` and `stress` command lines share.
 //!
 //! The other workloads, each the library half of a program in `src/bin/`:
 //! [`multi_tenant`] (several models' KV caches in one arena),
@@ -33,6 +34,7 @@
 pub mod arena_prefix_cache;
 pub mod attention;
 pub mod caching;
+pub mod cli_args;
 pub mod counted;
 pub mod idle_footprint;
 pub mod managers;

@@ -1,30 +1,7 @@
 //! The command line of the `multi_tenant` program.
 
 use super::*;
-
-/// Parses `123`, `64MiB`, `40GiB`, `1.5G`, `512k` (binary units).
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "kb" => KIB,
-        "m" | "mib" | "mb" => 1 << 20,
-        "g" | "gib" | "gb" => GIB,
-        "t" | "tib" | "tb" => 1 << 40,
-        _ => return Err(format!("bad size {s:?}")),
-    };
-    let v: f64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    Ok((v * mult as f64) as u64)
-}
-
-/// The arena's backends a run can use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendArg {
-    Host,
-    HostSparse,
-}
+use crate::cli_args::{parse_bytes, BackendArg};
 
 /// Several models' KV caches share one arena as load shifts between them;
 /// compares the shared arena with static per-model partitions.
@@ -148,10 +125,7 @@ impl Cli {
             max_batch: self.max_batch as usize,
             phases: self.phases as usize,
             seed: self.seed,
-            backend: match self.backend {
-                BackendArg::Host => Backend::Host,
-                BackendArg::HostSparse => Backend::HostSparse,
-            },
+            backend: self.backend.into(),
             mode: self.mode,
             precreate_bytes: self.precreate,
             map_ahead_bytes: self.map_ahead,

@@ -75,7 +75,8 @@ mod load;
 mod report;
 mod simulate;
 
-pub use cli::{main, parse_bytes, BackendArg, Cli};
+pub use crate::cli_args::{parse_bytes, BackendArg};
+pub use cli::{main, Cli};
 pub use load::{load_trace, synthetic};
 pub use simulate::run;
 

@@ -1,29 +1,7 @@
 //! The command line of the `stress` program.
 
 use super::*;
-
-/// Parses `123`, `64MiB`, `1.5G`, `512k` (binary units).
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "kb" => 1 << 10,
-        "m" | "mib" | "mb" => MIB,
-        "g" | "gib" | "gb" => 1 << 30,
-        _ => return Err(format!("bad size {s:?}")),
-    };
-    let v: f64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    Ok((v * mult as f64) as u64)
-}
-
-/// The arena's backends a run can use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendArg {
-    Host,
-    HostSparse,
-}
+use crate::cli_args::{parse_bytes, BackendArg};
 
 /// Several threads churn one arena and check every byte and every address;
 /// exits non-zero on any error.
@@ -92,10 +70,7 @@ impl Cli {
             no_implicit_moves: self.no_implicit_moves,
             pins: !self.no_pins,
             seed: self.seed,
-            backend: match self.backend {
-                BackendArg::Host => Backend::Host,
-                BackendArg::HostSparse => Backend::HostSparse,
-            },
+            backend: self.backend.into(),
             snapshot: self.snapshot.clone(),
             progress: false,
         })

@@ -33,7 +33,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clap::{CommandFactory, Parser, ValueEnum};
+use clap::{CommandFactory, Parser};
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 use vmm_arena::{Arena, ArenaConfig, Backend, Error, Id, MoveEvent};
@@ -42,7 +42,8 @@ mod cli;
 mod report;
 mod worker;
 
-pub use cli::{main, parse_bytes, BackendArg, Cli};
+pub use crate::cli_args::{parse_bytes, BackendArg};
+pub use cli::{main, Cli};
 
 const MIB: u64 = 1 << 20;
 const WINDOW: u64 = 256;
