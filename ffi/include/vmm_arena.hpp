@@ -392,61 +392,33 @@ class Arena {
   explicit operator bool() const noexcept { return handle_ != nullptr; }
 
   Allocation alloc(uint64_t size) {
-    Id id = 0;
-    uint64_t p = 0;
-    detail::check(vmm_arena_alloc(handle_, size, &id, &p));
-    return Allocation(handle_, id);
+    return new_allocation(vmm_arena_alloc, size);
   }
   Result<Allocation> try_alloc(uint64_t size) noexcept {
-    Id id = 0;
-    uint64_t p = 0;
-    vmm_arena_status s = vmm_arena_alloc(handle_, size, &id, &p);
-    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
-    return Allocation(handle_, id);
+    return try_new_allocation(vmm_arena_alloc, size);
   }
   /* alloc with a tag: it sleeps and wakes with tag; a small one goes into a
    * slab of that tag only (see vmm_arena_alloc_tagged). */
   Allocation alloc_tagged(uint64_t size, uint32_t tag) {
-    Id id = 0;
-    uint64_t p = 0;
-    detail::check(vmm_arena_alloc_tagged(handle_, size, tag, &id, &p));
-    return Allocation(handle_, id);
+    return new_allocation(vmm_arena_alloc_tagged, size, tag);
   }
   Result<Allocation> try_alloc_tagged(uint64_t size, uint32_t tag) noexcept {
-    Id id = 0;
-    uint64_t p = 0;
-    vmm_arena_status s = vmm_arena_alloc_tagged(handle_, size, tag, &id, &p);
-    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
-    return Allocation(handle_, id);
+    return try_new_allocation(vmm_arena_alloc_tagged, size, tag);
   }
   /* alloc_growable with a tag (see alloc_tagged). */
   Allocation alloc_growable_tagged(uint64_t size, uint64_t max_size, uint32_t tag) {
-    Id id = 0;
-    uint64_t p = 0;
-    detail::check(vmm_arena_alloc_growable_tagged(handle_, size, max_size, tag, &id, &p));
-    return Allocation(handle_, id);
+    return new_allocation(vmm_arena_alloc_growable_tagged, size, max_size, tag);
   }
   Result<Allocation> try_alloc_growable_tagged(uint64_t size, uint64_t max_size, uint32_t tag) noexcept {
-    Id id = 0;
-    uint64_t p = 0;
-    vmm_arena_status s = vmm_arena_alloc_growable_tagged(handle_, size, max_size, tag, &id, &p);
-    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
-    return Allocation(handle_, id);
+    return try_new_allocation(vmm_arena_alloc_growable_tagged, size, max_size, tag);
   }
   /* Reserves address space for max_size, backs size: growth up to
    * max_size never moves it. */
   Allocation alloc_growable(uint64_t size, uint64_t max_size) {
-    Id id = 0;
-    uint64_t p = 0;
-    detail::check(vmm_arena_alloc_growable(handle_, size, max_size, &id, &p));
-    return Allocation(handle_, id);
+    return new_allocation(vmm_arena_alloc_growable, size, max_size);
   }
   Result<Allocation> try_alloc_growable(uint64_t size, uint64_t max_size) noexcept {
-    Id id = 0;
-    uint64_t p = 0;
-    vmm_arena_status s = vmm_arena_alloc_growable(handle_, size, max_size, &id, &p);
-    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
-    return Allocation(handle_, id);
+    return try_new_allocation(vmm_arena_alloc_growable, size, max_size);
   }
   /* Allocations whose work is ordered on stream (a CUstream; 0 = the legacy
    * default stream): they may take memory freed or shrunk on that same
@@ -455,50 +427,29 @@ class Arena {
    * vmm_arena_alloc_on_stream; grow them with resize_on_stream on the same
    * stream. Errors: as alloc() and alloc_growable(). */
   Allocation alloc_on_stream(uint64_t size, uint64_t stream) {
-    Id id = 0;
-    uint64_t p = 0;
-    detail::check(vmm_arena_alloc_on_stream(handle_, size, stream, &id, &p));
-    return Allocation(handle_, id);
+    return new_allocation(vmm_arena_alloc_on_stream, size, stream);
   }
   Result<Allocation> try_alloc_on_stream(uint64_t size, uint64_t stream) noexcept {
-    Id id = 0;
-    uint64_t p = 0;
-    vmm_arena_status s = vmm_arena_alloc_on_stream(handle_, size, stream, &id, &p);
-    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
-    return Allocation(handle_, id);
+    return try_new_allocation(vmm_arena_alloc_on_stream, size, stream);
   }
   Allocation alloc_growable_on_stream(uint64_t size, uint64_t max_size, uint64_t stream) {
-    Id id = 0;
-    uint64_t p = 0;
-    detail::check(vmm_arena_alloc_growable_on_stream(handle_, size, max_size, stream, &id, &p));
-    return Allocation(handle_, id);
+    return new_allocation(vmm_arena_alloc_growable_on_stream, size, max_size, stream);
   }
   Result<Allocation> try_alloc_growable_on_stream(uint64_t size, uint64_t max_size, uint64_t stream) noexcept {
-    Id id = 0;
-    uint64_t p = 0;
-    vmm_arena_status s = vmm_arena_alloc_growable_on_stream(handle_, size, max_size, stream, &id, &p);
-    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
-    return Allocation(handle_, id);
+    return try_new_allocation(vmm_arena_alloc_growable_on_stream, size, max_size, stream);
   }
   /* Zero-copy sharing: a new growable allocation (size bytes, reserving
    * max_size) whose first bytes are src's chunks of [src_offset, src_offset +
    * bytes), mapped a second time; writes through either are seen through the
    * other (see vmm_arena_alloc_shared for the argument rules). */
   Allocation alloc_shared(Id src, uint64_t src_offset, uint64_t bytes, uint64_t max_size) {
-    Id id = 0;
-    uint64_t p = 0;
-    detail::check(vmm_arena_alloc_shared(handle_, src, src_offset, bytes, max_size, &id, &p));
-    return Allocation(handle_, id);
+    return new_allocation(vmm_arena_alloc_shared, src, src_offset, bytes, max_size);
   }
   Allocation alloc_shared(const Allocation &src, uint64_t src_offset, uint64_t bytes, uint64_t max_size) {
     return alloc_shared(src.id(), src_offset, bytes, max_size);
   }
   Result<Allocation> try_alloc_shared(Id src, uint64_t src_offset, uint64_t bytes, uint64_t max_size) noexcept {
-    Id id = 0;
-    uint64_t p = 0;
-    vmm_arena_status s = vmm_arena_alloc_shared(handle_, src, src_offset, bytes, max_size, &id, &p);
-    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
-    return Allocation(handle_, id);
+    return try_new_allocation(vmm_arena_alloc_shared, src, src_offset, bytes, max_size);
   }
   Result<Allocation> try_alloc_shared(const Allocation &src, uint64_t src_offset, uint64_t bytes,
                                       uint64_t max_size) noexcept {
@@ -594,10 +545,7 @@ class Arena {
   /* Receives an export sent with Export::send (vmm_arena_import_recv) and
    * imports it (flags: 0 or VMM_ARENA_IMPORT_READ_ONLY). */
   Allocation import_recv(int sock, uint32_t flags = 0) {
-    Id id = 0;
-    uint64_t p = 0;
-    detail::check(vmm_arena_import_recv(handle_, sock, flags, &id, &p));
-    return Allocation(handle_, id);
+    return new_allocation(vmm_arena_import_recv, sock, flags);
   }
   void set_move_callback(MoveCallback callback) {
     std::unique_ptr<MoveCallback> box;
@@ -618,6 +566,24 @@ class Arena {
  private:
   friend class Group;
   explicit Arena(vmm_arena *h) noexcept : handle_(h) {}
+  /* The allocation made by c_fn(handle_, args..., &id, &ptr), one of the C
+   * allocating calls; throws Error when it fails. */
+  template <class F, class... A>
+  Allocation new_allocation(F c_fn, A... args) {
+    Id id = 0;
+    uint64_t p = 0;
+    detail::check(c_fn(handle_, args..., &id, &p));
+    return Allocation(handle_, id);
+  }
+  /* new_allocation for the non-throwing API: the failure as a Result. */
+  template <class F, class... A>
+  Result<Allocation> try_new_allocation(F c_fn, A... args) noexcept {
+    Id id = 0;
+    uint64_t p = 0;
+    vmm_arena_status s = c_fn(handle_, args..., &id, &p);
+    if (s != VMM_ARENA_OK) return detail::failure<Allocation>(s);
+    return Allocation(handle_, id);
+  }
   void destroy() noexcept {
     vmm_arena_destroy(std::exchange(handle_, nullptr));
     callback_.reset();
