@@ -125,6 +125,22 @@ impl Failures {
     }
 }
 
+/// The tag every shard read back, in shard order: None at the first shard
+/// that could not be read; at the first that disagrees, a value other than
+/// the first shard's (an integrity error); None with no shards.
+fn shards_agree(tags: impl Iterator<Item = Option<u64>>) -> Option<u64> {
+    let mut first = None;
+    for v in tags {
+        let v = v?;
+        match first {
+            None => first = Some(v),
+            Some(f) if f != v => return Some(!f),
+            Some(_) => {}
+        }
+    }
+    first
+}
+
 fn sum_calls(devs: &[Dev]) -> Calls {
     let mut t = Calls::default();
     for d in devs {
@@ -291,19 +307,11 @@ impl KvManager for TpArenaMgr {
     fn read_tag(&mut self, seq: usize, t: u64) -> Option<u64> {
         let ids = &self.seqs[seq].as_ref().expect("live").1;
         let off = t * self.shard.bpt();
-        let mut first = None;
-        for (m, &id) in ids.iter().enumerate() {
+        shards_agree(ids.iter().enumerate().map(|(m, &id)| {
             let mut b = [0u8; 8];
             self.group.member(m).read(id, off, &mut b).ok()?;
-            let v = u64::from_le_bytes(b);
-            match first {
-                None => first = Some(v),
-                // A shard that disagrees is an integrity error.
-                Some(f) if f != v => return Some(!f),
-                Some(_) => {}
-            }
-        }
-        first
+            Some(u64::from_le_bytes(b))
+        }))
     }
 
     fn physical_bytes(&self) -> u64 {
@@ -443,16 +451,7 @@ impl KvManager for TpTorchMgr {
     }
 
     fn read_tag(&mut self, seq: usize, t: u64) -> Option<u64> {
-        let mut first = None;
-        for m in &mut self.members {
-            let v = m.read_tag(seq, t)?;
-            match first {
-                None => first = Some(v),
-                Some(f) if f != v => return Some(!f),
-                Some(_) => {}
-            }
-        }
-        first
+        shards_agree(self.members.iter_mut().map(|m| m.read_tag(seq, t)))
     }
 
     fn physical_bytes(&self) -> u64 {
