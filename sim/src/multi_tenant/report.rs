@@ -71,34 +71,20 @@ impl Report {
         }
         let _ = writeln!(o);
         let _ = writeln!(o, "{:<34} {:>14} {:>26}", "", "shared arena", "static partitions (peaks)");
-        let _ = writeln!(
-            o,
-            "{:<34} {:>10.2} GiB {:>22.2} GiB",
-            "peak physical",
-            gib(self.shared_peak_bytes as f64),
-            gib(self.static_bytes as f64)
-        );
-        let _ = writeln!(
-            o,
-            "{:<34} {:>10.2} GiB {:>22.2} GiB",
-            "time-weighted mean held",
-            gib(self.shared_mean_held),
-            gib(self.static_bytes as f64)
-        );
-        let _ = writeln!(
-            o,
-            "{:<34} {:>10.2} GiB {:>22.2} GiB",
-            "idle footprint before trim",
-            gib(self.idle_held_before_trim as f64),
-            gib(self.static_bytes as f64)
-        );
-        let _ = writeln!(
-            o,
-            "{:<34} {:>10.2} GiB {:>22.2} GiB",
-            "idle footprint after trim(0)",
-            gib(self.idle_held_after_trim as f64),
-            gib(self.static_bytes as f64)
-        );
+        // Each row: the shared arena's figure beside the static partitions' total.
+        let mut against_static = |label: &str, shared_bytes: f64| {
+            let _ = writeln!(
+                o,
+                "{:<34} {:>10.2} GiB {:>22.2} GiB",
+                label,
+                gib(shared_bytes),
+                gib(self.static_bytes as f64)
+            );
+        };
+        against_static("peak physical", self.shared_peak_bytes as f64);
+        against_static("time-weighted mean held", self.shared_mean_held);
+        against_static("idle footprint before trim", self.idle_held_before_trim as f64);
+        against_static("idle footprint after trim(0)", self.idle_held_after_trim as f64);
         if self.static_bytes > self.capacity_bytes {
             let _ = writeln!(
                 o,
