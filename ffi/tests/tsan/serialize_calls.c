@@ -91,6 +91,11 @@ WRAP(vmm_arena_status, vmm_arena_alloc_tagged,
 WRAP(vmm_arena_status, vmm_arena_alloc_growable_tagged,
      (vmm_arena * a, uint64_t size, uint64_t max, uint32_t tag, vmm_arena_id *id, uint64_t *p),
      (a, size, max, tag, id, p))
+WRAP(vmm_arena_status, vmm_arena_alloc_on_stream,
+     (vmm_arena * a, uint64_t size, uint64_t stream, vmm_arena_id *id, uint64_t *p), (a, size, stream, id, p))
+WRAP(vmm_arena_status, vmm_arena_alloc_growable_on_stream,
+     (vmm_arena * a, uint64_t size, uint64_t max, uint64_t stream, vmm_arena_id *id, uint64_t *p),
+     (a, size, max, stream, id, p))
 WRAP(vmm_arena_status, vmm_arena_alloc_shared,
      (vmm_arena * a, vmm_arena_id src, uint64_t offset, uint64_t bytes, uint64_t max, vmm_arena_id *id, uint64_t *p),
      (a, src, offset, bytes, max, id, p))
