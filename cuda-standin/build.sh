@@ -8,7 +8,7 @@ out=${1:-$here/../target/cuda-standin}
 mkdir -p "$out"
 cflags=(-std=c11 -O1 -g -Wall -Wextra -Werror -fPIC -pthread)
 gcc "${cflags[@]}" -shared -Wl,-soname,libcuda.so.1 -o "$out/libcuda.so.1" \
-    "$here/state.c" "$here/vmm.c" "$here/stream.c"
+    "$here/state.c" "$here/vmm.c" "$here/stream.c" "$here/module.c"
 ln -sf libcuda.so.1 "$out/libcuda.so"
 gcc "${cflags[@]}" -o "$out/standin-rules" "$here/tests/rules.c" -L"$out" -lcuda -Wl,-rpath,"$out"
 echo "$out"
