@@ -12,7 +12,7 @@
 //! - a DLPack view pins its buffer until the consumer releases it, so a
 //!   view is never left at an old address (see `Buffer::__dlpack__`).
 
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use pyo3::create_exception;
@@ -21,6 +21,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
 
 use vmm_arena::{Arena as RArena, ArenaConfig, Backend, Error, Id, Status, ALL_TAGS, SLEEP_BACKUP};
+
+mod dlpack;
+use dlpack::*;
 
 create_exception!(_vmm_arena, VmmArenaError, PyException, "Base of every error the arena reports.");
 create_exception!(
@@ -526,144 +529,6 @@ impl Allocation {
 /// and must not be touched while it sleeps.
 #[pyclass(module = "vmm_arena._vmm_arena", extends = Allocation, frozen)]
 struct Buffer;
-
-const KDLCPU: i32 = 1;
-const KDLCUDA: i32 = 2;
-
-#[repr(C)]
-struct DLDevice {
-    device_type: i32,
-    device_id: i32,
-}
-
-#[repr(C)]
-struct DLDataType {
-    code: u8,
-    bits: u8,
-    lanes: u16,
-}
-
-#[repr(C)]
-struct DLTensor {
-    data: *mut c_void,
-    device: DLDevice,
-    ndim: i32,
-    dtype: DLDataType,
-    shape: *mut i64,
-    strides: *mut i64,
-    byte_offset: u64,
-}
-
-#[repr(C)]
-struct DLManagedTensor {
-    dl_tensor: DLTensor,
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
-}
-
-#[repr(C)]
-struct DLManagedTensorVersioned {
-    version: [u32; 2],
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
-    flags: u64,
-    dl_tensor: DLTensor,
-}
-
-/// The release of a versioned view (DLPack 1.0).
-///
-/// # Safety
-/// `t` came from `Buffer::__dlpack__` and is released once.
-unsafe extern "C" fn versioned_deleter(t: *mut DLManagedTensorVersioned) {
-    if t.is_null() {
-        return;
-    }
-    // SAFETY: made by Box::into_raw in __dlpack__, released once.
-    let t = unsafe { Box::from_raw(t) };
-    // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it, released
-    // with its tensor, once.
-    unsafe { release_view_ctx(t.manager_ctx) };
-}
-
-const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
-
-/// The destructor of a versioned capsule no consumer took.
-unsafe extern "C" fn versioned_capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
-    // SAFETY: as capsule_destructor, for the versioned name.
-    unsafe { release_untaken_capsule(capsule, DLTENSOR_VERSIONED, versioned_deleter) }
-}
-
-/// What one view keeps alive: its shape and the buffer's pin.
-struct ViewCtx {
-    shape: [i64; 1],
-    shared: Arc<Shared>,
-    id: u64,
-}
-
-/// The consumer's release of a view: unpins the buffer when it was the last.
-///
-/// # Safety
-/// `t` came from `Buffer::__dlpack__` and is released once.
-unsafe extern "C" fn view_deleter(t: *mut DLManagedTensor) {
-    if t.is_null() {
-        return;
-    }
-    // SAFETY: made by Box::into_raw in __dlpack__, released once (the
-    // consumer's contract).
-    let t = unsafe { Box::from_raw(t) };
-    // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it, released
-    // with its tensor, once.
-    unsafe { release_view_ctx(t.manager_ctx) };
-}
-
-/// Drops one view's context: the buffer's view count goes down by one
-/// (unpinned when it was the last). A panic stays on this side of the C
-/// boundary.
-///
-/// # Safety
-/// `ctx` is the `Box<ViewCtx>` that `Buffer::__dlpack__` made for the view,
-/// released once.
-unsafe fn release_view_ctx(ctx: *mut c_void) {
-    // SAFETY: the caller's contract.
-    let ctx = unsafe { Box::from_raw(ctx.cast::<ViewCtx>()) };
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = ctx.shared.change(ctx.id, |p| p.views = p.views.saturating_sub(1));
-    }));
-}
-
-const DLTENSOR: &CStr = c"dltensor";
-
-/// The capsule's destructor: a capsule no consumer took (still named
-/// "dltensor") releases its view.
-unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
-    // SAFETY: called by Python with the capsule; its name decides whether a
-    // consumer owns the tensor now ("used_dltensor").
-    unsafe { release_untaken_capsule(capsule, DLTENSOR, view_deleter) }
-}
-
-/// A capsule still named `name` (no consumer took its tensor) releases its
-/// tensor with `deleter`; a renamed one ("used_...") is the consumer's, and
-/// the name check's error is cleared.
-///
-/// # Safety
-/// `capsule` is a capsule being destroyed by Python, made by
-/// `Buffer::__dlpack__` with a `T` that `deleter` releases under `name`.
-unsafe fn release_untaken_capsule<T>(
-    capsule: *mut pyo3::ffi::PyObject,
-    name: &CStr,
-    deleter: unsafe extern "C" fn(*mut T),
-) {
-    // SAFETY: the caller's contract: a live capsule; under `name` its
-    // pointer is the `T` that `deleter` releases, released here once.
-    unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(capsule, name.as_ptr()) == 1 {
-            let t = pyo3::ffi::PyCapsule_GetPointer(capsule, name.as_ptr()).cast::<T>();
-            deleter(t);
-        } else {
-            pyo3::ffi::PyErr_Clear();
-        }
-    }
-}
 
 #[pymethods]
 impl Buffer {
