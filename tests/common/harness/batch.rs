@@ -113,10 +113,21 @@ impl Harness {
     /// a successful resize).
     fn batch_member_resized(&mut self, id: Id, new_size: u64) {
         let small_max = self.small_max();
+        let m = &self.live[&id];
+        let still_small = m.small && (new_size <= m.reserved || new_size <= small_max);
+        self.model_resized(id, new_size, still_small);
+    }
+
+    /// The books of a successful resize of `id` to `new_size` (`still_small`:
+    /// it stays in a slab): its size, its quiesce promise (growth of whole
+    /// chunks ends it), its chunks (a shrink drops the tail, growth adds
+    /// new ones, a small allocation promoted to chunks gets new ones: its
+    /// bytes were copied), and stamps on its new bytes (none through a
+    /// quiesced allocation).
+    pub(super) fn model_resized(&mut self, id: Id, new_size: u64, still_small: bool) {
         let np = self.pages(new_size);
         let m = self.live.get_mut(&id).unwrap();
         let old_size = m.size;
-        let still_small = m.small && (new_size <= m.reserved || new_size <= small_max);
         let grew = !m.small && new_size > old_size;
         m.size = new_size;
         m.small = still_small;

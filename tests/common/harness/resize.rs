@@ -105,29 +105,7 @@ impl Harness {
                     count("quiesced allocation grew");
                 }
                 let still_small = small && (to_small || !needs_move);
-                let m = self.live.get_mut(&id).unwrap();
-                m.size = new_size;
-                m.small = still_small;
-                m.quiesced &= !grew;
-                let write_new = new_size > old_size && !m.quiesced;
-                m.stamps.truncate(old_size.min(new_size));
-                // Chunks: a shrink drops the tail (one reference each),
-                // growth adds new ones; a small allocation promoted to
-                // chunks gets new ones (its bytes were copied).
-                let have = m.chunks.len() as u64;
-                if still_small {
-                    m.chunks.clear();
-                } else if np < have {
-                    m.chunks.truncate(np as usize);
-                } else if np > have {
-                    let more = self.fresh_chunks(np - have);
-                    self.live.get_mut(&id).unwrap().chunks.extend(more);
-                }
-                // Nothing is written through a quiesced allocation: a growth
-                // within its pages leaves its new bytes unstamped.
-                if write_new {
-                    self.restamp(id, old_size, new_size);
-                }
+                self.model_resized(id, new_size, still_small);
                 let info = self.arena.query(id).unwrap();
                 assert_eq!(info.ptr, ptr);
                 assert!(info.reserved_bytes >= new_size, "after a resize the reservation covers the size");
