@@ -54,7 +54,7 @@ pub use arena::DmaBuf;
 pub use arena::Prepared;
 pub use arena::{
     AllocInfo, Arena, ArenaConfig, Backend, CompactReport, MoveCallback, MoveEvent, Stats, ALL_TAGS,
-    DEFAULT_CHUNK_BYTES, SLEEP_BACKUP,
+    DEFAULT_CHUNK_BYTES, MAX_ADMISSION_WINDOWS, SLEEP_BACKUP,
 };
 pub use arena::{
     Export, ExportLayout, EXPORT_FORMAT_VERSION, EXPORT_HANDLE_CUDA_POSIX_FD, EXPORT_HANDLE_HOST_MEMFD,

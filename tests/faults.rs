@@ -187,6 +187,25 @@ fn cases() -> Vec<Case> {
             expect: Expect::Maintain,
         },
         Case {
+            name: "maintain: admission windows from the pool and idle cached chunks",
+            cap: 12,
+            reserve: 48,
+            retain: KEEP,
+            setup: |a, c| {
+                let g = a.alloc_growable(c, 4 * c).unwrap().0;
+                let x = alloc(a, 2 * c);
+                a.free(x).unwrap();
+                a.set_prefetch(5 * c, 0).unwrap();
+                a.set_admission_prefetch(8 * c, 3 * c, 2).unwrap();
+                vec![g]
+            },
+            // Two windows of three, the first at x's place (its two cached
+            // chunks count): creates for the precreate target, pooled chunks
+            // mapped into the windows.
+            op: |a, _, _| a.maintain(),
+            expect: Expect::Maintain,
+        },
+        Case {
             name: "resize_many: three growths in place, planned together",
             cap: 12,
             reserve: 24,

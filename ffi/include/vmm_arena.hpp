@@ -488,6 +488,10 @@ class Arena {
   void set_prefetch(uint64_t precreate_bytes, uint64_t map_ahead_bytes) {
     detail::check(vmm_arena_set_prefetch(handle_, precreate_bytes, map_ahead_bytes));
   }
+  /* Admission map-ahead (see vmm_arena_set_admission_prefetch). */
+  void set_admission_prefetch(uint64_t reservation_bytes, uint64_t ready_bytes, uint32_t count) {
+    detail::check(vmm_arena_set_admission_prefetch(handle_, reservation_bytes, ready_bytes, count));
+  }
   void maintain() { detail::check(vmm_arena_maintain(handle_)); }
   Result<void> try_maintain() noexcept {
     vmm_arena_status s = vmm_arena_maintain(handle_);

@@ -318,6 +318,46 @@ pub unsafe extern "C" fn vmm_arena_set_prefetch(
     })
 }
 
+/// Admission map-ahead: chunks kept mapped and accessible at the first
+/// ready_bytes of each of the places the next `count` allocations of whole
+/// chunks reserving reservation_bytes will be given (a growable allocation
+/// reserves its max_size, any other its size; each rounded up to whole
+/// chunks), so that such an allocation, up to ready_bytes, makes no driver
+/// call (e.g. a request admitted on a decode step). Set it between steps
+/// from the waiting queue and recent admissions.
+///
+/// Placement is predicted exactly as it will be made (best fit, the most
+/// cached chunks first), so the prediction holds while no other allocation
+/// is placed first; a wrong prediction costs no correctness, only the
+/// driver calls vmm_arena_maintain made. Window chunks come from the
+/// unmapped pool and from idle cached chunks no other window holds, never
+/// from a create of their own: they count toward the precreate_bytes target
+/// of vmm_arena_set_prefetch (precreated chunks mapped where they will be
+/// used), and in pooled_bytes and prefetched_bytes; like every prefetched
+/// chunk they are the first used or given back under pressure, so they
+/// never cause an OUT_OF_MEMORY. The work is done by vmm_arena_maintain or
+/// the background thread; while any allocation is asleep, neither does
+/// anything. count 0 (the default) turns it off.
+///
+/// VMM_ARENA_ERR_INVALID_ARGUMENT if count exceeds 64 (each window costs a
+/// placement search every round of maintain); the target is then unchanged.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_set_admission_prefetch(
+    arena: *mut vmm_arena,
+    reservation_bytes: u64,
+    ready_bytes: u64,
+    count: u32,
+) -> vmm_arena_status {
+    boundary("vmm_arena_set_admission_prefetch", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        h.live()?.set_admission_prefetch(reservation_bytes, ready_bytes, count)
+    })
+}
+
 /// Brings the arena as close to its prefetch targets as the capacity left by
 /// live allocations allows, now, on the calling thread (e.g. between decode
 /// steps while the GPU computes). Best effort: falling short of a target is

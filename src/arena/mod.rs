@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 use crate::Id;
 
+mod admission_ahead;
 mod alias;
 mod alloc;
 mod batch;
@@ -62,6 +63,7 @@ pub use export::{
     EXPORT_HANDLE_UNSPECIFIED,
 };
 use pool::enforce_watermark;
+pub use prefetch::MAX_ADMISSION_WINDOWS;
 pub use state::MoveEvent;
 use state::State;
 pub use stats::{AllocInfo, CompactReport, Stats};
@@ -558,7 +560,7 @@ impl Arena {
         inner.st.note_peak();
         // The flag stays set for a busy worker to see before it sleeps.
         if inner.st.prefetch_dirty && inner.worker_waiting {
-            let wanted = inner.st.prefetch != (0, 0) || !inner.st.pending.is_empty();
+            let wanted = inner.st.prefetch != (0, 0) || !inner.st.admit_ahead.is_off() || !inner.st.pending.is_empty();
             if wanted {
                 // Once per wait of the worker: a futex wake, no driver call.
                 inner.st.prefetch_dirty = false;

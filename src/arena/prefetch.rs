@@ -51,10 +51,14 @@
 use crate::driver::ChunkHandle;
 use crate::error::{Error, Result};
 
+use super::admission_ahead::{self, AdmitAhead};
 use super::state::{runs, State};
 use super::stream::{reap, Poll};
 use super::txn::Txn;
 use super::{Arena, Inner, Shared};
+
+/// The most admission windows [`Arena::set_admission_prefetch`] keeps.
+pub const MAX_ADMISSION_WINDOWS: u32 = 64;
 
 /// Chunks created per round: the longest an operation that runs out of
 /// memory may wait for work in flight is one create.
@@ -115,6 +119,52 @@ impl Arena {
         let mut inner = self.lock()?;
         let c = self.chunk;
         inner.st.prefetch = (precreate_bytes.div_ceil(c), map_ahead_bytes.div_ceil(c));
+        inner.st.prefetch_dirty = true;
+        if inner.worker_waiting {
+            inner.st.prefetch_dirty = false;
+            inner.worker_waiting = false;
+            self.sh.work.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Sets the admission map-ahead target: chunks kept mapped and
+    /// accessible at the first `ready_bytes` of each of the places the next
+    /// `count` allocations of whole chunks reserving `reservation_bytes`
+    /// will be given (a growable allocation reserves its `max_size`, any
+    /// other its size; each rounded up to whole chunks), so that such an
+    /// allocation, up to `ready_bytes`, makes no driver call. An engine
+    /// sets it from its waiting queue and recent admissions, between steps.
+    ///
+    /// Placement is predicted exactly as it will be made (best fit, the
+    /// most cached chunks first, see `admission_ahead.rs`), so the
+    /// prediction holds while no other allocation is placed first. Window
+    /// chunks come from the unmapped pool and from known-idle cached chunks
+    /// no other window holds; they count toward the `precreate_bytes`
+    /// target of [`Arena::set_prefetch`] (they are precreated chunks mapped
+    /// where they will be used) and in `pooled_bytes` and
+    /// `prefetched_bytes`, and like every prefetched chunk they are the
+    /// first used or given back under pressure, so they never cause an
+    /// `OutOfMemory`. The work is done by [`Arena::maintain`] or the
+    /// background worker; while any allocation is asleep, neither does
+    /// anything. `count` 0 (the default) turns it off.
+    ///
+    /// # Errors
+    /// `InvalidArgument` if `count` exceeds [`MAX_ADMISSION_WINDOWS`] (each
+    /// window costs a placement search every `maintain` round).
+    pub fn set_admission_prefetch(&self, reservation_bytes: u64, ready_bytes: u64, count: u32) -> Result<()> {
+        if count > MAX_ADMISSION_WINDOWS {
+            return Err(Error::InvalidArgument(format!(
+                "{count} admission windows asked for; at most {MAX_ADMISSION_WINDOWS}"
+            )));
+        }
+        let mut inner = self.lock()?;
+        let c = self.chunk;
+        inner.st.admit_ahead =
+            AdmitAhead { reserve: reservation_bytes.div_ceil(c), ready: ready_bytes.div_ceil(c), count };
+        if inner.st.admit_ahead.is_off() {
+            inner.st.admit_windows.clear();
+        }
         inner.st.prefetch_dirty = true;
         if inner.worker_waiting {
             inner.st.prefetch_dirty = false;
@@ -228,7 +278,7 @@ fn missing_ahead(st: &State, ahead: u64) -> impl Iterator<Item = Vec<u64>> + '_ 
 /// Pooled pages serving the targets now (for `Stats::prefetched_bytes`).
 pub(super) fn prefetched_pages(st: &State) -> u64 {
     let (pre, ahead) = st.prefetch;
-    let pooled = (st.pool.len() as u64).min(pre);
+    let pooled = (st.pool.len() as u64).min(pre) + admission_ahead::cached_in(st, &st.admit_windows);
     if ahead == 0 {
         return pooled;
     }
@@ -256,7 +306,7 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
     }
     let st = &mut inner.st;
     let (pre, ahead) = st.prefetch;
-    if (pre == 0 && ahead == 0) || st.asleep_pages > 0 {
+    if (pre == 0 && ahead == 0 && st.admit_ahead.is_off()) || st.asleep_pages > 0 {
         return None;
     }
     let room = st.cap_pages.saturating_sub(st.held_pages());
@@ -267,6 +317,9 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
             .saturating_sub(st.pooled_pages() + st.small.reclaimable_slabs() + st.inflight_pages)
     };
     let create_room = room.min(retain_room);
+    // Where the next admissions will be placed (kept for the plans, which
+    // take other idle chunks before these windows').
+    st.admit_windows = admission_ahead::windows(st);
     // (A separate statement: the scan's borrow ends before `st` changes.)
     let first = if ahead > 0 { missing_ahead(st, ahead).next() } else { None };
     if let Some(first) = first {
@@ -292,7 +345,27 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
         st.set_aside.extend(mv.to.iter().copied());
         return Some(Round::Map(mv));
     }
-    let have = st.pool.len() as u64;
+    // Admission windows: from the pool and spare idle chunks only (no
+    // create: they are the precreated chunks, mapped where the next
+    // admission will be placed).
+    let windows = std::mem::take(&mut st.admit_windows);
+    let missing = admission_ahead::first_missing(st, &windows);
+    st.admit_windows = windows;
+    if let Some(missing) = missing {
+        let need = missing.len();
+        let from_pool = need.min(st.pool.len());
+        let spare = spare_idle(st, ahead, need - from_pool);
+        let have = from_pool + spare.len();
+        if have > 0 {
+            let pooled = st.pool.split_off(st.pool.len() - from_pool);
+            let mv = Move { from: set_aside_idle(st, &spare), pooled, to: missing[..have].to_vec() };
+            st.inflight_pages += mv.chunks();
+            st.set_aside.extend(mv.to.iter().copied());
+            return Some(Round::Map(mv));
+        }
+    }
+    // Window chunks are precreated chunks too.
+    let have = st.pool.len() as u64 + admission_ahead::cached_in(st, &st.admit_windows);
     if have < pre {
         // Known-idle cached chunks first: an unmap, no synchronize, and the
         // footprint stays; a create only when the arena holds none spare.
@@ -312,13 +385,16 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
 }
 
 /// Up to `want` known-idle cached pages (sorted) that no awake growable
-/// allocation's map-ahead window holds: chunks the arena holds and no
+/// allocation's map-ahead window and no admission window holds: chunks the arena holds and no
 /// growth adopts soon, whose unmapping needs no synchronize.
 fn spare_idle(st: &State, ahead: u64, want: usize) -> Vec<u64> {
     if want == 0 {
         return Vec::new();
     }
     let in_window = |p: u64| {
+        if admission_ahead::in_windows(&st.admit_windows, p) {
+            return true;
+        }
         let Some((_, &slot)) = st.by_start.range(..=p).next_back() else { return false };
         let a = st.alloc(slot);
         if !a.maps_ahead() {

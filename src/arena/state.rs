@@ -203,6 +203,11 @@ pub(crate) struct State {
     /// Prefetch targets in pages: (unmapped pooled chunks, mapped ahead of
     /// each awake growable allocation). See `Arena::set_prefetch`.
     pub prefetch: (u64, u64),
+    /// Admission map-ahead target (see `Arena::set_admission_prefetch`).
+    pub admit_ahead: super::admission_ahead::AdmitAhead,
+    /// The admission windows `maintain` last predicted: plans take other
+    /// idle cached chunks before theirs (a hint, possibly stale).
+    pub admit_windows: Vec<std::ops::Range<u64>>,
     /// Set when an operation may have created work for the prefetcher
     /// (the background worker is woken, then it is cleared).
     pub prefetch_dirty: bool,
@@ -288,6 +293,8 @@ impl State {
             inflight_pages: 0,
             set_aside: BTreeSet::new(),
             prefetch: (0, 0),
+            admit_ahead: Default::default(),
+            admit_windows: Vec::new(),
             prefetch_dirty: false,
             shared: Default::default(),
             reuse: StreamReuse::default(),
@@ -624,8 +631,20 @@ impl Plan {
         have += plan.take_pool as u64;
         if have < fresh_needed {
             let want = (fresh_needed - have) as usize;
-            let idle: Vec<u64> =
-                st.idle.iter().rev().filter(|p| st.cached.contains(p) && outside(p)).copied().take(want).collect();
+            // Chunks waiting in admission windows last (see
+            // `admission_ahead.rs`): the next admission adopts them.
+            let windows = &st.admit_windows;
+            let usable = |p: &&u64| st.cached.contains(p) && outside(p);
+            let in_window = |p: &&u64| super::admission_ahead::in_windows(windows, **p);
+            let idle: Vec<u64> = st
+                .idle
+                .iter()
+                .rev()
+                .filter(|p| usable(p) && !in_window(p))
+                .chain(st.idle.iter().rev().filter(|p| usable(p) && in_window(p)))
+                .copied()
+                .take(want)
+                .collect();
             have += idle.len() as u64;
             plan.unmap.extend(idle);
         }

@@ -107,6 +107,25 @@ void test_stream_free_and_prefetch(void) {
   CHECK(chunks == 2 && mappings == 0);
   vmm_arena_destroy(a);
 
+  /* Admission map-ahead: the next growable allocation's place gets its
+   * chunks from the pool; the allocation then makes no driver call. */
+  EXPECT(vmm_arena_set_admission_prefetch(NULL, 8 * K, 2 * K, 1), INV);
+  a = make(16, 64, 0);
+  EXPECT(vmm_arena_set_admission_prefetch(a, 8 * K, 2 * K, 65), INV);
+  OK(vmm_arena_set_prefetch(a, 3 * K, 0));
+  OK(vmm_arena_set_admission_prefetch(a, 8 * K, 2 * K, 1));
+  OK(vmm_arena_maintain(a));
+  CHECK(snapshot_stat(a, "prefetched_bytes") == 3 * K && snapshot_stat(a, "cached_mapped_bytes") == 2 * K);
+  calls = snapshot_stat(a, "caller_driver_calls");
+  vmm_arena_id w;
+  uint64_t wp = 0;
+  OK(vmm_arena_alloc_growable(a, 2 * K, 8 * K, &w, &wp));
+  CHECK(snapshot_stat(a, "caller_driver_calls") == calls);
+  memset((void *)(uintptr_t)wp, 7, 2 * K);
+  OK(vmm_arena_free(a, w));
+  OK(vmm_arena_set_admission_prefetch(a, 0, 0, 0));
+  vmm_arena_destroy(a);
+
   /* The background thread keeps the targets; destroy stops and joins it. */
   a = make(16, 64, VMM_ARENA_FLAG_BACKGROUND);
   OK(vmm_arena_set_prefetch(a, 3 * K, 0));

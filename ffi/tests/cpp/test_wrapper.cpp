@@ -315,6 +315,18 @@ void test_prefetch_stream_free_resize_many() {
   g.free_on_stream(0);
   CHECK(!g);
   CHECK(arena.stats().live_allocations == 1);
+  // Admission map-ahead: the next growable allocation's place is mapped
+  // (from the pool) by maintain; a bad count throws, the target stays.
+  arena.set_prefetch(3 * K, 0);
+  arena.set_admission_prefetch(8 * K, 2 * K, 1);
+  CHECK(thrown_status([&] { arena.set_admission_prefetch(8 * K, 2 * K, 65); }) == vmm::Status::InvalidArgument);
+  arena.maintain();
+  uint64_t pooled = arena.stats().pooled_bytes;
+  vmm::Allocation admitted = arena.alloc_growable(2 * K, 8 * K);
+  CHECK(arena.stats().pooled_bytes == pooled - 2 * K);
+  fill(admitted.ptr(), 2 * K, 3);
+  CHECK(intact(admitted.ptr(), 2 * K, 3));
+  arena.set_admission_prefetch(0, 0, 0);
   // The background thread, through the config.
   CHECK((small(8, 32).background().raw().flags & VMM_ARENA_FLAG_BACKGROUND) != 0);
   CHECK((small(8, 32).background().background(false).raw().flags & VMM_ARENA_FLAG_BACKGROUND) == 0);

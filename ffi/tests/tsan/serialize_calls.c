@@ -124,6 +124,8 @@ WRAP(vmm_arena_status, vmm_arena_snapshot_json, (vmm_arena * a, char *buf, size_
      (a, buf, cap, len))
 WRAP(vmm_arena_status, vmm_arena_free_on_stream, (vmm_arena * a, vmm_arena_id id, uint64_t stream), (a, id, stream))
 WRAP(vmm_arena_status, vmm_arena_set_prefetch, (vmm_arena * a, uint64_t precreate, uint64_t ahead), (a, precreate, ahead))
+WRAP(vmm_arena_status, vmm_arena_set_admission_prefetch, (vmm_arena * a, uint64_t reservation, uint64_t ready, uint32_t count),
+     (a, reservation, ready, count))
 WRAP(vmm_arena_status, vmm_arena_maintain, (vmm_arena * a), (a))
 WRAP(vmm_arena_status, vmm_arena_resize_many,
      (vmm_arena * a, const vmm_arena_id *ids, const uint64_t *sizes, size_t n, uint64_t *out), (a, ids, sizes, n, out))

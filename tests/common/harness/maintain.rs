@@ -27,6 +27,11 @@ impl Harness {
     pub(super) fn maintain(&mut self, precreate: u64, ahead: u64) {
         let c = self.c;
         self.arena.set_prefetch(precreate * c, ahead * c).unwrap();
+        // Admission windows as well, derived from the same two numbers (so
+        // that the op's encoding stays): none when `ahead` is 0, else
+        // `ahead` windows of `precreate + 1` chunks for reservations of 4.
+        let windows = ahead as u32;
+        self.arena.set_admission_prefetch(4 * c, (precreate + 1) * c, windows).unwrap();
         let before = self.arena.stats().unwrap();
         let seen = Arc::new(Mutex::new(Seen { peak: before.peak_physical_bytes, ..Seen::default() }));
         // The watermark is judged where the last operation left it kept and
@@ -76,6 +81,7 @@ impl Harness {
         self.fd.clear();
         self.fd.set_observer(None);
         self.arena.set_prefetch(0, 0).unwrap();
+        self.arena.set_admission_prefetch(0, 0, 0).unwrap();
         let after = self.arena.stats().unwrap();
         let seen = std::mem::take(&mut *seen.lock().unwrap());
         assert!(seen.broken.is_empty(), "maintain: read while it ran: {:?}", seen.broken);
