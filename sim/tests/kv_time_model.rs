@@ -676,3 +676,24 @@ fn staging_is_off_under_chunked_prefill() {
     let staging = s.extra.iter().find(|(k, _)| k == "staging").map(|(_, v)| v.clone());
     assert_eq!(staging.as_deref(), Some("false"));
 }
+
+/// Admission map-ahead: a request that arrives while another decodes (the
+/// queue empty at the step's end, so nothing is prepared) is admitted on a
+/// decode step; with the `arena` row's windows, `maintain` mapped pooled
+/// chunks at its place between steps, sized to the recent admission (one
+/// of 4 MiB: two chunks), so its admission maps two chunks fewer on the
+/// critical path than without them.
+#[test]
+fn an_admission_on_a_decode_step_adopts_chunks_mapped_between_steps() {
+    let mib = 1 << 20;
+    let requests = [req(0.0, 2, 40, &[]), req(0.05, 6, 2, &[])];
+    let with = run("arena", mib, 64 * mib, &requests);
+    let without = run("arena-no-admission-ahead", mib, 64 * mib, &requests);
+    // Last sized after both admissions: the 90th percentile of 4 and 8 MiB.
+    assert_eq!(extra_field(&with, "admission_window_target"), format!("[{}, 1]", 8 * mib));
+    assert_eq!(extra_field(&without, "admission_window_target"), "[0, 0]");
+    let (w, wo) = (with.critical_calls, without.critical_calls);
+    assert_eq!(wo.map_chunks - w.map_chunks, 2, "with {w:?}, without {wo:?}");
+    assert!(with.between_calls.map_chunks >= without.between_calls.map_chunks + 2);
+    assert_eq!(with.peak_physical_bytes, without.peak_physical_bytes, "the same chunks held");
+}

@@ -65,6 +65,41 @@ pub struct ArenaMgr {
     /// [`ArenaMgr::size_precreate`]).
     base_prefetch: (u64, u64),
     growth: GrowthRate,
+    /// `Stream` mode: recent admissions, which size the admission
+    /// map-ahead windows (see [`ArenaMgr::size_admission_windows`]).
+    admissions: AdmissionRate,
+    /// Whether `Stream` mode keeps admission map-ahead windows.
+    admission_windows: bool,
+}
+
+/// Recent admissions: what the next step's admissions will likely need
+/// mapped where they will be placed.
+#[derive(Clone, Debug, Default)]
+struct AdmissionRate {
+    /// Bytes of each of the last [`ADMISSIONS_KEPT`] allocations admitted.
+    recent: std::collections::VecDeque<u64>,
+    /// Allocations admitted since the last look.
+    this_step: u64,
+    /// Exponentially weighted mean of allocations admitted per step.
+    per_step: f64,
+    /// The target set last: (ready bytes, windows).
+    target: (u64, u32),
+}
+
+/// Admissions the window size is taken from.
+const ADMISSIONS_KEPT: usize = 64;
+
+/// Windows kept at most (a step admits a few requests at a time).
+const MAX_WINDOWS: u32 = 4;
+
+impl AdmissionRate {
+    fn record(&mut self, bytes: u64) {
+        if self.recent.len() == ADMISSIONS_KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(bytes);
+        self.this_step += 1;
+    }
 }
 
 /// The recent growth of the memory backing allocations, per step: the
@@ -200,6 +235,8 @@ impl ArenaMgr {
             chunked: false,
             base_prefetch: (o.precreate_bytes, o.map_ahead_bytes),
             growth: GrowthRate::default(),
+            admissions: AdmissionRate::default(),
+            admission_windows: true,
         })
     }
 
@@ -226,6 +263,12 @@ impl ArenaMgr {
     /// mode; for comparisons: the outcomes must be the same).
     pub fn without_prepared_admissions(mut self) -> ArenaMgr {
         self.prepare = false;
+        self
+    }
+
+    /// Turns admission map-ahead off (`Stream` mode; to compare).
+    pub fn without_admission_windows(mut self) -> ArenaMgr {
+        self.admission_windows = false;
         self
     }
 
@@ -271,6 +314,7 @@ impl ArenaMgr {
         let max = size.max(self.bytes_for(self.shape.max_context));
         if let Some(p) = self.prefix.as_mut() {
             let (id, hit) = p.admit(&self.arena, size, max, q, tokens, self.discard).map_err(|e| self.fail(e, size))?;
+            self.admissions.record(size);
             let uncached = uncached_after(q, tokens);
             *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids: vec![id], cap: size / self.shape.bpt(), uncached });
             return Ok(hit);
@@ -296,6 +340,9 @@ impl ArenaMgr {
                     return Err(f);
                 }
             }
+        }
+        for _ in 0..n {
+            self.admissions.record(size);
         }
         *slot_vec(&mut self.seqs, seq) = Some(ArenaSeq { ids, cap: size / self.shape.bpt(), uncached: None });
         Ok(0)
@@ -352,6 +399,39 @@ impl ArenaMgr {
                 self.maintain_errors += 1;
                 self.last_maintain_error = Some(e.to_string());
             }
+        }
+    }
+
+    /// Sizes the admission map-ahead windows (`Arena::set_admission_prefetch`)
+    /// to recent admissions: as many windows as allocations admitted per
+    /// step lately (the weighted mean, rounded up, 1 to [`MAX_WINDOWS`]),
+    /// each as large as the 90th percentile of the last
+    /// [`ADMISSIONS_KEPT`] admitted allocations, at the places allocations
+    /// reserving a full context will be given. An admission on a decode
+    /// step (a request that arrived during the step before, when the
+    /// waiting queue was empty and nothing could be prepared) then adopts
+    /// chunks `maintain` mapped while the GPU computed. Window chunks are
+    /// the precreated ones and spare idle ones, so the footprint is what
+    /// [`ArenaMgr::size_precreate`] makes it.
+    fn size_admission_windows(&mut self) {
+        let r = &mut self.admissions;
+        r.per_step = 0.5 * r.per_step + 0.5 * r.this_step as f64;
+        r.this_step = 0;
+        if r.recent.is_empty() || self.base_prefetch == (0, 0) {
+            return;
+        }
+        let mut sizes: Vec<u64> = r.recent.iter().copied().collect();
+        sizes.sort_unstable();
+        let ready = sizes[(sizes.len() * 9 / 10).min(sizes.len() - 1)];
+        let windows = (r.per_step.ceil() as u32).clamp(1, MAX_WINDOWS);
+        if (ready, windows) == r.target {
+            return;
+        }
+        r.target = (ready, windows);
+        let reserve = self.bytes_for(self.shape.max_context);
+        if let Err(e) = self.arena.set_admission_prefetch(reserve, ready, windows) {
+            self.maintain_errors += 1;
+            self.last_maintain_error = Some(e.to_string());
         }
     }
 
@@ -683,6 +763,9 @@ impl KvManager for ArenaMgr {
         // While the GPU computes: bring the prefetch targets back.
         if self.mode == ArenaMode::Stream {
             self.size_precreate();
+            if self.admission_windows {
+                self.size_admission_windows();
+            }
             if let Err(e) = self.arena.maintain() {
                 self.maintain_errors += 1;
                 self.last_maintain_error = Some(e.to_string());
@@ -726,6 +809,8 @@ impl KvManager for ArenaMgr {
             ("arena_event_waits".into(), s.event_waits.to_string()),
             ("arena_pending_free_bytes".into(), s.pending_free_bytes.to_string()),
             ("arena_prefetched_bytes".into(), s.prefetched_bytes.to_string()),
+            ("admission_windows".into(), self.admission_windows.to_string()),
+            ("admission_window_target".into(), format!("[{}, {}]", self.admissions.target.0, self.admissions.target.1)),
             ("arena_final_pooled_bytes".into(), s.pooled_bytes.to_string()),
             ("arena_final_cached_mapped_bytes".into(), s.cached_mapped_bytes.to_string()),
             ("arena_mode".into(), format!("{:?}", format!("{:?}", self.mode).to_lowercase())),

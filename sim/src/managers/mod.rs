@@ -379,6 +379,20 @@ pub const ALL_MANAGERS: [&str; 9] = [
     "contiguous-max",
 ];
 
+/// Managers the replay knows but does not run unless named: comparisons.
+/// `arena-no-admission-ahead` is `arena` without admission map-ahead.
+pub const EXTRA_MANAGERS: [&str; 1] = ["arena-no-admission-ahead"];
+
+/// Whether the replay knows the manager `name`.
+pub fn is_known(name: &str) -> bool {
+    ALL_MANAGERS.contains(&name) || EXTRA_MANAGERS.contains(&name)
+}
+
+/// Every known manager name, for messages.
+pub fn known_names() -> String {
+    ALL_MANAGERS.iter().chain(EXTRA_MANAGERS.iter()).copied().collect::<Vec<_>>().join(", ")
+}
+
 /// What [`build`] needs besides the shape.
 #[derive(Clone, Copy, Debug)]
 pub struct BuildOptions {
@@ -397,6 +411,16 @@ pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvMa
         "arena" => Box::new(
             ArenaMgr::new("arena", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Stream)?
                 .with_prefix_cache(o.prefix_caching),
+        ),
+        "arena-no-admission-ahead" => Box::new(
+            ArenaMgr::new(
+                "arena-no-admission-ahead",
+                shape,
+                ArenaOptions { no_implicit_moves: false, ..arena },
+                ArenaMode::Stream,
+            )?
+            .with_prefix_cache(o.prefix_caching)
+            .without_admission_windows(),
         ),
         "arena-no-moves" => Box::new(
             ArenaMgr::new(
@@ -426,6 +450,6 @@ pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvMa
         "vllm-paged" => Box::new(VllmMgr::new(shape, cap, o.prefix_caching)?),
         "ideal-contiguous" => Box::new(IdealMgr::new("ideal-contiguous", shape, cap, None)),
         "contiguous-max" => Box::new(IdealMgr::new("contiguous-max", shape, cap, Some(o.max_tokens))),
-        other => return Err(format!("unknown manager {other:?} (known: {})", ALL_MANAGERS.join(", "))),
+        other => return Err(format!("unknown manager {other:?} (known: {})", known_names())),
     })
 }

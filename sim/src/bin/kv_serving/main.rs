@@ -99,7 +99,8 @@ struct Opts {
     /// pytorch-caching, pytorch-expandable, vllm-paged, ideal-contiguous,
     /// contiguous-max. `arena` frees on the stream, prefetches and grows the
     /// decode batch at once; `arena-sync` is the arena driven as before
-    /// (plain free, no prefetch, one resize per allocation).
+    /// (plain free, no prefetch, one resize per allocation). Named only:
+    /// `arena-no-admission-ahead`, `arena` without admission map-ahead.
     #[arg(long, value_delimiter = ',', default_values_t = ALL_MANAGERS.map(String::from))]
     managers: Vec<String>,
     /// vmm-arena's pooled-memory watermark: a size, or "all".
@@ -231,8 +232,8 @@ fn setup(o: &Opts) -> Setup {
     let tp_degree = o.tp as usize;
     let managers_given = std::env::args().any(|a| a == "--managers" || a.starts_with("--managers="));
     for m in &o.managers {
-        if !ALL_MANAGERS.contains(&m.as_str()) {
-            die(&format!("unknown manager {m:?} (known: {})", ALL_MANAGERS.join(", ")));
+        if !managers::is_known(m) {
+            die(&format!("unknown manager {m:?} (known: {})", managers::known_names()));
         }
         if tp_degree > 1 && managers_given && !tp::TP_MANAGERS.contains(&m.as_str()) {
             die(&format!("--tp replays {} only, not {m:?}", tp::TP_MANAGERS.join(" and ")));
