@@ -633,6 +633,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                 .collect();
             mgr.prepare_admissions(&front, &step_budget);
         }
+        mgr.waiting_requests(waiting.len());
         mgr.between_steps();
         let between = mgr.calls().since(&after_critical);
         work.alloc_between_s = prof.driver_s(&between);

@@ -70,6 +70,8 @@ pub struct ArenaMgr {
     admissions: AdmissionRate,
     /// Whether `Stream` mode keeps admission map-ahead windows.
     admission_windows: bool,
+    /// Requests waiting for admission as the next step is prepared.
+    waiting: usize,
 }
 
 /// Recent admissions: what the next step's admissions will likely need
@@ -237,6 +239,7 @@ impl ArenaMgr {
             growth: GrowthRate::default(),
             admissions: AdmissionRate::default(),
             admission_windows: true,
+            waiting: 0,
         })
     }
 
@@ -407,7 +410,7 @@ impl ArenaMgr {
     /// step lately (the weighted mean, rounded up, 1 to [`MAX_WINDOWS`]),
     /// each as large as the 90th percentile of the last
     /// [`ADMISSIONS_KEPT`] admitted allocations, at the places allocations
-    /// reserving a full context will be given. An admission on a decode
+    /// reserving a full context will be given; none while requests wait. An admission on a decode
     /// step (a request that arrived during the step before, when the
     /// waiting queue was empty and nothing could be prepared) then adopts
     /// chunks `maintain` mapped while the GPU computed. Window chunks are
@@ -422,8 +425,14 @@ impl ArenaMgr {
         }
         let mut sizes: Vec<u64> = r.recent.iter().copied().collect();
         sizes.sort_unstable();
-        let ready = sizes[(sizes.len() * 9 / 10).min(sizes.len() - 1)];
-        let windows = (r.per_step.ceil() as u32).clamp(1, MAX_WINDOWS);
+        // While requests wait, the next admissions are theirs: prepared
+        // between steps (`prepare_admissions`), or blocked until memory is
+        // freed; windows would only move chunks for nothing.
+        let (ready, windows) = if self.waiting > 0 {
+            (0, 0)
+        } else {
+            (sizes[(sizes.len() * 9 / 10).min(sizes.len() - 1)], (r.per_step.ceil() as u32).clamp(1, MAX_WINDOWS))
+        };
         if (ready, windows) == r.target {
             return;
         }
@@ -745,6 +754,10 @@ impl KvManager for ArenaMgr {
 
     fn gpu_finished_step(&mut self) {
         self.dev.finish_gpu_step();
+    }
+
+    fn waiting_requests(&mut self, n: usize) {
+        self.waiting = n;
     }
 
     fn between_steps(&mut self) {

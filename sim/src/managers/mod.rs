@@ -166,6 +166,9 @@ pub trait KvManager {
     }
     fn bytes_copied(&self) -> u64;
     fn moves(&self) -> u64;
+    /// How many requests wait for admission as the next step is prepared
+    /// (called just before [`KvManager::between_steps`]).
+    fn waiting_requests(&mut self, _n: usize) {}
     /// Called after the scheduler has prepared a step, while the GPU
     /// computes it: driver work here is hidden up to the step's GPU time
     /// (see `timing.rs`). The point where an engine lets the arena unmap the
