@@ -387,8 +387,14 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             s.waiting.push_front(victim.rid);
             s.preemptions += 1;
         }
-        let mut decode_kv: u64 =
-            s.running.iter().map(|r| (reqs[m][r.rid].prompt + r.done) * c.kv_bytes_per_token).sum();
+        // The step's work as `timing.rs` prices it: each decode over its
+        // context (KV read, attention FLOPs), each admission's prompt
+        // (linear and causal attention FLOPs).
+        let mut work = StepWork::default();
+        for r in &s.running {
+            let context = reqs[m][r.rid].prompt + r.done;
+            work.add_decode(context, context * c.kv_bytes_per_token);
+        }
         let decoding = !s.running.is_empty();
         // Admissions while the step's tokens and the batch allow.
         let mut prefill = 0u64;
@@ -407,17 +413,11 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             s.waiting.pop_front();
             s.resumed.remove(&rid);
             prefill += tokens;
-            decode_kv += tokens * c.kv_bytes_per_token;
+            work.add_prefill(0, tokens);
+            work.decode_kv_bytes += tokens * c.kv_bytes_per_token;
             admitted.push((rid, done));
         }
-        let driver = profile.driver_s(&kv.path_calls().since(&calls_before));
-        let work = StepWork {
-            prefill_tokens: prefill,
-            decode_kv_bytes: decode_kv,
-            decoding,
-            alloc_between_s: driver,
-            ..StepWork::default()
-        };
+        work.alloc_between_s = profile.driver_s(&kv.path_calls().since(&calls_before));
         let step = profile.step(&work);
         driver_total += step.alloc_charged_s;
         t += step.total_s;
