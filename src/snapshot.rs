@@ -23,7 +23,9 @@ use crate::arena::Stats;
 /// Renders the snapshot.
 pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
     let c = st.chunk;
-    let mut s = String::with_capacity(256 + st.by_start.len() * 160);
+    // Room for the stats (about 1.2 KiB) and every range (a live one of
+    // about 300 bytes), so that the text is built without reallocating.
+    let mut s = String::with_capacity(2048 + (2 * st.by_start.len() + 1) * 320);
     let _ = write!(
         s,
         "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"inflight_chunks\":{},\"ranges\":[",
@@ -109,11 +111,9 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                     }
                 }
                 let shared_bytes: u64 = runs.iter().map(|r| r.1).sum();
-                let runs_json: Vec<String> = runs.iter().map(|(o, l)| format!("[{o},{l}]")).collect();
-                let with_json: Vec<String> = with.iter().map(|id| id.to_string()).collect();
                 let _ = write!(
                     s,
-                    "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{},\"tag\":{},\"asleep\":{},\"backup_bytes\":{},\"shared_bytes\":{shared_bytes},\"shared_runs\":[{}],\"shares_with\":[{}]}}",
+                    "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{},\"tag\":{},\"asleep\":{},\"backup_bytes\":{},\"shared_bytes\":{shared_bytes},\"shared_runs\":[",
                     st.user_id(slot).get(),
                     a.size,
                     a.backed * c,
@@ -123,9 +123,22 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                     a.tag,
                     a.sleep.is_some(),
                     a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len()),
-                    runs_json.join(","),
-                    with_json.join(",")
                 );
+                for (i, (o, l)) in runs.iter().enumerate() {
+                    s.push_str(if i > 0 { ",[" } else { "[" });
+                    push_u64(&mut s, *o);
+                    s.push(',');
+                    push_u64(&mut s, *l);
+                    s.push(']');
+                }
+                s.push_str("],\"shares_with\":[");
+                for (i, id) in with.iter().enumerate() {
+                    if i > 0 {
+                        s.push(',');
+                    }
+                    push_u64(&mut s, *id);
+                }
+                s.push_str("]}");
             }
         }
     }
@@ -176,8 +189,39 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         if i > 0 {
             s.push(',');
         }
-        let _ = write!(s, "\"{k}\":{v}");
+        s.push('"');
+        s.push_str(k);
+        s.push_str("\":");
+        push_u64(&mut s, *v);
     }
     s.push_str("}}");
     s
+}
+
+/// Appends `v` in decimal (without `fmt`'s machinery: a snapshot holds
+/// dozens of numbers, and tests read one after every operation).
+fn push_u64(s: &mut String, mut v: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    s.push_str(std::str::from_utf8(&digits[at..]).expect("ASCII digits"));
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn push_u64_writes_decimal() {
+        for v in [0, 7, 10, 99, 100, 4096, 1 << 40, u64::MAX - 1, u64::MAX] {
+            let mut s = String::from("x");
+            super::push_u64(&mut s, v);
+            assert_eq!(s, format!("x{v}"));
+        }
+    }
 }

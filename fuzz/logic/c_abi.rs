@@ -64,7 +64,7 @@ mod batch;
 mod call;
 #[path = "c_abi/snapshot.rs"]
 mod snapshot;
-use snapshot::{json_u64, live_ranges, slab_ranges, strip_driver};
+use snapshot::{json_u64, live_ranges, ranges, stats_part, strip_driver};
 
 // The handle is opaque to C callers: a pointer to it is FFI-safe in practice.
 #[allow(improper_ctypes)]
@@ -223,6 +223,8 @@ struct Harness {
     /// The configuration's retain_bytes, and the highest peak_physical_bytes read.
     retain: u64,
     peak: u64,
+    /// Room for the next snapshot: the last one's length and a KiB.
+    snapshot_room: std::cell::Cell<usize>,
 }
 
 fn size_of_stats() -> u32 {
@@ -240,18 +242,29 @@ impl Harness {
         unsafe { buf.ptr.cast::<vmm_arena_stats>().read() }
     }
 
+    /// The snapshot's text, in one call where the last length says how
+    /// much room it needs (a spare KiB), else in two (the length, then an
+    /// exact buffer). Every byte past the NUL must stay as it was.
     fn snapshot(&self) -> String {
+        let cap = self.snapshot_room.get();
+        let mut buf = Buf::new(cap);
         let mut len = 0usize;
-        // SAFETY: live handle; cap 0 with a NULL buffer only asks the length.
-        expect("snapshot length", st(unsafe { ffi::vmm_arena_snapshot_json(self.a, null_mut(), 0, &mut len) }), &[OK]);
-        let buf = Buf::new(len);
-        let mut len2 = 0usize;
-        // SAFETY: the buffer has `len` writable bytes.
-        let s = unsafe { ffi::vmm_arena_snapshot_json(self.a, buf.ptr.cast::<c_char>(), len, &mut len2) };
+        // SAFETY: live handle; the buffer has `cap` writable bytes.
+        let s = unsafe { ffi::vmm_arena_snapshot_json(self.a, buf.ptr.cast::<c_char>(), cap, &mut len) };
         expect("snapshot", st(s), &[OK]);
-        assert_eq!(len2, len);
+        if len > cap {
+            assert!(buf.bytes().iter().all(|&b| b == 0xEE), "a snapshot too large for its buffer wrote to it");
+            buf = Buf::new(len);
+            let mut len2 = 0usize;
+            // SAFETY: the buffer has `len` writable bytes.
+            let s = unsafe { ffi::vmm_arena_snapshot_json(self.a, buf.ptr.cast::<c_char>(), len, &mut len2) };
+            expect("snapshot", st(s), &[OK]);
+            assert_eq!(len2, len);
+        }
+        self.snapshot_room.set(len + 1024);
         let b = buf.bytes();
         assert_eq!(b[len - 1], 0, "the snapshot is NUL-terminated");
+        assert!(b[len..].iter().all(|&b| b == 0xEE), "the snapshot wrote past its NUL");
         String::from_utf8(b[..len - 1].to_vec()).expect("the snapshot is UTF-8")
     }
 
@@ -347,16 +360,16 @@ impl Harness {
             assert_eq!(chunks * self.chunk, s.mapped_bytes + s.pooled_bytes, "{what}: driver chunks vs held memory");
         }
         let snap = self.snapshot();
-        if json_u64(&snap, "release_failures") == 0 {
+        let stats = stats_part(&snap);
+        if json_u64(stats, "release_failures") == 0 {
             // (A give-back that failed keeps its chunks pooled until one succeeds.)
             assert!(s.pooled_bytes <= self.retain, "{what}: pooled_bytes above retain_bytes");
         }
         // The host backend records no event: resize_on_stream is resize,
         // and quiesce_on_stream's promise holds at once.
-        assert_eq!(json_u64(&snap, "stream_shrinks"), 0, "{what}: a stream shrink on the host");
-        assert_eq!(json_u64(&snap, "quiesces"), 0, "{what}: a quiesce event on the host");
-        let ranges = live_ranges(&snap);
-        let slabs = slab_ranges(&snap);
+        assert_eq!(json_u64(stats, "stream_shrinks"), 0, "{what}: a stream shrink on the host");
+        assert_eq!(json_u64(stats, "quiesces"), 0, "{what}: a quiesce event on the host");
+        let (ranges, slabs) = ranges(&snap);
         for l in self.live.values() {
             // Small allocations live in slabs, not in ranges of their own,
             // and have their slab's tag and sleep.
@@ -592,6 +605,7 @@ fn run_with(data: &[u8], may_panic: bool) {
         resized: None,
         retain: cfg.retain_bytes,
         peak: 0,
+        snapshot_room: std::cell::Cell::new(4096),
     };
     if b.below(4) != 0 {
         let user: *mut Recorder = &mut *h.rec;

@@ -11,11 +11,10 @@
 //! are skipped (checked to be well-formed JSON), as the tree reader ignored
 //! them.
 
-use std::collections::HashMap;
-
-use super::{Kind, Range, Snap};
+use super::{stat_name, Kind, Range, Snap, StatMap};
 
 struct Lexer<'a> {
+    text: &'a str,
     b: &'a [u8],
     at: usize,
 }
@@ -45,7 +44,8 @@ impl<'a> Lexer<'a> {
         self.at += len;
         assert_eq!(self.b[self.at], b'"', "an escape in a snapshot string at byte {}", self.at);
         self.at += 1;
-        std::str::from_utf8(&self.b[start..start + len]).expect("UTF-8")
+        // Both ends are at ASCII quotes, so at character boundaries.
+        &self.text[start..start + len]
     }
 
     fn number(&mut self) -> u64 {
@@ -55,7 +55,7 @@ impl<'a> Lexer<'a> {
             self.at += 1;
         }
         assert!(self.at > start, "expected a number at byte {start}");
-        std::str::from_utf8(&self.b[start..self.at]).unwrap().parse().expect("number fits u64")
+        self.text[start..self.at].parse().expect("number fits u64")
     }
 
     fn boolean(&mut self) -> bool {
@@ -265,7 +265,7 @@ fn range<'a>(l: &mut Lexer<'a>) -> Range {
 
 /// Reads a snapshot's text (see the module doc).
 pub fn parse(text: &str) -> Snap {
-    let mut l = Lexer { b: text.as_bytes(), at: 0 };
+    let mut l = Lexer { text, b: text.as_bytes(), at: 0 };
     let (mut base, mut chunk, mut pooled, mut inflight) = (None, None, None, None);
     let mut ranges = None;
     let mut stats = None;
@@ -280,8 +280,8 @@ pub fn parse(text: &str) -> Snap {
             set(&mut ranges, rs, k);
         }
         "stats" => {
-            let mut st = HashMap::with_capacity(128);
-            l.object(|l, k| assert!(st.insert(k.to_string(), l.number()).is_none(), "duplicate key {k}"));
+            let mut st = StatMap::with_capacity_and_hasher(64, Default::default());
+            l.object(|l, k| assert!(st.insert(stat_name(k), l.number()).is_none(), "duplicate key {k}"));
             set(&mut stats, st, k);
         }
         _ => l.skip(),

@@ -7,29 +7,35 @@ use super::*;
 /// The snapshot's allocations of whole chunks: id -> (tag, asleep).
 /// (Small allocations live in slabs and have no range of their own.)
 pub(super) fn live_ranges(json: &str) -> BTreeMap<u64, (u32, bool)> {
-    json.split("{\"kind\":\"live\",")
-        .skip(1)
-        .map(|r| {
-            let r = &r[..r.find('}').expect("a range's end")];
-            let id = json_u64(r, "id");
-            let tag = u32::try_from(json_u64(r, "tag")).expect("a u32 tag");
-            let asleep = r.contains("\"asleep\":true");
-            assert!(asleep || r.contains("\"asleep\":false"), "no asleep field in {r}");
-            (id, (tag, asleep))
-        })
-        .collect()
+    ranges(json).0
 }
 
-/// The snapshot's slabs: (addr, bytes, tag, asleep).
-pub(super) fn slab_ranges(json: &str) -> Vec<(u64, u64, u32, bool)> {
-    json.split("{\"kind\":\"slab\",")
-        .skip(1)
-        .map(|r| {
-            let r = &r[..r.find('}').expect("a range's end")];
-            let tag = u32::try_from(json_u64(r, "tag")).expect("a u32 tag");
-            (json_u64(r, "addr"), json_u64(r, "bytes"), tag, r.contains("\"asleep\":true"))
-        })
-        .collect()
+/// The snapshot's allocations of whole chunks (id -> (tag, asleep)) and
+/// its slabs ((addr, bytes, tag, asleep)), in one pass over the text: a
+/// range is an object without nested objects, so every `{` after the
+/// top-level one opens a range until the stats.
+pub(super) fn ranges(json: &str) -> (BTreeMap<u64, (u32, bool)>, Vec<(u64, u64, u32, bool)>) {
+    let end = json.rfind(",\"stats\":{").expect("the snapshot's stats");
+    let (mut live, mut slabs) = (BTreeMap::new(), Vec::new());
+    for r in json[..end].split('{').skip(2) {
+        let r = &r[..r.find('}').expect("a range's end")];
+        let tag = || u32::try_from(json_u64(r, "tag")).expect("a u32 tag");
+        if r.starts_with("\"kind\":\"live\",") {
+            let asleep = r.contains("\"asleep\":true");
+            assert!(asleep || r.contains("\"asleep\":false"), "no asleep field in {r}");
+            live.insert(json_u64(r, "id"), (tag(), asleep));
+        } else if r.starts_with("\"kind\":\"slab\",") {
+            slabs.push((json_u64(r, "addr"), json_u64(r, "bytes"), tag(), r.contains("\"asleep\":true")));
+        } else {
+            assert!(r.starts_with("\"kind\":\""), "not a range: {r}");
+        }
+    }
+    (live, slabs)
+}
+
+/// The stats' part of a snapshot (what [`json_u64`] of a stat should search).
+pub(super) fn stats_part(json: &str) -> &str {
+    &json[json.rfind("\"stats\":{").expect("the snapshot's stats")..]
 }
 
 /// The snapshot without the driver counters' values (a rolled-back call
@@ -48,9 +54,19 @@ pub(super) fn strip_driver(json: &str) -> String {
     out
 }
 
-/// The JSON number after `"key":`.
+/// The JSON number after the first `"key":`.
 pub(super) fn json_u64(json: &str, key: &str) -> u64 {
-    let pat = format!("\"{key}\":");
-    let at = json.find(&pat).unwrap_or_else(|| panic!("no {key} in the snapshot")) + pat.len();
-    json[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+    // The key's occurrences, until one is quoted and followed by a colon
+    // (no pattern string built: this runs several times after every call).
+    let mut from = 0;
+    loop {
+        let i = from + json[from..].find(key).unwrap_or_else(|| panic!("no {key} in the snapshot"));
+        let end = i + key.len();
+        if json[..i].ends_with('"') && json[end..].starts_with("\":") {
+            let digits = &json[end + 2..];
+            let n = digits.find(|c: char| !c.is_ascii_digit()).unwrap_or(digits.len());
+            return digits[..n].parse().unwrap_or_else(|e| panic!("{key}: {e}"));
+        }
+        from = end;
+    }
 }
