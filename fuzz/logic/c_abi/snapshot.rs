@@ -1,6 +1,10 @@
 //! Reading the arena's JSON snapshot, as much as the C ABI fuzz target
 //! checks: live ranges, slab ranges, the snapshot without driver counters,
 //! a number.
+//!
+//! These run after every call, so they read the text in one pass where
+//! they can, splitting it at `{` and `,` (the standard library's memchr)
+//! rather than searching it once per key.
 
 use super::*;
 
@@ -10,54 +14,119 @@ pub(super) fn live_ranges(json: &str) -> BTreeMap<u64, (u32, bool)> {
     ranges(json).0
 }
 
+/// Where the snapshot's stats begin (`"stats":{`): after every range.
+fn stats_at(json: &str) -> usize {
+    json.rfind("\"stats\":{").expect("the snapshot's stats")
+}
+
+/// The `"key":value` members of an object's text without its braces, in
+/// order, with the key unquoted. A member whose value is an array yields
+/// its first element only (the rest, split at their commas, have no key).
+fn members(obj: &str) -> impl Iterator<Item = (&str, &str)> {
+    obj.split(',').filter_map(|m| {
+        let (k, v) = m.split_once(':')?;
+        Some((k.strip_prefix('"')?.strip_suffix('"')?, v))
+    })
+}
+
+fn number(key: &str, v: &str) -> u64 {
+    v.parse().unwrap_or_else(|e| panic!("{key}: {v:?}: {e}"))
+}
+
+fn boolean(key: &str, v: &str) -> bool {
+    match v {
+        "true" => true,
+        "false" => false,
+        _ => panic!("{key}: {v:?} is not a bool"),
+    }
+}
+
 /// The snapshot's allocations of whole chunks (id -> (tag, asleep)) and
 /// its slabs ((addr, bytes, tag, asleep)), in one pass over the text: a
 /// range is an object without nested objects, so every `{` after the
 /// top-level one opens a range until the stats.
 pub(super) fn ranges(json: &str) -> (BTreeMap<u64, (u32, bool)>, Vec<(u64, u64, u32, bool)>) {
-    let end = json.rfind(",\"stats\":{").expect("the snapshot's stats");
     let (mut live, mut slabs) = (BTreeMap::new(), Vec::new());
-    for r in json[..end].split('{').skip(2) {
+    for r in json[..stats_at(json)].split('{').skip(2) {
         let r = &r[..r.find('}').expect("a range's end")];
-        let tag = || u32::try_from(json_u64(r, "tag")).expect("a u32 tag");
-        if r.starts_with("\"kind\":\"live\",") {
-            let asleep = r.contains("\"asleep\":true");
-            assert!(asleep || r.contains("\"asleep\":false"), "no asleep field in {r}");
-            live.insert(json_u64(r, "id"), (tag(), asleep));
-        } else if r.starts_with("\"kind\":\"slab\",") {
-            slabs.push((json_u64(r, "addr"), json_u64(r, "bytes"), tag(), r.contains("\"asleep\":true")));
-        } else {
-            assert!(r.starts_with("\"kind\":\""), "not a range: {r}");
+        let (mut kind, mut id, mut addr, mut bytes, mut tag, mut asleep) = (None, None, None, None, None, None);
+        for (k, v) in members(r) {
+            match k {
+                "kind" => kind = Some(v),
+                "id" => id = Some(number(k, v)),
+                "addr" => addr = Some(number(k, v)),
+                "bytes" => bytes = Some(number(k, v)),
+                "tag" => tag = Some(u32::try_from(number(k, v)).expect("a u32 tag")),
+                "asleep" => asleep = Some(boolean(k, v)),
+                _ => {}
+            }
+        }
+        match kind {
+            Some("\"live\"") => {
+                live.insert(field(id, "id", r), (field(tag, "tag", r), field(asleep, "asleep", r)));
+            }
+            Some("\"slab\"") => {
+                slabs.push((field(addr, "addr", r), field(bytes, "bytes", r), field(tag, "tag", r), field(asleep, "asleep", r)))
+            }
+            Some(_) => {}
+            None => panic!("not a range: {r}"),
         }
     }
     (live, slabs)
 }
 
-/// The stats' part of a snapshot (what [`json_u64`] of a stat should search).
-pub(super) fn stats_part(json: &str) -> &str {
-    &json[json.rfind("\"stats\":{").expect("the snapshot's stats")..]
+/// A member a range must have.
+fn field<T>(v: Option<T>, key: &str, range: &str) -> T {
+    v.unwrap_or_else(|| panic!("no {key} in {range}"))
+}
+
+/// The stats' numbers named in `keys`, in that order (each must be there).
+pub(super) fn stats_u64<const N: usize>(json: &str, keys: [&str; N]) -> [u64; N] {
+    let stats = &json[stats_at(json) + "\"stats\":{".len()..];
+    let mut out = [None; N];
+    for (k, v) in members(stats.trim_end_matches('}')) {
+        if let Some(i) = keys.iter().position(|&want| want == k) {
+            out[i] = Some(number(k, v));
+        }
+    }
+    std::array::from_fn(|i| out[i].unwrap_or_else(|| panic!("no {} in the snapshot's stats", keys[i])))
 }
 
 /// The snapshot without the driver counters' values (a rolled-back call
-/// changes them: its calls and their undoing).
+/// changes them: its calls and their undoing). They are all stats: the
+/// text before the stats is kept as it is.
 pub(super) fn strip_driver(json: &str) -> String {
     // The counters of driver calls: driver_*, by thread, and of stream events.
-    const COUNTERS: [&str; 5] = ["\"driver_", "\"caller_", "\"maintain_driver_calls\"", "\"stream_frees\"", "\"event_"];
+    let counter = |k: &str| {
+        k.starts_with("driver_")
+            || k.starts_with("caller_")
+            || k.starts_with("event_")
+            || k == "maintain_driver_calls"
+            || k == "stream_frees"
+    };
+    let at = stats_at(json) + "\"stats\":{".len();
     let mut out = String::with_capacity(json.len());
-    let mut rest = json;
-    while let Some(i) = COUNTERS.iter().filter_map(|k| rest.find(k)).min() {
-        let colon = i + rest[i..].find(':').expect("a key's colon");
-        out.push_str(&rest[..=colon]);
-        rest = rest[colon + 1..].trim_start_matches(|c: char| c.is_ascii_digit());
+    out.push_str(&json[..at]);
+    for (i, m) in json[at..].split(',').enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        match m.split_once(':') {
+            Some((k, _)) if counter(k.trim_matches('"')) => {
+                out.push_str(k);
+                out.push(':');
+                // The last stat is followed by the closing braces.
+                out.extend(m.chars().filter(|&c| c == '}'));
+            }
+            _ => out.push_str(m),
+        }
     }
-    out.push_str(rest);
     out
 }
 
 /// The JSON number after the first `"key":`.
 pub(super) fn json_u64(json: &str, key: &str) -> u64 {
-    // The key's occurrences, until one is quoted and followed by a colon
-    // (no pattern string built: this runs several times after every call).
+    // The key's occurrences, until one is quoted and followed by a colon.
     let mut from = 0;
     loop {
         let i = from + json[from..].find(key).unwrap_or_else(|| panic!("no {key} in the snapshot"));
@@ -65,7 +134,7 @@ pub(super) fn json_u64(json: &str, key: &str) -> u64 {
         if json[..i].ends_with('"') && json[end..].starts_with("\":") {
             let digits = &json[end + 2..];
             let n = digits.find(|c: char| !c.is_ascii_digit()).unwrap_or(digits.len());
-            return digits[..n].parse().unwrap_or_else(|e| panic!("{key}: {e}"));
+            return number(key, &digits[..n]);
         }
         from = end;
     }
