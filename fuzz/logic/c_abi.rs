@@ -37,6 +37,8 @@
 //!   idle at once); the snapshot's `quiesces` stays 0 (no event on the host);
 //!   `vmm_arena_unquiesce` of a live id (a sleeper too) is OK, of any other
 //!   UNKNOWN_ALLOCATION, and changes nothing the model sees;
+//! - the snapshot the check reads (in one call, with room to spare) is
+//!   NUL-terminated UTF-8 and nothing after the NUL is written;
 //! - a call whose injected failure fired returns it and leaves the stats and
 //!   the snapshot as they were (but `trim`, documented to keep what it
 //!   released);

@@ -41,11 +41,14 @@ fn boolean(key: &str, v: &str) -> bool {
     }
 }
 
+/// A slab of the snapshot: (addr, bytes, tag, asleep).
+pub(super) type Slab = (u64, u64, u32, bool);
+
 /// The snapshot's allocations of whole chunks (id -> (tag, asleep)) and
 /// its slabs ((addr, bytes, tag, asleep)), in one pass over the text: a
 /// range is an object without nested objects, so every `{` after the
 /// top-level one opens a range until the stats.
-pub(super) fn ranges(json: &str) -> (BTreeMap<u64, (u32, bool)>, Vec<(u64, u64, u32, bool)>) {
+pub(super) fn ranges(json: &str) -> (BTreeMap<u64, (u32, bool)>, Vec<Slab>) {
     let (mut live, mut slabs) = (BTreeMap::new(), Vec::new());
     for r in json[..stats_at(json)].split('{').skip(2) {
         let r = &r[..r.find('}').expect("a range's end")];
@@ -65,9 +68,12 @@ pub(super) fn ranges(json: &str) -> (BTreeMap<u64, (u32, bool)>, Vec<(u64, u64, 
             Some("\"live\"") => {
                 live.insert(field(id, "id", r), (field(tag, "tag", r), field(asleep, "asleep", r)));
             }
-            Some("\"slab\"") => {
-                slabs.push((field(addr, "addr", r), field(bytes, "bytes", r), field(tag, "tag", r), field(asleep, "asleep", r)))
-            }
+            Some("\"slab\"") => slabs.push((
+                field(addr, "addr", r),
+                field(bytes, "bytes", r),
+                field(tag, "tag", r),
+                field(asleep, "asleep", r),
+            )),
             Some(_) => {}
             None => panic!("not a range: {r}"),
         }
@@ -137,5 +143,49 @@ pub(super) fn json_u64(json: &str, key: &str) -> u64 {
             return number(key, &digits[..n]);
         }
         from = end;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A snapshot's text as the library writes it, cut to a live range, a
+    /// slab, a free range and a few stats.
+    const SNAP: &str = concat!(
+        r#"{"backend":"host","base":4096,"chunk_bytes":65536,"pooled_unmapped_chunks":0,"inflight_chunks":0,"ranges":["#,
+        r#"{"kind":"live","id":7,"addr":4096,"bytes":131072,"size":131072,"mapped_bytes":131072,"#,
+        r#""pooled_mapped_bytes":0,"pinned":false,"growable":false,"tag":2,"asleep":true,"backup_bytes":0,"#,
+        r#""shared_bytes":65536,"shared_runs":[[0,65536]],"shares_with":[9,11]},"#,
+        r#"{"kind":"slab","addr":135168,"bytes":65536,"class_bytes":1024,"objects":64,"used":1,"retired_bytes":0,"#,
+        r#""pending_bytes":0,"pinned":false,"tag":1,"asleep":false,"mapped_bytes":65536,"backup_bytes":0},"#,
+        r#"{"kind":"free","addr":200704,"bytes":65536,"pooled_mapped_bytes":0}],"#,
+        r#""stats":{"live_allocations":2,"driver_creates":5,"release_failures":3,"stream_frees":4,"quiesces":0,"event_waits":6}}"#
+    );
+
+    #[test]
+    fn ranges_and_stats_are_read_from_their_members() {
+        let (live, slabs) = ranges(SNAP);
+        assert_eq!(live.into_iter().collect::<Vec<_>>(), [(7, (2, true))]);
+        assert_eq!(slabs, [(135168, 65536, 1, false)]);
+        assert_eq!(stats_u64(SNAP, ["quiesces", "release_failures"]), [0, 3]);
+        assert_eq!((json_u64(SNAP, "chunk_bytes"), json_u64(SNAP, "bytes")), (65536, 131072));
+    }
+
+    #[test]
+    fn a_live_range_without_its_asleep_member_is_refused() {
+        let cut = SNAP.replacen(r#""asleep":true,"#, "", 1);
+        assert!(std::panic::catch_unwind(|| ranges(&cut)).is_err());
+    }
+
+    #[test]
+    fn strip_driver_blanks_the_counters_only() {
+        let s = strip_driver(SNAP);
+        let (ranges_part, stats) = s.split_at(stats_at(&s));
+        assert_eq!(ranges_part, &SNAP[..stats_at(SNAP)]);
+        assert_eq!(
+            stats,
+            r#""stats":{"live_allocations":2,"driver_creates":,"release_failures":3,"stream_frees":,"quiesces":0,"event_waits":}}"#
+        );
     }
 }
