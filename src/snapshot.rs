@@ -23,7 +23,9 @@ use crate::arena::Stats;
 /// Renders the snapshot.
 pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
     let c = st.chunk;
-    let mut s = String::with_capacity(256 + st.by_start.len() * 160);
+    // Room for the stats (about 1.2 KiB) and every range (a live one of
+    // about 300 bytes), so that the text is built without reallocating.
+    let mut s = String::with_capacity(2048 + (2 * st.by_start.len() + 1) * 320);
     let _ = write!(
         s,
         "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"inflight_chunks\":{},\"ranges\":[",
@@ -51,16 +53,23 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         }
         let addr = st.addr(start);
         let bytes = len * c;
+        // Every range opens with its kind, address and size.
+        let open = |s: &mut String, kind: &str| {
+            s.push_str("{\"kind\":\"");
+            s.push_str(kind);
+            s.push('"');
+            num(s, "addr", addr);
+            num(s, "bytes", bytes);
+        };
         match kind {
             Segment::Free => {
-                let _ = write!(
-                    s,
-                    "{{\"kind\":\"free\",\"addr\":{addr},\"bytes\":{bytes},\"pooled_mapped_bytes\":{}}}",
-                    cached_in(start, start + len)
-                );
+                open(&mut s, "free");
+                num(&mut s, "pooled_mapped_bytes", cached_in(start, start + len));
+                s.push('}');
             }
             Segment::Retired => {
-                let _ = write!(s, "{{\"kind\":\"retired\",\"addr\":{addr},\"bytes\":{bytes}}}");
+                open(&mut s, "retired");
+                s.push('}');
             }
             Segment::Alloc(slot) => {
                 let a = st.alloc(slot);
@@ -68,14 +77,17 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                     // Freed on a stream (its memory waits for the event), or
                     // while a DMA-BUF of it is open (it waits for the close).
                     let waits_for = if a.owner == Owner::DmaBuf { "dmabuf" } else { "event" };
-                    let _ = write!(
-                        s,
-                        "{{\"kind\":\"pending\",\"waits_for\":\"{waits_for}\",\"addr\":{addr},\"bytes\":{bytes},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{}}}",
-                        a.backed * c,
-                        cached_in(start + a.backed, start + len)
-                    );
+                    s.push_str("{\"kind\":\"pending\",\"waits_for\":\"");
+                    s.push_str(waits_for);
+                    s.push('"');
+                    num(&mut s, "addr", addr);
+                    num(&mut s, "bytes", bytes);
+                    num(&mut s, "mapped_bytes", a.backed * c);
+                    num(&mut s, "pooled_mapped_bytes", cached_in(start + a.backed, start + len));
+                    s.push('}');
                     continue;
                 }
+                let backup_bytes = a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len() as u64);
                 if let Owner::Slab(slab) = a.owner {
                     let sl = st.small.slab(slab);
                     let live = sl.members.iter().filter(|m| m.is_some()).count() as u32;
@@ -84,18 +96,18 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                     // copy-resized objects, held until retired memory is
                     // released; `pending_bytes`: objects freed on a stream
                     // whose event has not completed.
-                    let _ = write!(
-                        s,
-                        "{{\"kind\":\"slab\",\"addr\":{addr},\"bytes\":{bytes},\"class_bytes\":{class},\"objects\":{},\"used\":{live},\"retired_bytes\":{},\"pending_bytes\":{},\"pinned\":{},\"tag\":{},\"asleep\":{},\"mapped_bytes\":{},\"backup_bytes\":{}}}",
-                        sl.members.len(),
-                        sl.retired as u64 * class,
-                        (sl.used - live - sl.retired) as u64 * class,
-                        a.pinned,
-                        sl.tag,
-                        a.sleep.is_some(),
-                        a.backed * c,
-                        a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len() as u64)
-                    );
+                    open(&mut s, "slab");
+                    num(&mut s, "class_bytes", class);
+                    num(&mut s, "objects", sl.members.len() as u64);
+                    num(&mut s, "used", live as u64);
+                    num(&mut s, "retired_bytes", sl.retired as u64 * class);
+                    num(&mut s, "pending_bytes", (sl.used - live - sl.retired) as u64 * class);
+                    flag(&mut s, "pinned", a.pinned);
+                    num(&mut s, "tag", sl.tag as u64);
+                    flag(&mut s, "asleep", a.sleep.is_some());
+                    num(&mut s, "mapped_bytes", a.backed * c);
+                    num(&mut s, "backup_bytes", backup_bytes);
+                    s.push('}');
                     continue;
                 }
                 let mut runs: Vec<(u64, u64)> = Vec::new();
@@ -108,24 +120,35 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
                         _ => runs.push(((p - start) * c, c)),
                     }
                 }
-                let shared_bytes: u64 = runs.iter().map(|r| r.1).sum();
-                let runs_json: Vec<String> = runs.iter().map(|(o, l)| format!("[{o},{l}]")).collect();
-                let with_json: Vec<String> = with.iter().map(|id| id.to_string()).collect();
-                let _ = write!(
-                    s,
-                    "{{\"kind\":\"live\",\"id\":{},\"addr\":{addr},\"bytes\":{bytes},\"size\":{},\"mapped_bytes\":{},\"pooled_mapped_bytes\":{},\"pinned\":{},\"growable\":{},\"tag\":{},\"asleep\":{},\"backup_bytes\":{},\"shared_bytes\":{shared_bytes},\"shared_runs\":[{}],\"shares_with\":[{}]}}",
-                    st.user_id(slot).get(),
-                    a.size,
-                    a.backed * c,
-                    cached_in(start + a.backed, start + len),
-                    a.pinned,
-                    a.growable,
-                    a.tag,
-                    a.sleep.is_some(),
-                    a.sleep.as_ref().and_then(|z| z.backup.as_ref()).map_or(0, |b| b.len()),
-                    runs_json.join(","),
-                    with_json.join(",")
-                );
+                s.push_str("{\"kind\":\"live\"");
+                num(&mut s, "id", st.user_id(slot).get());
+                num(&mut s, "addr", addr);
+                num(&mut s, "bytes", bytes);
+                num(&mut s, "size", a.size);
+                num(&mut s, "mapped_bytes", a.backed * c);
+                num(&mut s, "pooled_mapped_bytes", cached_in(start + a.backed, start + len));
+                flag(&mut s, "pinned", a.pinned);
+                flag(&mut s, "growable", a.growable);
+                num(&mut s, "tag", a.tag as u64);
+                flag(&mut s, "asleep", a.sleep.is_some());
+                num(&mut s, "backup_bytes", backup_bytes);
+                num(&mut s, "shared_bytes", runs.iter().map(|r| r.1).sum());
+                s.push_str(",\"shared_runs\":[");
+                for (i, (o, l)) in runs.iter().enumerate() {
+                    s.push_str(if i > 0 { ",[" } else { "[" });
+                    push_u64(&mut s, *o);
+                    s.push(',');
+                    push_u64(&mut s, *l);
+                    s.push(']');
+                }
+                s.push_str("],\"shares_with\":[");
+                for (i, id) in with.iter().enumerate() {
+                    if i > 0 {
+                        s.push(',');
+                    }
+                    push_u64(&mut s, *id);
+                }
+                s.push_str("]}");
             }
         }
     }
@@ -176,8 +199,54 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
         if i > 0 {
             s.push(',');
         }
-        let _ = write!(s, "\"{k}\":{v}");
+        s.push('"');
+        s.push_str(k);
+        s.push_str("\":");
+        push_u64(&mut s, *v);
     }
     s.push_str("}}");
     s
+}
+
+/// Appends `,"key":v`.
+fn num(s: &mut String, key: &str, v: u64) {
+    s.push_str(",\"");
+    s.push_str(key);
+    s.push_str("\":");
+    push_u64(s, v);
+}
+
+/// Appends `,"key":true` or `false`.
+fn flag(s: &mut String, key: &str, v: bool) {
+    s.push_str(",\"");
+    s.push_str(key);
+    s.push_str(if v { "\":true" } else { "\":false" });
+}
+
+/// Appends `v` in decimal (without `fmt`'s machinery: a snapshot holds
+/// dozens of numbers, and tests read one after every operation).
+fn push_u64(s: &mut String, mut v: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    s.push_str(std::str::from_utf8(&digits[at..]).expect("ASCII digits"));
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn push_u64_writes_decimal() {
+        for v in [0, 7, 10, 99, 100, 4096, 1 << 40, u64::MAX - 1, u64::MAX] {
+            let mut s = String::from("x");
+            super::push_u64(&mut s, v);
+            assert_eq!(s, format!("x{v}"));
+        }
+    }
 }

@@ -91,7 +91,7 @@ fn one_pass_reader_agrees_with_the_json_tree() {
     let Some(Json::Obj(st)) = tree.get("stats") else { panic!("no stats") };
     assert_eq!(snap.stats.len(), st.len());
     for (k, v) in st {
-        assert_eq!(Json::Num(snap.stats[k]), *v, "stat {k}");
+        assert_eq!(Json::Num(snap.stats[k.as_str()]), *v, "stat {k}");
     }
     snap.check_structure((snap.base, 64 * C));
 }

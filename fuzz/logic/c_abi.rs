@@ -37,6 +37,8 @@
 //!   idle at once); the snapshot's `quiesces` stays 0 (no event on the host);
 //!   `vmm_arena_unquiesce` of a live id (a sleeper too) is OK, of any other
 //!   UNKNOWN_ALLOCATION, and changes nothing the model sees;
+//! - the snapshot the check reads (in one call, with room to spare) is
+//!   NUL-terminated UTF-8 and nothing after the NUL is written;
 //! - a call whose injected failure fired returns it and leaves the stats and
 //!   the snapshot as they were (but `trim`, documented to keep what it
 //!   released);
@@ -64,7 +66,7 @@ mod batch;
 mod call;
 #[path = "c_abi/snapshot.rs"]
 mod snapshot;
-use snapshot::{json_u64, live_ranges, slab_ranges, strip_driver};
+use snapshot::{json_u64, live_ranges, ranges, stats_u64, strip_driver};
 
 // The handle is opaque to C callers: a pointer to it is FFI-safe in practice.
 #[allow(improper_ctypes)]
@@ -127,6 +129,13 @@ impl Drop for Buf {
         // SAFETY: allocated in `new` with this layout, freed once.
         unsafe { dealloc(self.ptr, self.layout) }
     }
+}
+
+/// Whether `b` holds only 0xEE, the fill of a fresh buffer (compared a KiB
+/// at a time: a byte loop here is instrumented code, slow under the fuzzer).
+fn untouched(b: &[u8]) -> bool {
+    const FILL: [u8; 1024] = [0xEE; 1024];
+    b.chunks(FILL.len()).all(|c| c == &FILL[..c.len()])
 }
 
 fn st(s: vmm_arena_status) -> u32 {
@@ -223,6 +232,8 @@ struct Harness {
     /// The configuration's retain_bytes, and the highest peak_physical_bytes read.
     retain: u64,
     peak: u64,
+    /// Room for the next snapshot: the last one's length and a KiB.
+    snapshot_room: std::cell::Cell<usize>,
 }
 
 fn size_of_stats() -> u32 {
@@ -240,19 +251,34 @@ impl Harness {
         unsafe { buf.ptr.cast::<vmm_arena_stats>().read() }
     }
 
+    /// The snapshot's text, in one call where the last length says how
+    /// much room it needs (a spare KiB), else in two (the length, then an
+    /// exact buffer). Every byte past the NUL must stay as it was.
     fn snapshot(&self) -> String {
+        let cap = self.snapshot_room.get();
+        // A heap buffer of exactly `cap` bytes (AddressSanitizer sees any
+        // write past it), filled with 0xEE.
+        let mut buf = vec![0xEEu8; cap];
+        buf.shrink_to_fit();
         let mut len = 0usize;
-        // SAFETY: live handle; cap 0 with a NULL buffer only asks the length.
-        expect("snapshot length", st(unsafe { ffi::vmm_arena_snapshot_json(self.a, null_mut(), 0, &mut len) }), &[OK]);
-        let buf = Buf::new(len);
-        let mut len2 = 0usize;
-        // SAFETY: the buffer has `len` writable bytes.
-        let s = unsafe { ffi::vmm_arena_snapshot_json(self.a, buf.ptr.cast::<c_char>(), len, &mut len2) };
+        // SAFETY: live handle; the buffer has `cap` writable bytes.
+        let s = unsafe { ffi::vmm_arena_snapshot_json(self.a, buf.as_mut_ptr().cast::<c_char>(), cap, &mut len) };
         expect("snapshot", st(s), &[OK]);
-        assert_eq!(len2, len);
-        let b = buf.bytes();
-        assert_eq!(b[len - 1], 0, "the snapshot is NUL-terminated");
-        String::from_utf8(b[..len - 1].to_vec()).expect("the snapshot is UTF-8")
+        if len > cap {
+            assert!(untouched(&buf), "a snapshot too large for its buffer wrote to it");
+            buf = vec![0xEEu8; len];
+            buf.shrink_to_fit();
+            let mut len2 = 0usize;
+            // SAFETY: the buffer has `len` writable bytes.
+            let s = unsafe { ffi::vmm_arena_snapshot_json(self.a, buf.as_mut_ptr().cast::<c_char>(), len, &mut len2) };
+            expect("snapshot", st(s), &[OK]);
+            assert_eq!(len2, len);
+        }
+        self.snapshot_room.set(len + 1024);
+        assert_eq!(buf[len - 1], 0, "the snapshot is NUL-terminated");
+        assert!(untouched(&buf[len..]), "the snapshot wrote past its NUL");
+        buf.truncate(len - 1);
+        String::from_utf8(buf).expect("the snapshot is UTF-8")
     }
 
     fn calls(&self) -> (u64, u64) {
@@ -347,16 +373,17 @@ impl Harness {
             assert_eq!(chunks * self.chunk, s.mapped_bytes + s.pooled_bytes, "{what}: driver chunks vs held memory");
         }
         let snap = self.snapshot();
-        if json_u64(&snap, "release_failures") == 0 {
+        let [release_failures, stream_shrinks, quiesces] =
+            stats_u64(&snap, ["release_failures", "stream_shrinks", "quiesces"]);
+        if release_failures == 0 {
             // (A give-back that failed keeps its chunks pooled until one succeeds.)
             assert!(s.pooled_bytes <= self.retain, "{what}: pooled_bytes above retain_bytes");
         }
         // The host backend records no event: resize_on_stream is resize,
         // and quiesce_on_stream's promise holds at once.
-        assert_eq!(json_u64(&snap, "stream_shrinks"), 0, "{what}: a stream shrink on the host");
-        assert_eq!(json_u64(&snap, "quiesces"), 0, "{what}: a quiesce event on the host");
-        let ranges = live_ranges(&snap);
-        let slabs = slab_ranges(&snap);
+        assert_eq!(stream_shrinks, 0, "{what}: a stream shrink on the host");
+        assert_eq!(quiesces, 0, "{what}: a quiesce event on the host");
+        let (ranges, slabs) = ranges(&snap);
         for l in self.live.values() {
             // Small allocations live in slabs, not in ranges of their own,
             // and have their slab's tag and sleep.
@@ -592,6 +619,7 @@ fn run_with(data: &[u8], may_panic: bool) {
         resized: None,
         retain: cfg.retain_bytes,
         peak: 0,
+        snapshot_room: std::cell::Cell::new(4096),
     };
     if b.below(4) != 0 {
         let user: *mut Recorder = &mut *h.rec;

@@ -46,6 +46,7 @@ const SMALL_MAX: u64 = C / 2;
 pub const MAX_OPS: usize = 96;
 
 /// Outcome counters, for the replay test's report of what the corpus reaches.
+#[allow(dead_code)] // read by the replay test, not by the fuzz target
 pub static OUTCOMES: &Mutex<BTreeMap<&'static str, u64>> = &harness::OUTCOMES;
 
 /// A size of 1..=`max_pages` chunks, not chunk-aligned in general.

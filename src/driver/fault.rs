@@ -38,7 +38,9 @@ impl FaultKind {
 
 #[derive(Debug, Default)]
 struct FaultState {
-    calls: BTreeMap<CallKind, u64>,
+    /// Calls of each kind, at the kind's place in `CallKind::ALL` (an
+    /// array: every driver call counts here, and tests make millions).
+    calls: [u64; CallKind::ALL.len()],
     /// (kind filter, the call number that fails, error kind).
     plan: Option<(Option<CallKind>, u64, FaultKind)>,
     any_calls: u64,
@@ -153,7 +155,7 @@ impl<D: Driver> FaultDriver<D> {
     pub fn fail_nth(&self, kind: Option<CallKind>, n: u64, fault: FaultKind) {
         let mut s = self.st();
         let base = match kind {
-            Some(k) => s.calls.get(&k).copied().unwrap_or(0),
+            Some(k) => s.calls[k as usize],
             None => s.any_calls,
         };
         s.plan = Some((kind, base + n.max(1), fault));
@@ -179,7 +181,7 @@ impl<D: Driver> FaultDriver<D> {
 
     /// Calls of `kind` so far.
     pub fn calls(&self, kind: CallKind) -> u64 {
-        self.st().calls.get(&kind).copied().unwrap_or(0)
+        self.st().calls[kind as usize]
     }
 
     /// Calls of every kind so far.
@@ -223,7 +225,7 @@ impl<D: Driver> FaultDriver<D> {
         }
         let mut s = self.st();
         let n = {
-            let c = s.calls.entry(kind).or_insert(0);
+            let c = &mut s.calls[kind as usize];
             *c += 1;
             *c
         };
@@ -365,6 +367,14 @@ impl<D: Driver> Driver for FaultDriver<D> {
 mod tests {
     use super::*;
     use crate::driver::mock::MockDriver;
+
+    #[test]
+    fn call_kinds_index_their_place_in_all() {
+        // `FaultState::calls` is indexed by `kind as usize`.
+        for (i, k) in CallKind::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i, "{k:?}");
+        }
+    }
 
     #[test]
     fn fails_exactly_the_nth_call_once() {

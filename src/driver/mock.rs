@@ -3,7 +3,8 @@
 //! It enforces the same rules as the host backend (`driver/rules.rs`) but
 //! makes no system call, so the whole policy runs under Miri and loom, and
 //! large-scale bookkeeping benches do not need real memory. Chunk memory is
-//! allocated lazily on first write, so a million untouched chunks cost nothing.
+//! allocated lazily, a 4 KiB page at its first write, so a million untouched
+//! chunks cost nothing and a chunk written in a few places costs a few pages.
 //!
 //! Streams: by default the mock, like the host, has none (`record_event`
 //! returns `None`: freed memory is reusable at once). [`MockDriver::with_streams`]
@@ -44,7 +45,7 @@ struct MockState {
     next_va: u64,
     next_handle: u64,
     /// Chunk contents, created on first write; absent means all zeroes.
-    data: HashMap<ChunkHandle, Vec<u8>>,
+    data: HashMap<ChunkHandle, ChunkData>,
     /// Whether `record_event` makes events (see [`MockDriver::with_streams`]).
     streams: bool,
     next_event: u64,
@@ -55,6 +56,58 @@ struct MockState {
     queues: HashMap<u64, std::collections::VecDeque<Work>>,
     /// Queued writes that found their address unmapped when they ran.
     faults: Vec<String>,
+}
+
+/// Bytes of a page of chunk contents, allocated at its first write.
+const DATA_PAGE: usize = 4096;
+
+/// One chunk's contents: pages allocated at their first write; a page
+/// never written reads as zeroes.
+#[derive(Debug)]
+struct ChunkData {
+    size: usize,
+    pages: Vec<Option<Box<[u8]>>>,
+}
+
+impl ChunkData {
+    fn new(size: usize) -> ChunkData {
+        ChunkData { size, pages: (0..size.div_ceil(DATA_PAGE)).map(|_| None).collect() }
+    }
+
+    /// The pieces of `off..off + len` in each page: (page, offset in it, bytes).
+    fn pieces(off: usize, len: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+        let mut at = off;
+        let end = off + len;
+        std::iter::from_fn(move || {
+            (at < end).then(|| {
+                let (page, in_page) = (at / DATA_PAGE, at % DATA_PAGE);
+                let n = (DATA_PAGE - in_page).min(end - at);
+                at += n;
+                (page, in_page, n)
+            })
+        })
+    }
+
+    fn read(&self, off: usize, dst: &mut [u8]) {
+        let mut at = 0;
+        for (page, in_page, n) in Self::pieces(off, dst.len()) {
+            match &self.pages[page] {
+                Some(p) => dst[at..at + n].copy_from_slice(&p[in_page..in_page + n]),
+                None => dst[at..at + n].fill(0),
+            }
+            at += n;
+        }
+    }
+
+    fn write(&mut self, off: usize, src: &[u8]) {
+        let mut at = 0;
+        for (page, in_page, n) in Self::pieces(off, src.len()) {
+            let len = DATA_PAGE.min(self.size - page * DATA_PAGE);
+            let p = self.pages[page].get_or_insert_with(|| vec![0; len].into_boxed_slice());
+            p[in_page..in_page + n].copy_from_slice(&src[at..at + n]);
+            at += n;
+        }
+    }
 }
 
 /// One item of a stream's queue.
@@ -220,8 +273,8 @@ impl MockState {
         for (h, off, len) in pieces {
             let len = len as usize;
             let size = self.rules.chunk_size(h).unwrap_or(0) as usize;
-            let d = self.data.entry(h).or_insert_with(|| vec![0; size]);
-            d[off as usize..off as usize + len].copy_from_slice(&src[at..at + len]);
+            let d = self.data.entry(h).or_insert_with(|| ChunkData::new(size));
+            d.write(off as usize, &src[at..at + len]);
             at += len;
         }
         Ok(())
@@ -317,7 +370,7 @@ impl Driver for MockDriver {
         for (h, off, len) in s.rules.resolve("read", addr, dst.len() as u64)? {
             let len = len as usize;
             match s.data.get(&h) {
-                Some(d) => dst[at..at + len].copy_from_slice(&d[off as usize..off as usize + len]),
+                Some(d) => d.read(off as usize, &mut dst[at..at + len]),
                 None => dst[at..at + len].fill(0),
             }
             at += len;
@@ -406,5 +459,26 @@ mod tests {
         d.unmap(base + 4 * 4096, 2 * 4096).unwrap();
         assert_eq!((d.live_chunks(), d.live_mappings()), (0, 0));
         d.free_reservation(base, 8 * 4096).unwrap();
+    }
+
+    #[test]
+    fn chunk_data_crosses_pages_and_reads_zeroes_where_unwritten() {
+        // A size that is not a whole number of pages: the last page is short.
+        let size = 3 * DATA_PAGE + 100;
+        let mut c = ChunkData::new(size);
+        let src: Vec<u8> = (0..2 * DATA_PAGE + 7).map(|i| (i % 251 + 1) as u8).collect();
+        c.write(DATA_PAGE - 3, &src);
+        c.write(size - 5, b"tail!");
+        assert!(c.pages[0].is_some() && c.pages[3].as_ref().unwrap().len() == 100);
+        let mut all = vec![0xAA; size];
+        c.read(0, &mut all);
+        let mut want = vec![0u8; size];
+        want[DATA_PAGE - 3..DATA_PAGE - 3 + src.len()].copy_from_slice(&src);
+        want[size - 5..].copy_from_slice(b"tail!");
+        assert_eq!(all, want);
+        let fresh = ChunkData::new(size);
+        let mut out = [0xAAu8; 9];
+        fresh.read(DATA_PAGE - 4, &mut out);
+        assert_eq!(out, [0; 9], "an unwritten page reads as zeroes");
     }
 }

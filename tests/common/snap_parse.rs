@@ -11,11 +11,10 @@
 //! are skipped (checked to be well-formed JSON), as the tree reader ignored
 //! them.
 
-use std::collections::HashMap;
-
-use super::{Kind, Range, Snap};
+use super::{stat_name, Kind, Range, Snap, StatMap};
 
 struct Lexer<'a> {
+    text: &'a str,
     b: &'a [u8],
     at: usize,
 }
@@ -41,21 +40,27 @@ impl<'a> Lexer<'a> {
     fn string(&mut self) -> &'a str {
         self.expect(b'"');
         let start = self.at;
-        let len = self.b[start..].iter().position(|&c| c == b'"' || c == b'\\').expect("an unterminated string");
-        self.at += len;
-        assert_eq!(self.b[self.at], b'"', "an escape in a snapshot string at byte {}", self.at);
-        self.at += 1;
-        std::str::from_utf8(&self.b[start..start + len]).expect("UTF-8")
+        // `str::find` (the standard library's memchr, not a byte loop of
+        // this crate's: under the fuzzer, every iteration of that is counted).
+        let len = self.text[start..].find('"').expect("an unterminated string");
+        self.at += len + 1;
+        // Both ends are at ASCII quotes, so at character boundaries.
+        let s = &self.text[start..start + len];
+        assert!(!s.contains('\\'), "an escape in a snapshot string at byte {start}");
+        s
     }
 
     fn number(&mut self) -> u64 {
         self.ws();
         let start = self.at;
+        let mut v: u64 = 0;
         while self.at < self.b.len() && self.b[self.at].is_ascii_digit() {
+            let d = (self.b[self.at] - b'0') as u64;
+            v = v.checked_mul(10).and_then(|v| v.checked_add(d)).expect("number fits u64");
             self.at += 1;
         }
         assert!(self.at > start, "expected a number at byte {start}");
-        std::str::from_utf8(&self.b[start..self.at]).unwrap().parse().expect("number fits u64")
+        v
     }
 
     fn boolean(&mut self) -> bool {
@@ -265,7 +270,7 @@ fn range<'a>(l: &mut Lexer<'a>) -> Range {
 
 /// Reads a snapshot's text (see the module doc).
 pub fn parse(text: &str) -> Snap {
-    let mut l = Lexer { b: text.as_bytes(), at: 0 };
+    let mut l = Lexer { text, b: text.as_bytes(), at: 0 };
     let (mut base, mut chunk, mut pooled, mut inflight) = (None, None, None, None);
     let mut ranges = None;
     let mut stats = None;
@@ -280,8 +285,11 @@ pub fn parse(text: &str) -> Snap {
             set(&mut ranges, rs, k);
         }
         "stats" => {
-            let mut st = HashMap::with_capacity(128);
-            l.object(|l, k| assert!(st.insert(k.to_string(), l.number()).is_none(), "duplicate key {k}"));
+            let mut st = StatMap::with_capacity_and_hasher(64, Default::default());
+            l.object(|l, k| {
+                let name = stat_name(k, st.len());
+                assert!(st.insert(name, l.number()).is_none(), "duplicate key {k}");
+            });
             set(&mut stats, st, k);
         }
         _ => l.skip(),

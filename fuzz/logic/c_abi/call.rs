@@ -452,7 +452,10 @@ impl Harness {
                 });
                 // A max_size that overflows when rounded up to the chunk is
                 // an invalid argument too, which precedes an unknown source.
-                let overflows = max.checked_next_multiple_of(c).is_none();
+                // Rounded up as the library rounds every size: `max + c - 1`
+                // must fit (with a chunk size that is no power of two, the
+                // next multiple of it may fit where that sum does not).
+                let overflows = max.checked_add(c - 1).is_none();
                 let bad_args = oid || optr || bytes == 0 || bytes % c != 0 || off % c != 0 || max < bytes || overflows;
                 // Only allocations of whole chunks (ranges of their own) can be shared.
                 let chunked = live_ranges(&self.snapshot()).contains_key(&src);

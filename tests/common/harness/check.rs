@@ -93,7 +93,15 @@ impl Harness {
             assert!(ok_size, "{what}: event size {e:?}");
             *cur = e.new_ptr;
         }
-        // Who shares with whom, as the model's chunks say.
+        // Who shares with whom, as the model's chunks say: the awake
+        // holders of each model chunk (`awake_holders`, for every chunk at
+        // once).
+        let mut holders: BTreeMap<u64, Vec<Id>> = BTreeMap::new();
+        for (&id, m) in self.live.iter().filter(|(_, m)| !m.asleep) {
+            for &k in &m.chunks {
+                holders.entry(k).or_default().push(id);
+            }
+        }
         let sharers: BTreeMap<Id, (u64, BTreeSet<u64>)> = self
             .live
             .iter()
@@ -101,10 +109,9 @@ impl Harness {
             .map(|(&id, m)| {
                 let mut pages = 0;
                 let mut with = BTreeSet::new();
-                for &k in &m.chunks {
-                    let others: Vec<u64> =
-                        self.awake_holders(k).into_iter().filter(|&(o, _)| o != id).map(|(o, _)| o.get()).collect();
-                    pages += u64::from(!others.is_empty());
+                for k in &m.chunks {
+                    let mut others = holders[k].iter().filter(|&&o| o != id).map(|o| o.get()).peekable();
+                    pages += u64::from(others.peek().is_some());
                     with.extend(others);
                 }
                 (id, (pages * c, with))

@@ -121,6 +121,6 @@ fn explained_by_event_polls(mut pre: Snap, now: &Snap, polled: bool, chunk: u64)
     if after < before || (after - before) % chunk != 0 {
         return Err(format!("{IDLE} went from {before} to {after}: a completed event only adds whole chunks"));
     }
-    pre.stats.insert(IDLE.to_string(), after);
+    pre.stats.insert(IDLE.into(), after);
     Ok(pre)
 }
