@@ -617,3 +617,36 @@ fn the_background_worker_keeps_the_targets_reaps_frees_and_stops_on_drop() {
     drop(a); // stops and joins the worker
     assert_eq!((d.live_chunks(), d.live_mappings()), (0, 0));
 }
+
+/// The worker's round is in flight (its create blocked) when an operation
+/// runs out of memory and waits for it (`pressure_waiters`: the worker
+/// starts nothing new meanwhile, finds nothing it may do, and goes to
+/// sleep); the operation then fails for good. The worker must be woken
+/// when the wait ends, not only by an operation that succeeds: otherwise
+/// it sleeps with its target unmet until some later operation happens
+/// to wake it (found by the group test on the CUDA stand-in, where a
+/// member's worker never reached its target).
+#[test]
+fn the_worker_resumes_after_an_operation_that_waited_for_its_round_fails() {
+    for _ in 0..20 {
+        let d = Gated::new();
+        let cfg = ArenaConfig { background: true, ..config(4, 64) };
+        let a = Arc::new(Arena::with_driver(d.clone(), cfg).unwrap());
+        d.armed_create.store(true, Ordering::SeqCst);
+        a.set_prefetch(2 * C, 0).unwrap();
+        d.wait_blocked(); // the worker sits in its first create
+        let t = {
+            let a = a.clone();
+            thread::spawn(move || a.alloc(5 * C))
+        };
+        // Let the allocation reach its wait for the round in flight (an
+        // ordering aid only: the assertions below hold either way).
+        thread::sleep(Duration::from_millis(20));
+        d.open();
+        let e = t.join().unwrap().unwrap_err();
+        assert!(matches!(e, vmm_arena::Error::OutOfMemory(_)), "{e}");
+        eventually("the worker's precreate target after a failed wait", || {
+            a.stats().unwrap().prefetched_bytes == 2 * C
+        });
+    }
+}

@@ -742,6 +742,18 @@ impl Shared {
             }
         }
         inner.pressure_waiters -= 1;
+        if inner.pressure_waiters == 0 {
+            // The prefetcher found nothing it might do while this waited,
+            // and the worker may have gone to sleep on that: wake it now,
+            // whatever this operation's outcome (a failed one reaches no
+            // other wake-up).
+            inner.st.prefetch_dirty = true;
+            if inner.worker_waiting {
+                inner.st.prefetch_dirty = false;
+                inner.worker_waiting = false;
+                self.work.notify_one();
+            }
+        }
         Ok(inner)
     }
 }
