@@ -616,14 +616,14 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         let mut next_budget = Budget::new(cfg.max_num_batched_tokens);
         let next_plan = plan_running(&running, &mut next_budget);
         let step_budget = StepBudget { gpu_s: prof.gpu_s(&work), profile: prof, tokens_left: next_budget.0 };
+        let next_grows: Vec<(usize, u64, u64)> = running
+            .iter()
+            .zip(&next_plan)
+            .filter(|(_, &n)| n > 0)
+            .map(|(l, &n)| (l.seq, grown_to(l, n), l.stored))
+            .collect();
         if chunked && !running.is_empty() {
-            let grows: Vec<(usize, u64, u64)> = running
-                .iter()
-                .zip(&next_plan)
-                .filter(|(_, &n)| n > 0)
-                .map(|(l, &n)| (l.seq, grown_to(l, n), l.stored))
-                .collect();
-            mgr.prepare_growth(&grows, &step_budget);
+            mgr.prepare_growth(&next_grows, &step_budget);
         }
         if running.len() < cfg.max_batch && blocked_at != Some(freed_gen) && !waiting.is_empty() && next_budget.0 > 0 {
             let front: Vec<(usize, u64, &Request)> = waiting
@@ -632,6 +632,9 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
                 .map(|&seq| (seq, requests[seq].prompt + generated[seq], &requests[seq]))
                 .collect();
             mgr.prepare_admissions(&front, &step_budget);
+        }
+        if !chunked && !next_grows.is_empty() {
+            mgr.prepare_decode_growth(&next_grows);
         }
         mgr.waiting_requests(waiting.len());
         mgr.between_steps();

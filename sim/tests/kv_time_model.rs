@@ -69,8 +69,23 @@ fn extra_field(r: &RunResult, k: &str) -> String {
 
 /// [`run`] with chunked prefill of `budget` tokens a step (0: whole prompts).
 fn run_chunked(name: &str, kvpt: u64, capacity: u64, requests: &[Request], budget: u64) -> RunResult {
+    run_mapping_ahead(name, kvpt, capacity, requests, budget, managers::DEFAULT_MAP_AHEAD)
+}
+
+/// [`run_chunked`] with `map_ahead` bytes mapped ahead of each tensor.
+fn run_mapping_ahead(
+    name: &str,
+    kvpt: u64,
+    capacity: u64,
+    requests: &[Request],
+    budget: u64,
+    map_ahead: u64,
+) -> RunResult {
     let shape = KvShape { kv_bytes_per_token: kvpt, layers: 1, layout: Layout::TokenMajor, max_context: 4096 };
-    let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 8));
+    let arena = ArenaOptions {
+        map_ahead_bytes: map_ahead,
+        ..ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 8))
+    };
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 16 };
     let mut m = managers::build(name, shape, opts).expect("manager");
     let cfg =
@@ -493,12 +508,13 @@ fn stream_frees_are_reused_within_their_step_on_the_same_stream() {
 /// it, `maintain` maps a pooled chunk ahead and creates one to refill the
 /// pool (111 µs, hidden). Step 3's free on the stream records an event.
 /// So 111 µs charged instead of 222, 622 µs hidden, 7 chunks created.
-/// (Without admission map-ahead, whose windows would move pooled chunks
-/// for an admission that never comes: see the test after the next ones.)
+/// (With a chunk mapped ahead, `--map-ahead 2MiB`, and without admission
+/// map-ahead, whose windows would move pooled chunks for an admission that
+/// never comes: see the test after the next ones.)
 #[test]
 fn prefetch_moves_driver_work_between_steps() {
     let mib = 1 << 20;
-    let r = run("arena-no-admission-ahead", mib, 64 * mib, &[req(0.0, 1, 3, &[])]);
+    let r = run_mapping_ahead("arena-no-admission-ahead", mib, 64 * mib, &[req(0.0, 1, 3, &[])], 0, 2 * mib);
     let decode = |kv: u64| (2e9 + kv as f64) / 1e12;
     let steps = [decode(mib) + 111e-6, decode(2 * mib), decode(3 * mib)];
     assert!(close(r.critical_path_alloc_s, 111e-6), "{}", r.critical_path_alloc_s);
@@ -698,4 +714,20 @@ fn an_admission_on_a_decode_step_adopts_chunks_mapped_between_steps() {
     assert_eq!(wo.map_chunks - w.map_chunks, 2, "with {w:?}, without {wo:?}");
     assert!(with.between_calls.map_chunks >= without.between_calls.map_chunks + 2);
     assert_eq!(with.peak_physical_bytes, without.peak_physical_bytes, "the same chunks held");
+}
+
+/// With no chunk mapped ahead (the default), the `arena` row makes the
+/// next step's decode growth between steps: a request decoding across
+/// chunk boundaries (2 tokens a chunk here) maps on the critical path
+/// only what its admission needs, and every later chunk between steps.
+#[test]
+fn decode_growth_is_made_between_steps_with_nothing_mapped_ahead() {
+    let mib = 1 << 20;
+    let r = run("arena-no-admission-ahead", mib, 64 * mib, &[req(0.0, 1, 8, &[])]);
+    let (c, b) = (r.critical_calls, r.between_calls);
+    assert_eq!(c.map_chunks, 1, "the admission's chunk only: {c:?}");
+    assert!(b.map_chunks >= 4, "the growth's chunks, between steps: {b:?}");
+    assert_eq!(extra_field(&r, "prepared_decode_growths"), "4");
+    let ahead = run_mapping_ahead("arena-no-admission-ahead", mib, 64 * mib, &[req(0.0, 1, 8, &[])], 0, 2 * mib);
+    assert_eq!(extra_field(&ahead, "prepared_decode_growths"), "0", "with a chunk mapped ahead, none");
 }

@@ -72,6 +72,11 @@ pub struct ArenaMgr {
     admission_windows: bool,
     /// Requests waiting for admission as the next step is prepared.
     waiting: usize,
+    /// Whole prompts: whether `Stream` mode makes the next step's decode
+    /// growth between steps (`prepare_decode_growth`: with no chunk mapped
+    /// ahead, `--map-ahead 0`), and how many growths it made so.
+    decode_growth_ahead: bool,
+    prepared_decode_growths: u64,
 }
 
 /// Recent admissions: what the next step's admissions will likely need
@@ -187,11 +192,13 @@ impl ArenaOptions {
     }
 }
 
-/// Default prefetch targets of the `arena` rows: one 2 MiB chunk mapped
-/// ahead of each growing KV tensor (a decode step grows a tensor by at most
-/// one token, so one chunk ahead always covers it), and 4 chunks created
-/// ahead for admissions.
-pub const DEFAULT_MAP_AHEAD: u64 = 2 << 20;
+/// Default prefetch targets of the `arena` rows: nothing mapped ahead of
+/// the growing KV tensors (the next step's decode growth is made between
+/// steps instead, sized to what that step needs: see
+/// [`KvManager::prepare_decode_growth`]; a chunk mapped ahead of every
+/// tensor costs a chunk of footprint per running request), and 4 chunks
+/// created ahead for admissions.
+pub const DEFAULT_MAP_AHEAD: u64 = 0;
 pub const DEFAULT_PRECREATE: u64 = 8 << 20;
 
 impl ArenaMgr {
@@ -240,6 +247,8 @@ impl ArenaMgr {
             admissions: AdmissionRate::default(),
             admission_windows: true,
             waiting: 0,
+            decode_growth_ahead: o.map_ahead_bytes == 0,
+            prepared_decode_growths: 0,
         })
     }
 
@@ -695,6 +704,39 @@ impl KvManager for ArenaMgr {
         }
     }
 
+    fn prepare_decode_growth(&mut self, grows: &[(usize, u64, u64)]) {
+        if self.mode == ArenaMode::Sync || !self.prepare || !self.decode_growth_ahead || self.staged.is_some() {
+            return;
+        }
+        let mut batch: Vec<(usize, u64, u64)> = Vec::new();
+        let mut more = 0;
+        for &(seq, tokens, stored) in grows {
+            let s = self.seqs[seq].as_ref().expect("live sequence");
+            let bytes = s.ids.len() as u64 * self.bytes_for(tokens).saturating_sub(self.bytes_for(s.cap));
+            if bytes > 0 {
+                batch.push((seq, tokens, stored));
+                more += bytes;
+            }
+        }
+        if batch.is_empty() {
+            return;
+        }
+        // The next step admits before it grows: made now, the growth must
+        // leave what those admissions may take (the prepared ones hold
+        // theirs already; a request arriving meanwhile may be as large as
+        // the largest admitted lately) and evict nothing from the prefix
+        // cache. Otherwise the step grows as before.
+        let Ok(st) = self.arena.stats() else { return };
+        let room_for_admission = self.admissions.recent.iter().copied().max().unwrap_or(0);
+        let held = st.mapped_bytes + st.pending_free_bytes;
+        if held + more + room_for_admission > st.capacity_bytes {
+            return;
+        }
+        if self.grow_batch_once(&batch).is_ok() {
+            self.prepared_decode_growths += batch.len() as u64;
+        }
+    }
+
     fn grow_batch(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
         match self.grow_batch_once(grows) {
             Err(_) if self.staged.is_some() => {
@@ -810,6 +852,7 @@ impl KvManager for ArenaMgr {
             ("staging_short_of_idle_chunks".into(), self.stage_stats.short_of_idle.to_string()),
             ("staging".into(), self.staging().to_string()),
             ("prepared_growths".into(), self.prepared_growth.0.to_string()),
+            ("prepared_decode_growths".into(), self.prepared_decode_growths.to_string()),
             ("prepared_growth_failures".into(), self.prepared_growth.1.to_string()),
             ("release_retired_syncs".into(), self.release_syncs.to_string()),
             ("arena_caller_driver_calls".into(), s.caller_driver_calls.to_string()),

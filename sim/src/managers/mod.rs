@@ -204,6 +204,14 @@ pub trait KvManager {
         let _ = (seq, q);
         0
     }
+    /// Whole prompts: called between steps, after
+    /// [`KvManager::prepare_admissions`], with the decode growth the next
+    /// step asks of every running request (as [`KvManager::prepare_growth`]
+    /// takes it), which that step makes after its admissions. A manager may
+    /// make it now where that cannot change what those admissions find (room
+    /// is left for them); the next step's growth then finds it done. Nothing
+    /// may fail here. The default does nothing.
+    fn prepare_decode_growth(&mut self, _grows: &[(usize, u64, u64)]) {}
     /// Chunked prefill: called between steps, before
     /// [`KvManager::prepare_admissions`], with the growth the next step
     /// asks of every running request (`seq`, `tokens`, `stored`, as

@@ -113,8 +113,12 @@ struct Opts {
     /// The `arena` rows' prefetch: created, unmapped chunks kept pooled.
     #[arg(long, default_value = "8MiB", value_parser = parse_size)]
     precreate: u64,
-    /// The `arena` rows' prefetch: bytes kept mapped past each KV tensor's size.
-    #[arg(long, default_value = "2MiB", value_parser = parse_size)]
+    /// The `arena` rows' prefetch: bytes kept mapped past each KV tensor's
+    /// size. At 0 (the default) the rows make the next step's decode growth
+    /// between steps instead, where that leaves room for the step's
+    /// admissions (whole prompts; chunked prefill makes all of the next
+    /// step's growth between steps either way).
+    #[arg(long, default_value = "0", value_parser = parse_size)]
     map_ahead: u64,
     /// Chunked prefill: the most tokens a step computes (prefill chunks and
     /// one per decoding request), as vLLM V1's max_num_batched_tokens (8192
