@@ -37,6 +37,7 @@ mod dmabuf;
 mod dry_run;
 #[cfg(unix)]
 mod export;
+mod group_undo;
 mod moves;
 mod page_table;
 mod pool;

@@ -1,0 +1,33 @@
+//! What a device group's undo needs beyond a resize back (`group.rs`): a
+//! reservation that a growth extended in place, trimmed back, so that the
+//! member's free ranges are as before and deterministic placement keeps
+//! every member's offsets equal.
+
+use crate::error::Result;
+use crate::id::Id;
+
+use super::{Arena, Touch};
+
+impl Arena {
+    /// Trims `id`'s reservation back to `reserved_bytes` (rounded up to
+    /// whole chunks) where a growth extended it in place: the pages beyond
+    /// become free again, and the chunks cached there stay cached (a free
+    /// page may hold a cached chunk). No driver call. Nothing changes if
+    /// the reservation is not larger, if backed pages reach past
+    /// `reserved_bytes`, or if the allocation sleeps.
+    pub(crate) fn trim_reservation(&self, id: Id, reserved_bytes: u64) -> Result<()> {
+        self.run(Touch::Nothing, |inner, _, _| {
+            let st = &mut inner.st;
+            let slot = st.lookup(id)?;
+            let keep = reserved_bytes.div_ceil(st.chunk);
+            let a = st.alloc(slot);
+            if a.reserved <= keep || a.backed > keep || a.sleep.is_some() {
+                return Ok(());
+            }
+            let (from, extra) = (a.start + keep, a.reserved - keep);
+            st.alloc_mut(slot).reserved = keep;
+            st.free.insert(from, extra);
+            Ok(())
+        })
+    }
+}
