@@ -52,7 +52,10 @@ pub unsafe extern "C" fn vmm_arena_release_retired(arena: *mut vmm_arena) -> vmm
 /// Pooled is what pooled_bytes counts: a slab holding only retired objects
 /// is given back too when the other pooled chunks are not enough (its
 /// retired objects are released then, after synchronizing the device).
-/// The retain watermark counts them the same way.
+/// The retain watermark counts them the same way. Chunks a prefetch round
+/// has in flight (vmm_arena_maintain or the background thread) count as
+/// pooled too: trim waits for that round to land (one create or one map
+/// round at most) and gives them back as well.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; `out_released` is NULL or writable.

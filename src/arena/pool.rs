@@ -34,12 +34,14 @@ impl Arena {
     ///
     /// Stream-ordered frees count as pooled while their events are pending:
     /// trim polls every pending event first (never waiting), so the memory
-    /// of those that completed goes back too.
+    /// of those that completed goes back too. Chunks a prefetch round has in
+    /// flight count as pooled too: trim first waits for the round to land
+    /// (one create or one map round at most), so that they go back as well.
     pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
         // Down to the retain watermark too, if it is lower: `run` would give
         // that back right after (pooled memory may exceed the watermark after
         // a failed give-back), and the bytes returned must count it.
-        self.run(Touch::Nothing, |inner, ctx, _| {
+        self.run(Touch::Everything, |inner, ctx, _| {
             reap(&mut inner.st, ctx, Poll::All);
             let keep = keep_bytes.min(inner.st.retain_bytes);
             trim_pool(&mut inner.st, ctx, keep)
