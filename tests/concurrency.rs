@@ -371,3 +371,37 @@ fn callbacks_of_concurrent_moves_do_not_deadlock_with_other_threads() {
         assert_eq!(*shared.lock().unwrap(), arena.stats().unwrap().moves);
     });
 }
+
+/// `try_stats` reads what `stats` reads when the lock is free, and returns
+/// `None` instead of waiting while another call holds it (here a
+/// compaction whose move callback, run under the lock, is held open).
+#[test]
+fn try_stats_never_waits_for_the_lock() {
+    let backend = test_backend();
+    let c = backend.chunk();
+    let cfg = ArenaConfig { capacity_bytes: 16 * c, reserve_bytes: 64 * c, chunk_bytes: c, ..ArenaConfig::default() };
+    let driver = backend.driver();
+    let arena = Arc::new(Arena::with_driver(driver.fault.clone(), cfg).unwrap());
+    let (a, _) = arena.alloc(c).unwrap();
+    let (_b, _) = arena.alloc(c).unwrap();
+    assert_eq!(arena.try_stats().unwrap(), Some(arena.stats().unwrap()));
+    arena.free(a).unwrap();
+    let (entered_tx, entered_rx) = mpsc::channel::<()>();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let release_rx = Mutex::new(release_rx);
+    arena
+        .set_move_callback(Some(Box::new(move |_: &MoveEvent| {
+            let _ = entered_tx.send(());
+            let _ = release_rx.lock().unwrap().recv();
+        })))
+        .unwrap();
+    let compacting = {
+        let arena = arena.clone();
+        thread::spawn(move || arena.compact().map(|r| r.moved_allocations))
+    };
+    entered_rx.recv_timeout(Duration::from_secs(60)).expect("the compaction moved b");
+    assert_eq!(arena.try_stats().unwrap(), None, "the callback holds the lock");
+    release_tx.send(()).unwrap();
+    assert!(compacting.join().unwrap().unwrap() >= 1);
+    assert!(arena.try_stats().unwrap().is_some());
+}

@@ -696,6 +696,25 @@ impl Drop for Arena {
 }
 
 impl Shared {
+    /// [`Shared::lock`] if the lock is free now, `None` if a call holds it.
+    fn try_lock(&self) -> Result<Option<MutexGuard<'_, Inner>>> {
+        let reentrant = IN_CALLBACK.with(|v| v.borrow().contains(&self.key));
+        if reentrant {
+            return Err(Error::invalid("the arena was called from inside its own move callback"));
+        }
+        let mut inner = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::WouldBlock) => return Ok(None),
+            Err(std::sync::TryLockError::Poisoned(_)) => return Err(poisoned()),
+        };
+        #[cfg(unix)]
+        {
+            let Inner { st, shares, .. } = &mut *inner;
+            shares.sweep(st);
+        }
+        Ok(Some(inner))
+    }
+
     fn lock(&self) -> Result<MutexGuard<'_, Inner>> {
         let reentrant = IN_CALLBACK.with(|v| v.borrow().contains(&self.key));
         if reentrant {

@@ -159,6 +159,17 @@ impl Arena {
         Ok(self.stats_of(&inner))
     }
 
+    /// [`Arena::stats`] if no call holds the arena's lock right now, `None`
+    /// otherwise: for a monitoring thread that must never wait on the
+    /// arena, or a driver hook that may run under the arena's own lock
+    /// (e.g. the map calls of a rollback), where `stats` would deadlock.
+    pub fn try_stats(&self) -> Result<Option<Stats>> {
+        match self.sh.try_lock()? {
+            Some(inner) => Ok(Some(self.stats_of(&inner))),
+            None => Ok(None),
+        }
+    }
+
     fn stats_of(&self, inner: &Inner) -> Stats {
         let st = &inner.st;
         let c = st.chunk;
