@@ -33,6 +33,7 @@
 
 use std::ops::Range;
 
+use super::alloc::best_fit_adopting;
 use super::state::State;
 
 /// The admission map-ahead target, in pages (see
@@ -51,29 +52,6 @@ impl AdmitAhead {
     pub fn is_off(&self) -> bool {
         self.count == 0 || self.ready == 0 || self.reserve == 0
     }
-}
-
-/// Candidates looked at per placement (as `alloc::best_fit_adopting`).
-pub(super) const PLACEMENT_CANDIDATES: usize = 16;
-
-/// The place `alloc_pages` gives a new allocation reserving `reserved`
-/// pages whose first `pages` are backed, in `free`: see the module docs.
-pub(super) fn best_fit_adopting(st: &State, free: &crate::va::FreeRanges, reserved: u64, pages: u64) -> Option<u64> {
-    let candidates = free.best_fits(reserved, PLACEMENT_CANDIDATES);
-    if st.deterministic {
-        // Placement must not depend on what the pool holds, which an
-        // aborted two-phase operation leaves different on one rank.
-        return candidates.into_iter().min();
-    }
-    let cached_at = |t: u64| st.cached.range(t..t + pages).count();
-    let mut best: Option<(usize, u64)> = None;
-    for t in candidates {
-        let n = cached_at(t);
-        if best.map_or(true, |(b, _)| n > b) {
-            best = Some((n, t));
-        }
-    }
-    best.map(|(_, t)| t)
 }
 
 /// The admission windows now: the first `ready` pages of the places the

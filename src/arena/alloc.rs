@@ -4,6 +4,7 @@
 
 use crate::compact;
 use crate::error::{Error, Result};
+use crate::va::FreeRanges;
 use crate::Id;
 
 use super::moves::{forget_retired, make_room, move_alloc, release_retired_into};
@@ -480,7 +481,7 @@ fn alloc_pages(
             return Ok(slot);
         }
     }
-    if let (false, Some(t)) = (short, best_fit_adopting(st, reserved, pages)) {
+    if let (false, Some(t)) = (short, best_fit_adopting(st, &st.free, reserved, pages)) {
         let mut plan = Plan::new(st, &[], t..t + pages, t..t + reserved)?;
         plan.execute(st, tx)?;
         plan.apply(st);
@@ -511,10 +512,25 @@ fn alloc_pages(
 /// address on ties. Each cached chunk is adopted with no driver call, where
 /// an unmapped page costs a map, a share of an access call and maybe a
 /// create (the time model's costliest calls): with fits otherwise equal,
-/// adoption is never slower. Admission map-ahead predicts placement with
-/// the same function (`admission_ahead.rs`).
-fn best_fit_adopting(st: &State, reserved: u64, pages: u64) -> Option<u64> {
-    super::admission_ahead::best_fit_adopting(st, &st.free, reserved, pages)
+/// adoption is never slower. `free` is `st.free`, or a copy of it on which
+/// admission map-ahead predicts several placements in a row
+/// (`admission_ahead.rs`).
+pub(super) fn best_fit_adopting(st: &State, free: &FreeRanges, reserved: u64, pages: u64) -> Option<u64> {
+    let candidates = free.best_fits(reserved, 16);
+    if st.deterministic {
+        // Placement must not depend on what the pool holds, which an
+        // aborted two-phase operation leaves different on one rank.
+        return candidates.into_iter().min();
+    }
+    let cached_at = |t: u64| st.cached.range(t..t + pages).count();
+    let mut best: Option<(usize, u64)> = None;
+    for t in candidates {
+        let n = cached_at(t);
+        if best.map_or(true, |(b, _)| n > b) {
+            best = Some((n, t));
+        }
+    }
+    best.map(|(_, t)| t)
 }
 
 /// Whether the slab of a small allocation (in a slab) sleeps.

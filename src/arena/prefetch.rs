@@ -348,10 +348,7 @@ fn plan_round(inner: &mut Inner) -> Option<Round> {
     // Admission windows: from the pool and spare idle chunks only (no
     // create: they are the precreated chunks, mapped where the next
     // admission will be placed).
-    let windows = std::mem::take(&mut st.admit_windows);
-    let missing = admission_ahead::first_missing(st, &windows);
-    st.admit_windows = windows;
-    if let Some(missing) = missing {
+    if let Some(missing) = admission_ahead::first_missing(st, &st.admit_windows) {
         let need = missing.len();
         let from_pool = need.min(st.pool.len());
         let spare = spare_idle(st, ahead, need - from_pool);

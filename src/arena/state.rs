@@ -22,6 +22,8 @@ use super::small::SmallTable;
 pub(crate) use super::stream::{Held, Pending};
 use super::stream_reuse::{self, StreamReuse, Taken};
 use super::txn::Txn;
+// Where the driver calls are batched; every caller knows it from here.
+pub(crate) use super::txn::runs;
 use crate::driver::{ChunkHandle, HostBuffer};
 use crate::error::{Error, Result};
 use crate::id::{IdParts, MAX_GENERATION};
@@ -779,28 +781,5 @@ impl Plan {
         if !self.adopt.is_empty() || !self.mapped.is_empty() {
             st.prefetch_dirty = true;
         }
-    }
-}
-
-/// Maximal runs of consecutive values in a sorted list.
-pub(crate) fn runs(sorted: &[u64]) -> Vec<std::ops::Range<u64>> {
-    let mut out: Vec<std::ops::Range<u64>> = Vec::new();
-    for &p in sorted {
-        match out.last_mut() {
-            Some(r) if r.end == p => r.end += 1,
-            _ => out.push(p..p + 1),
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn runs_groups_consecutive_pages() {
-        assert_eq!(runs(&[1, 2, 3, 7, 9, 10]), vec![1..4, 7..8, 9..11]);
-        assert!(runs(&[]).is_empty());
     }
 }

@@ -203,3 +203,26 @@ pub(crate) fn release(drv: &dyn Driver, counts: &Counters, h: ChunkHandle) -> Re
     bump(&counts.releases);
     Ok(())
 }
+
+/// Maximal runs of consecutive values in a sorted list.
+pub(crate) fn runs(sorted: &[u64]) -> Vec<std::ops::Range<u64>> {
+    let mut out: Vec<std::ops::Range<u64>> = Vec::new();
+    for &p in sorted {
+        match out.last_mut() {
+            Some(r) if r.end == p => r.end += 1,
+            _ => out.push(p..p + 1),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_groups_consecutive_pages() {
+        assert_eq!(runs(&[1, 2, 3, 7, 9, 10]), vec![1..4, 7..8, 9..11]);
+        assert!(runs(&[]).is_empty());
+    }
+}
