@@ -6,7 +6,9 @@
 
 use super::*;
 
+mod prefetch_sizing;
 mod staged;
+use prefetch_sizing::{AdmissionRate, GrowthRate};
 use staged::{StageStats, Staged, MAX_STAGE_WAIT};
 
 /// vmm-arena: one growable allocation per KV tensor, reserved for the
@@ -72,55 +74,9 @@ pub struct ArenaMgr {
     admission_windows: bool,
     /// Requests waiting for admission as the next step is prepared.
     waiting: usize,
-    /// Whole prompts: whether `Stream` mode makes the next step's decode
-    /// growth between steps (`prepare_decode_growth`: with no chunk mapped
-    /// ahead, `--map-ahead 0`), and how many growths it made so.
-    decode_growth_ahead: bool,
+    /// Whole prompts: growths made between steps by
+    /// `prepare_decode_growth` (with no chunk mapped ahead, `--map-ahead 0`).
     prepared_decode_growths: u64,
-}
-
-/// Recent admissions: what the next step's admissions will likely need
-/// mapped where they will be placed.
-#[derive(Clone, Debug, Default)]
-struct AdmissionRate {
-    /// Bytes of each of the last [`ADMISSIONS_KEPT`] allocations admitted.
-    recent: std::collections::VecDeque<u64>,
-    /// Allocations admitted since the last look.
-    this_step: u64,
-    /// Exponentially weighted mean of allocations admitted per step.
-    per_step: f64,
-    /// The target set last: (ready bytes, windows).
-    target: (u64, u32),
-}
-
-/// Admissions the window size is taken from.
-const ADMISSIONS_KEPT: usize = 64;
-
-/// Windows kept at most (a step admits a few requests at a time).
-const MAX_WINDOWS: u32 = 4;
-
-impl AdmissionRate {
-    fn record(&mut self, bytes: u64) {
-        if self.recent.len() == ADMISSIONS_KEPT {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(bytes);
-        self.this_step += 1;
-    }
-}
-
-/// The recent growth of the memory backing allocations, per step: the
-/// chunks an engine must have created before the next step's admissions
-/// and growth can map them without a create on the critical path.
-#[derive(Clone, Copy, Debug, Default)]
-struct GrowthRate {
-    /// Backed bytes at the last look.
-    last: u64,
-    /// Exponentially weighted mean of the per-step increase (decreases
-    /// count as none: freed memory is pooled, and serves growth at once).
-    mean: f64,
-    /// The precreate target set last.
-    target: u64,
 }
 
 /// How the engine drives the arena (see [`ArenaMgr`]).
@@ -247,7 +203,6 @@ impl ArenaMgr {
             admissions: AdmissionRate::default(),
             admission_windows: true,
             waiting: 0,
-            decode_growth_ahead: o.map_ahead_bytes == 0,
             prepared_decode_growths: 0,
         })
     }
@@ -380,77 +335,20 @@ impl ArenaMgr {
         s.pending_free_bytes == 0 || s.mapped_bytes + bytes <= s.capacity_bytes
     }
 
-    /// Sizes the chunks created ahead to the need: at least the asked-for
-    /// target, and as much as backed memory grew per step lately (the
-    /// weighted mean of the increases, half each step), so that a step's
-    /// admissions and growth find created chunks while live KV climbs,
-    /// and nothing more is held once it stops climbing (then freed
-    /// memory serves them). The pool gives way to allocations before any
-    /// request is refused (it is the first source of every plan), so it
-    /// never causes a preemption; beyond the asked-for target it is bounded
-    /// by 1/64 of the backed memory (the footprint) and by the room left
-    /// beside what is backed.
-    fn size_precreate(&mut self) {
-        let (base, map_ahead) = self.base_prefetch;
-        if base == 0 && map_ahead == 0 {
-            return; // prefetch off
-        }
-        let Ok(s) = self.arena.stats() else { return };
-        let rise = s.mapped_bytes.saturating_sub(self.growth.last) as f64;
-        self.growth.last = s.mapped_bytes;
-        self.growth.mean = 0.5 * self.growth.mean + 0.5 * rise;
-        let room = s.capacity_bytes.saturating_sub(s.mapped_bytes + s.pending_free_bytes);
-        // The footprint bound: what is created beyond the asked-for target
-        // stays within 1/64 of the backed memory (1.6 %).
-        let bound = base + s.mapped_bytes / 64;
-        let want = ((self.growth.mean as u64).min(bound)).div_ceil(self.chunk) * self.chunk;
-        let target = want.max(base).min(room.max(base));
-        if target != self.growth.target {
-            self.growth.target = target;
-            if let Err(e) = self.arena.set_prefetch(target, map_ahead) {
-                self.maintain_errors += 1;
-                self.last_maintain_error = Some(e.to_string());
+    /// The growths of `grows` that need more chunks than their requests
+    /// have, and the bytes those chunks add.
+    fn growth_needing_chunks(&self, grows: &[(usize, u64, u64)]) -> (Vec<(usize, u64, u64)>, u64) {
+        let mut batch = Vec::new();
+        let mut more = 0;
+        for &(seq, tokens, stored) in grows {
+            let s = self.seqs[seq].as_ref().expect("live sequence");
+            let bytes = s.ids.len() as u64 * self.bytes_for(tokens).saturating_sub(self.bytes_for(s.cap));
+            if bytes > 0 {
+                batch.push((seq, tokens, stored));
+                more += bytes;
             }
         }
-    }
-
-    /// Sizes the admission map-ahead windows (`Arena::set_admission_prefetch`)
-    /// to recent admissions: as many windows as allocations admitted per
-    /// step lately (the weighted mean, rounded up, 1 to [`MAX_WINDOWS`]),
-    /// each as large as the 90th percentile of the last
-    /// [`ADMISSIONS_KEPT`] admitted allocations, at the places allocations
-    /// reserving a full context will be given; none while requests wait. An admission on a decode
-    /// step (a request that arrived during the step before, when the
-    /// waiting queue was empty and nothing could be prepared) then adopts
-    /// chunks `maintain` mapped while the GPU computed. Window chunks are
-    /// the precreated ones and spare idle ones, so the footprint is what
-    /// [`ArenaMgr::size_precreate`] makes it.
-    fn size_admission_windows(&mut self) {
-        let r = &mut self.admissions;
-        r.per_step = 0.5 * r.per_step + 0.5 * r.this_step as f64;
-        r.this_step = 0;
-        if r.recent.is_empty() || self.base_prefetch == (0, 0) {
-            return;
-        }
-        let mut sizes: Vec<u64> = r.recent.iter().copied().collect();
-        sizes.sort_unstable();
-        // While requests wait, the next admissions are theirs: prepared
-        // between steps (`prepare_admissions`), or blocked until memory is
-        // freed; windows would only move chunks for nothing.
-        let (ready, windows) = if self.waiting > 0 {
-            (0, 0)
-        } else {
-            (sizes[(sizes.len() * 9 / 10).min(sizes.len() - 1)], (r.per_step.ceil() as u32).clamp(1, MAX_WINDOWS))
-        };
-        if (ready, windows) == r.target {
-            return;
-        }
-        r.target = (ready, windows);
-        let reserve = self.bytes_for(self.shape.max_context);
-        if let Err(e) = self.arena.set_admission_prefetch(reserve, ready, windows) {
-            self.maintain_errors += 1;
-            self.last_maintain_error = Some(e.to_string());
-        }
+        (batch, more)
     }
 
     /// One growth (see [`KvManager::grow`]).
@@ -669,16 +567,7 @@ impl KvManager for ArenaMgr {
         if self.mode == ArenaMode::Sync || !self.prepare {
             return;
         }
-        let mut batch: Vec<(usize, u64, u64)> = Vec::new();
-        let mut more = 0;
-        for &(seq, tokens, stored) in grows {
-            let s = self.seqs[seq].as_ref().expect("live sequence");
-            let bytes = s.ids.len() as u64 * self.bytes_for(tokens).saturating_sub(self.bytes_for(s.cap));
-            if bytes > 0 {
-                batch.push((seq, tokens, stored));
-                more += bytes;
-            }
-        }
+        let (batch, more) = self.growth_needing_chunks(grows);
         if !batch.is_empty() {
             // As for prepared admissions: memory freed on the stream in this
             // step serves the growth at once (same stream), but growth that
@@ -705,19 +594,12 @@ impl KvManager for ArenaMgr {
     }
 
     fn prepare_decode_growth(&mut self, grows: &[(usize, u64, u64)]) {
-        if self.mode == ArenaMode::Sync || !self.prepare || !self.decode_growth_ahead || self.staged.is_some() {
+        // With a chunk mapped ahead of each tensor, growth adopts it instead.
+        let mapping_ahead = self.base_prefetch.1 > 0;
+        if self.mode == ArenaMode::Sync || !self.prepare || mapping_ahead || self.staged.is_some() {
             return;
         }
-        let mut batch: Vec<(usize, u64, u64)> = Vec::new();
-        let mut more = 0;
-        for &(seq, tokens, stored) in grows {
-            let s = self.seqs[seq].as_ref().expect("live sequence");
-            let bytes = s.ids.len() as u64 * self.bytes_for(tokens).saturating_sub(self.bytes_for(s.cap));
-            if bytes > 0 {
-                batch.push((seq, tokens, stored));
-                more += bytes;
-            }
-        }
+        let (batch, more) = self.growth_needing_chunks(grows);
         if batch.is_empty() {
             return;
         }
