@@ -318,11 +318,13 @@ void test_prefetch_stream_free_resize_many() {
   // Admission map-ahead: the next growable allocation's place is mapped
   // (from the pool) by maintain; a bad count throws, the target stays.
   arena.set_prefetch(3 * K, 0);
-  arena.set_admission_prefetch(8 * K, 2 * K, 1);
-  CHECK(thrown_status([&] { arena.set_admission_prefetch(8 * K, 2 * K, 65); }) == vmm::Status::InvalidArgument);
+  // (A reservation of 16 chunks: no freed place fits it, so nothing
+  // cached waits where it lands but the window.)
+  arena.set_admission_prefetch(16 * K, 2 * K, 1);
+  CHECK(thrown_status([&] { arena.set_admission_prefetch(16 * K, 2 * K, 65); }) == vmm::Status::InvalidArgument);
   arena.maintain();
   const vmm_arena_stats before = arena.stats();
-  vmm::Allocation admitted = arena.alloc_growable(2 * K, 8 * K);
+  vmm::Allocation admitted = arena.alloc_growable(2 * K, 16 * K);
   const vmm_arena_stats after = arena.stats();
   // Its chunks were mapped and made accessible by maintain: the
   // allocation adopts them with no map and no access call.
