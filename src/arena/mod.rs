@@ -767,14 +767,21 @@ impl Shared {
             // and the worker may have gone to sleep on that: wake it now,
             // whatever this operation's outcome (a failed one reaches no
             // other wake-up).
-            inner.st.prefetch_dirty = true;
-            if inner.worker_waiting {
-                inner.st.prefetch_dirty = false;
-                inner.worker_waiting = false;
-                self.work.notify_one();
-            }
+            self.poke_worker(&mut inner);
         }
         Ok(inner)
+    }
+
+    /// There may be work for the prefetcher: the background worker, if it
+    /// is waiting, is woken now (a futex wake, no driver call); otherwise
+    /// the flag makes it look again before it next sleeps.
+    pub(super) fn poke_worker(&self, inner: &mut Inner) {
+        inner.st.prefetch_dirty = true;
+        if inner.worker_waiting {
+            inner.st.prefetch_dirty = false;
+            inner.worker_waiting = false;
+            self.work.notify_one();
+        }
     }
 }
 

@@ -119,12 +119,7 @@ impl Arena {
         let mut inner = self.lock()?;
         let c = self.chunk;
         inner.st.prefetch = (precreate_bytes.div_ceil(c), map_ahead_bytes.div_ceil(c));
-        inner.st.prefetch_dirty = true;
-        if inner.worker_waiting {
-            inner.st.prefetch_dirty = false;
-            inner.worker_waiting = false;
-            self.sh.work.notify_one();
-        }
+        self.sh.poke_worker(&mut inner);
         Ok(())
     }
 
@@ -165,12 +160,7 @@ impl Arena {
         if inner.st.admit_ahead.is_off() {
             inner.st.admit_windows.clear();
         }
-        inner.st.prefetch_dirty = true;
-        if inner.worker_waiting {
-            inner.st.prefetch_dirty = false;
-            inner.worker_waiting = false;
-            self.sh.work.notify_one();
-        }
+        self.sh.poke_worker(&mut inner);
         Ok(())
     }
 
