@@ -216,3 +216,21 @@ fn too_many_windows_are_refused_and_the_target_stays() {
     a.maintain().unwrap();
     assert_eq!(a.stats().unwrap().cached_mapped_bytes, 2 * C, "the one window asked for before");
 }
+
+/// Once an allocation takes a window's place, the chunks left past its
+/// size are its own (mapped ahead of it, or pooled in its reservation):
+/// `prefetched_bytes` counts each of them once, and never more than is
+/// pooled.
+#[test]
+fn a_window_taken_by_an_allocation_is_not_counted_twice() {
+    let a = arena(32, 256);
+    a.set_prefetch(4 * C, 2 * C).unwrap();
+    a.set_admission_prefetch(16 * C, 4 * C, 1).unwrap();
+    a.maintain().unwrap();
+    a.alloc_growable(C, 16 * C).unwrap(); // the window's first page; 3 left past it
+    let s = a.stats().unwrap();
+    assert_eq!(s.cached_mapped_bytes, 3 * C);
+    let unmapped = s.pooled_bytes - s.cached_mapped_bytes;
+    assert_eq!(s.prefetched_bytes, unmapped.min(4 * C) + 2 * C, "the pool, and two chunks mapped ahead of it");
+    assert!(s.prefetched_bytes <= s.pooled_bytes);
+}

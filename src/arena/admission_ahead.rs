@@ -96,7 +96,10 @@ pub(super) fn first_missing(st: &State, windows: &[Range<u64>]) -> Option<Vec<u6
     })
 }
 
-/// Cached pages inside the windows (prefetched chunks waiting there).
+/// Cached pages inside the windows that are still free (prefetched chunks
+/// waiting there). The windows may be a stale prediction: pages an
+/// allocation has taken since are its own (backing it, or mapped ahead of
+/// it) and are not counted here.
 pub(super) fn cached_in(st: &State, windows: &[Range<u64>]) -> u64 {
-    windows.iter().map(|w| st.cached.range(w.clone()).count() as u64).sum()
+    windows.iter().flat_map(|w| st.cached.range(w.clone())).filter(|&&p| st.free.containing(p).is_some()).count() as u64
 }
