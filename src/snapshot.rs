@@ -2,6 +2,10 @@
 //!
 //! `inflight_chunks`: chunks the prefetcher is creating or mapping outside
 //! the lock at this moment (held, counted in `pooled_bytes`).
+//! `deferred_unmap_pages`: old addresses of chunks taken by same-stream
+//! reuse, still mapped until the event of the old owner's queued work
+//! completes (each maps a chunk that another page backs too, so it adds a
+//! driver mapping but no bytes to `mapped_bytes` or `pooled_bytes`).
 //! Slabs of small allocations appear as `"kind":"slab"` ranges, the
 //! reservations of allocations freed on a stream whose event has not
 //! completed as `"kind":"pending"` (with the `mapped_bytes` they hold). A live
@@ -28,10 +32,11 @@ pub(crate) fn to_json(st: &State, stats: &Stats, backend: &str) -> String {
     let mut s = String::with_capacity(2048 + (2 * st.by_start.len() + 1) * 320);
     let _ = write!(
         s,
-        "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"inflight_chunks\":{},\"ranges\":[",
+        "{{\"backend\":\"{backend}\",\"base\":{},\"chunk_bytes\":{c},\"pooled_unmapped_chunks\":{},\"inflight_chunks\":{},\"deferred_unmap_pages\":{},\"ranges\":[",
         st.base,
         st.pool.len(),
-        st.inflight_pages
+        st.inflight_pages,
+        st.reuse.deferred.len()
     );
     let cached_in = |from: u64, to: u64| st.cached.range(from..to).count() as u64 * c;
     // Which live allocations map each shared chunk (few: built only when

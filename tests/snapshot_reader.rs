@@ -51,6 +51,7 @@ fn one_pass_reader_agrees_with_the_json_tree() {
     assert_eq!(snap.chunk, tree.u64("chunk_bytes"));
     assert_eq!(snap.pooled_unmapped_chunks, tree.u64("pooled_unmapped_chunks"));
     assert_eq!(snap.inflight_chunks, tree.u64("inflight_chunks"));
+    assert_eq!(snap.deferred_unmap_pages, tree.u64("deferred_unmap_pages"));
     let Some(Json::Arr(rs)) = tree.get("ranges") else { panic!("no ranges") };
     assert_eq!(snap.ranges.len(), rs.len());
     let mut kinds = Vec::new();

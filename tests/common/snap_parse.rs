@@ -271,7 +271,7 @@ fn range<'a>(l: &mut Lexer<'a>) -> Range {
 /// Reads a snapshot's text (see the module doc).
 pub fn parse(text: &str) -> Snap {
     let mut l = Lexer { text, b: text.as_bytes(), at: 0 };
-    let (mut base, mut chunk, mut pooled, mut inflight) = (None, None, None, None);
+    let (mut base, mut chunk, mut pooled, mut inflight, mut deferred) = (None, None, None, None, None);
     let mut ranges = None;
     let mut stats = None;
     l.object(|l, k| match k {
@@ -279,6 +279,7 @@ pub fn parse(text: &str) -> Snap {
         "chunk_bytes" => set(&mut chunk, l.number(), k),
         "pooled_unmapped_chunks" => set(&mut pooled, l.number(), k),
         "inflight_chunks" => set(&mut inflight, l.number(), k),
+        "deferred_unmap_pages" => set(&mut deferred, l.number(), k),
         "ranges" => {
             let mut rs = Vec::new();
             l.array(|l| rs.push(range(l)));
@@ -301,6 +302,7 @@ pub fn parse(text: &str) -> Snap {
         chunk: chunk.expect("field chunk_bytes: missing"),
         pooled_unmapped_chunks: pooled.expect("field pooled_unmapped_chunks: missing"),
         inflight_chunks: inflight.expect("field inflight_chunks: missing"),
+        deferred_unmap_pages: deferred.expect("field deferred_unmap_pages: missing"),
         ranges: ranges.expect("no ranges"),
         stats: stats.expect("no stats"),
     }

@@ -138,6 +138,9 @@ pub struct Snap {
     pub pooled_unmapped_chunks: u64,
     /// Chunks the prefetcher works on outside the lock (held, pooled).
     pub inflight_chunks: u64,
+    /// Old addresses of chunks taken by same-stream reuse, still mapped
+    /// (a driver mapping each, no bytes of their own).
+    pub deferred_unmap_pages: u64,
     pub ranges: Vec<Range>,
     pub stats: StatMap,
 }
@@ -232,19 +235,22 @@ impl Snap {
         at >= addr + bytes
     }
 
-    /// Pages that hold a mapping: backing pages, cached pooled chunks, retired ranges.
+    /// Pages that hold a mapping: backing pages, cached pooled chunks,
+    /// retired ranges, and old addresses same-stream reuse keeps mapped.
     pub fn mapped_pages(&self) -> u64 {
-        self.ranges
-            .iter()
-            .map(|r| match r.kind {
-                Kind::Live => r.mapped_bytes + r.pooled_mapped_bytes,
-                Kind::Slab => r.mapped_bytes,
-                Kind::Free => r.pooled_mapped_bytes,
-                Kind::Retired => r.bytes,
-                Kind::Pending => r.mapped_bytes + r.pooled_mapped_bytes,
-            })
-            .sum::<u64>()
-            / self.chunk
+        self.deferred_unmap_pages
+            + self
+                .ranges
+                .iter()
+                .map(|r| match r.kind {
+                    Kind::Live => r.mapped_bytes + r.pooled_mapped_bytes,
+                    Kind::Slab => r.mapped_bytes,
+                    Kind::Free => r.pooled_mapped_bytes,
+                    Kind::Retired => r.bytes,
+                    Kind::Pending => r.mapped_bytes + r.pooled_mapped_bytes,
+                })
+                .sum::<u64>()
+                / self.chunk
     }
 
     /// Checks the structural invariants: ranges tile the reserved range

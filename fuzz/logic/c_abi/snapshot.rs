@@ -153,7 +153,7 @@ mod tests {
     /// A snapshot's text as the library writes it, cut to a live range, a
     /// slab, a free range and a few stats.
     const SNAP: &str = concat!(
-        r#"{"backend":"host","base":4096,"chunk_bytes":65536,"pooled_unmapped_chunks":0,"inflight_chunks":0,"ranges":["#,
+        r#"{"backend":"host","base":4096,"chunk_bytes":65536,"pooled_unmapped_chunks":0,"inflight_chunks":0,"deferred_unmap_pages":0,"ranges":["#,
         r#"{"kind":"live","id":7,"addr":4096,"bytes":131072,"size":131072,"mapped_bytes":131072,"#,
         r#""pooled_mapped_bytes":0,"pinned":false,"growable":false,"tag":2,"asleep":true,"backup_bytes":0,"#,
         r#""shared_bytes":65536,"shared_runs":[[0,65536]],"shares_with":[9,11]},"#,

@@ -109,7 +109,12 @@ impl Harness {
 /// changes nothing else a snapshot shows: `idle_cached_bytes` grows, by
 /// whole chunks. Anything else (a decrease, a change with no poll, or in
 /// any other field) is left for the caller's equality check to report.
-fn explained_by_event_polls(mut pre: Snap, now: &Snap, polled: bool, chunk: u64) -> std::result::Result<Snap, String> {
+pub(super) fn explained_by_event_polls(
+    mut pre: Snap,
+    now: &Snap,
+    polled: bool,
+    chunk: u64,
+) -> std::result::Result<Snap, String> {
     const IDLE: &str = "idle_cached_bytes";
     let (before, after) = (pre.stats[IDLE], now.stats[IDLE]);
     if after == before {
