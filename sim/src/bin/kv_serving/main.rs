@@ -215,6 +215,8 @@ struct Setup {
     /// Tensor-parallel degree (1: the single-device managers).
     tp: usize,
     noise: tp::Noise,
+    /// The user's `--profile-json`, passed on to every worker process.
+    profile_json: Option<String>,
 }
 
 /// Builds the manager `name` replays: a single-device one, or with `--tp`
@@ -335,6 +337,7 @@ fn setup(o: &Opts) -> Setup {
         jobs,
         tp: tp_degree,
         noise,
+        profile_json: o.profile_json.clone(),
     }
 }
 
@@ -549,6 +552,27 @@ fn run_all(o: &Opts, s: &Setup, jobs: usize) -> Vec<RunResult> {
     run_workers(&runs, s, jobs)
 }
 
+/// A run's extra arguments with the user's `--profile-json` object merged
+/// under the run's own one (the run's fields win), or added where the run
+/// has none.
+fn with_user_profile_json(extra: &[String], user: Option<&str>) -> Vec<String> {
+    let Some(user) = user else { return extra.to_vec() };
+    let parse = |j: &str| match serde_json::from_str::<serde_json::Value>(j) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => die("--profile-json: not a JSON object"),
+    };
+    let mut out = extra.to_vec();
+    match out.iter().position(|a| a == "--profile-json") {
+        Some(i) if i + 1 < out.len() => {
+            let mut merged = parse(user);
+            merged.extend(parse(&out[i + 1]));
+            out[i + 1] = serde_json::Value::Object(merged).to_string();
+        }
+        _ => out.extend(["--profile-json".to_string(), user.to_string()]),
+    }
+    out
+}
+
 /// Runs each (manager, extra arguments) in its own worker process, `jobs`
 /// at a time.
 fn run_workers(runs: &[(String, Vec<String>)], s: &Setup, jobs: usize) -> Vec<RunResult> {
@@ -567,6 +591,13 @@ fn run_workers(runs: &[(String, Vec<String>)], s: &Setup, jobs: usize) -> Vec<Ru
             _ => base_args.push(a),
         }
     }
+    // The user's --profile-json goes to every worker, under a run's own
+    // overrides (the sweep's grid points), which win field by field.
+    let runs: Vec<(String, Vec<String>)> = runs
+        .iter()
+        .map(|(name, extra)| (name.clone(), with_user_profile_json(extra, s.profile_json.as_deref())))
+        .collect();
+    let runs = &runs[..];
     let pending = Mutex::new((0..runs.len()).collect::<std::collections::VecDeque<usize>>());
     let progress: Vec<AtomicU64> = runs.iter().map(|_| AtomicU64::new(0)).collect();
     let results: Mutex<Vec<Option<RunResult>>> = Mutex::new(vec![None; runs.len()]);
@@ -629,4 +660,24 @@ fn run_workers(runs: &[(String, Vec<String>)], s: &Setup, jobs: usize) -> Vec<Ru
         finished.store(true, Relaxed);
     });
     results.into_inner().expect("results").into_iter().map(|r| r.expect("every manager ran")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_user_profile_json;
+
+    fn args(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_users_profile_json_lies_under_a_runs_own() {
+        let user = r#"{"create_s":1.0,"map_s":2.0}"#;
+        assert_eq!(with_user_profile_json(&args(&["--x"]), None), args(&["--x"]));
+        assert_eq!(with_user_profile_json(&[], Some(user)), args(&["--profile-json", user]));
+        let merged = with_user_profile_json(&args(&["--profile-json", r#"{"map_s":3.0,"unmap_s":4.0}"#]), Some(user));
+        assert_eq!(merged[0], "--profile-json");
+        let m: serde_json::Value = serde_json::from_str(&merged[1]).unwrap();
+        assert_eq!(m, serde_json::json!({"create_s": 1.0, "map_s": 3.0, "unmap_s": 4.0}));
+    }
 }
