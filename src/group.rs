@@ -37,12 +37,15 @@
 //! member. Sizes, contents, live and mapped bytes are as before. A
 //! reservation the growth extended in place (into the free range after
 //! it) is trimmed back after the shrink, so the member's free ranges are as
-//! before. Not restored: retired ranges the growth released (to make
-//! room) stay released on the members that succeeded, so their free ranges
-//! differ from the others', and with `deterministic_placement` the next
-//! group allocation can land at different offsets on them
-//! (`tests/group_undo_model.rs`:
-//! `an_undone_growth_leaves_the_retired_ranges_as_they_were`, ignored).
+//! before. Retired ranges that the change released on an undone member (to
+//! make room) cannot be mapped back, so they are released on every member
+//! instead (`Arena::release_retired`, which synchronizes the device unless
+//! the pages are known idle), the failing member and those after it
+//! included: the members' free ranges stay alike, and with
+//! `deterministic_placement` the next group allocation lands at one offset
+//! on every member (`tests/group_undo_model.rs`:
+//! `an_undone_growth_releases_retired_ranges_on_every_member`). That is
+//! the one change an undone operation leaves on the member that failed.
 //!
 //! **Shrinks and frees** make no driver call that can fail, so a group
 //! shrink cannot fail part-way except as above, or when a member's shard
@@ -337,6 +340,7 @@ impl Group {
         let _scope = OpScope::enter(self.key)?;
         let mut ids = Vec::with_capacity(self.members.len());
         let mut ptrs = Vec::with_capacity(self.members.len());
+        let retired = self.retired_ranges();
         for (k, arena) in self.members.iter().enumerate() {
             match f(arena) {
                 Ok((id, ptr)) => {
@@ -350,6 +354,7 @@ impl Group {
                             err.undo_failures.push((j, u));
                         }
                     }
+                    self.release_retired_like_the_undone(&retired, k, &mut err);
                     return Err(err);
                 }
             }
@@ -372,6 +377,35 @@ impl Group {
         Ok((GroupId(raw), ptrs))
     }
 
+    /// Each member's retired ranges (empty for a member that cannot say:
+    /// it is left alone by the undo).
+    fn retired_ranges(&self) -> Vec<Vec<(u64, u64)>> {
+        self.members.iter().map(|a| a.retired_ranges().unwrap_or_default()).collect()
+    }
+
+    /// After the undo of an operation that failed on member `failed`: where
+    /// the change had released retired ranges (to make room) on a member it
+    /// was undone on, which the undo cannot map back, releases the retired
+    /// ranges of every member that still holds some of those it held
+    /// before, so that the members' free ranges stay alike and
+    /// deterministic placement keeps giving every member one offset. A
+    /// release that fails is reported in `undo_failures` (that member keeps
+    /// its retired ranges).
+    fn release_retired_like_the_undone(&self, before: &[Vec<(u64, u64)>], failed: usize, err: &mut GroupError) {
+        let now = self.retired_ranges();
+        let lost = |m: usize| before[m].iter().any(|r| !now[m].contains(r));
+        if !(0..failed).any(lost) {
+            return;
+        }
+        for (m, arena) in self.members.iter().enumerate() {
+            if before[m].iter().any(|r| now[m].contains(r)) {
+                if let Err(e) = arena.release_retired() {
+                    err.undo_failures.push((m, e));
+                }
+            }
+        }
+    }
+
     fn entry(&self, id: GroupId) -> GroupResult<Arc<Mutex<Entry>>> {
         let t = self.entries.lock().map_err(|_| poisoned())?;
         t.get(&id.0).cloned().ok_or_else(|| GroupError::group(Error::UnknownAllocation(id.0)))
@@ -391,6 +425,7 @@ impl Group {
         let old = e.size;
         let mut ptrs = Vec::with_capacity(self.members.len());
         let mut reserved = Vec::with_capacity(self.members.len());
+        let retired = self.retired_ranges();
         for (k, arena) in self.members.iter().enumerate() {
             // The reservation before: an undo trims one extended in place.
             reserved.push(arena.query(e.ids[k]).map(|i| i.reserved_bytes).ok());
@@ -407,6 +442,7 @@ impl Group {
                             err.undo_failures.push((j, u));
                         }
                     }
+                    self.release_retired_like_the_undone(&retired, k, &mut err);
                     return Err(err);
                 }
             }

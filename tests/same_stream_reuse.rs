@@ -76,6 +76,29 @@ fn same_stream_reuse_never_waits_and_defers_only_the_old_unmap() {
 }
 
 #[test]
+fn a_trim_gives_nothing_back_that_an_old_address_still_maps() {
+    // y takes x's chunks by same-stream reuse; x's old address stays mapped
+    // until x's free event completes. y is freed and everything trimmed
+    // while that event is still pending: giving the chunks back must unmap
+    // the old address too (after the device wait it needs), or the
+    // driver's memory outlives the release (the stand-in found 4 such
+    // mappings left after the model test's teardown).
+    let (d, a) = stream_arena(2, 16);
+    let x_ptr = freed_with_queued_work(&d, &a, 2);
+    let (y, y_ptr) = a.alloc_growable_on_stream(2 * C, 4 * C, 1).unwrap();
+    assert_ne!(y_ptr, x_ptr);
+    assert_eq!(Snap::of(&a).deferred_unmap_pages, 2);
+    a.free(y).unwrap();
+    a.trim(0).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.mapped_bytes, s.pooled_bytes), (0, 0));
+    assert_eq!(Snap::of(&a).deferred_unmap_pages, 0, "the old address is unmapped");
+    assert_eq!((d.live_chunks(), d.live_mappings()), (0, 0), "nothing left on the driver");
+    assert!(d.faults().is_empty(), "queued work found its memory gone: {:?}", d.faults());
+    Snap::of(&a).check_structure(a.va_range());
+}
+
+#[test]
 fn an_allocation_freed_on_the_stream_is_taken_over_in_place_with_no_driver_call() {
     let (d, a) = stream_arena(2, 16);
     let (x, x_ptr) = a.alloc_growable_on_stream(2 * C, 8 * C, 1).unwrap();

@@ -1160,7 +1160,9 @@ enum vmm_arena_status vmm_arena_group_member_count(struct vmm_arena_group *group
 /**
  * Allocates `size` bytes on every member (as vmm_arena_alloc), all or
  * nothing: if member k fails, members 0..k-1 free what they allocated and
- * the call returns member k's status (vmm_arena_group_last_member() is k).
+ * the call returns member k's status (vmm_arena_group_last_member() is k);
+ * retired ranges an undone allocation released to make room are released
+ * on every member, as vmm_arena_group_resize does.
  * out_ptrs receives each member's address, member order; out_ptrs_len
  * below the member count is INVALID_ARGUMENT.
  *
@@ -1194,9 +1196,12 @@ enum vmm_arena_status vmm_arena_group_alloc_growable(struct vmm_arena_group *gro
  * the call returns member k's status. A resize back is a shrink after a
  * growth, which makes no driver call that can fail: the sizes, contents
  * and mapped bytes are as before, though a member whose growth moved the
- * allocation keeps its new address (its move callback was told). Shrinks
- * never fail part-way unless a member was changed through another path.
- * out_ptrs receives each member's (maybe new) address.
+ * allocation keeps its new address (its move callback was told). Retired
+ * ranges (old addresses of moved allocations) that an undone growth
+ * released to make room cannot be mapped back: they are released on every
+ * member then, so the members' free ranges stay alike. Shrinks never fail
+ * part-way unless a member was changed through another path. out_ptrs
+ * receives each member's (maybe new) address.
  *
  * # Safety
  * `group` is NULL or a live handle; `out_ptrs` is NULL or has

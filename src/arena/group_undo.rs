@@ -1,7 +1,9 @@
 //! What a device group's undo needs beyond a resize back (`group.rs`): a
-//! reservation that a growth extended in place, trimmed back, so that the
-//! member's free ranges are as before and deterministic placement keeps
-//! every member's offsets equal.
+//! reservation that a growth extended in place, trimmed back, and the
+//! retired ranges each member holds, so that when an undone change had
+//! released them on one member they can be released on every member: the
+//! members' free ranges stay alike and deterministic placement keeps every
+//! member's offsets equal.
 
 use crate::error::Result;
 use crate::id::Id;
@@ -29,5 +31,11 @@ impl Arena {
             st.free.insert(from, extra);
             Ok(())
         })
+    }
+
+    /// The retired ranges, as (first page, pages) from the arena's base,
+    /// in address order.
+    pub(crate) fn retired_ranges(&self) -> Result<Vec<(u64, u64)>> {
+        self.run(Touch::Nothing, |inner, _, _| Ok(inner.st.retired.iter().map(|(&s, &l)| (s, l)).collect()))
     }
 }

@@ -53,8 +53,9 @@ impl Arena {
 ///
 /// A chunk about to be given back may still be mapped at retired pages
 /// (the old range of an allocation that moved and was then freed or
-/// shrunk). Its memory would outlive the release, so those pages are
-/// unmapped first — only those: a pooled chunk backs no live allocation,
+/// shrunk) or at an old address that same-stream reuse keeps mapped until
+/// its free's event completes. Its memory would outlive the release, so
+/// those pages are unmapped first — only those: a pooled chunk backs no live allocation,
 /// so no live allocation's old address loses a byte below its size, and
 /// every other retired page (and retired small object) stays valid until
 /// `release_retired`. Hence the bytes given back never exceed what was
@@ -120,8 +121,32 @@ fn give_back(st: &mut State, ctx: &Ctx<'_>, k: usize) -> std::result::Result<u64
         .flat_map(|(&s, &l)| s..s + l)
         .filter(|&p| st.mapped[p as usize].is_some_and(|h| doomed.contains(&h)))
         .collect();
+    // Old addresses that same-stream reuse keeps mapped (`stream_reuse.rs`)
+    // map chunks too: those of doomed chunks go first, as retired pages do
+    // (known idle once their event has completed; else after the device
+    // wait of `unmap`).
+    let deferred_pages: Vec<u64> = st
+        .reuse
+        .deferred
+        .keys()
+        .copied()
+        .filter(|&p| st.mapped[p as usize].is_some_and(|h| doomed.contains(&h)))
+        .collect();
+    let deferred_idle = |p: u64| {
+        let e = st.reuse.deferred[&p];
+        e == 0 || !st.pending.iter().any(|x| x.event == e)
+    };
     // Every unmap first, in one transaction (undoable until committed).
     let mut tx = ctx.txn(st);
+    for run in state::runs(&deferred_pages) {
+        let hs: Vec<_> = run.clone().map(|p| st.mapped[p as usize].expect("deferred page is mapped")).collect();
+        let unmapped =
+            if run.clone().all(deferred_idle) { tx.unmap_idle(run.start, hs) } else { tx.unmap(run.start, hs) };
+        if let Err(e) = unmapped {
+            tx.rollback();
+            return Err((e, false));
+        }
+    }
     for run in state::runs(&retired_pages).into_iter().chain(state::runs(&cached_pages)) {
         let hs: Vec<_> = run.clone().map(|p| st.mapped[p as usize].expect("page is mapped")).collect();
         let unmapped = if run.clone().all(|p| st.idle.contains(&p)) {
@@ -135,6 +160,10 @@ fn give_back(st: &mut State, ctx: &Ctx<'_>, k: usize) -> std::result::Result<u64
         }
     }
     tx.commit();
+    for &p in &deferred_pages {
+        st.reuse.deferred.remove(&p);
+        st.mapped[p as usize] = None;
+    }
     forget_retired_pages(st, &retired_pages);
     for &p in &cached_pages {
         st.cached.remove(&p);
