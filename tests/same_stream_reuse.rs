@@ -227,12 +227,28 @@ fn small_allocations_do_not_reuse_by_stream() {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { pages: u64, stream: u64 },
+    Alloc {
+        pages: u64,
+        stream: u64,
+    },
     // Growth, shrinks and frees are ordered on the allocation's own stream.
-    Grow { i: usize, pages: u64 },
-    Shrink { i: usize, pages: u64 },
-    Free { i: usize },
+    Grow {
+        i: usize,
+        pages: u64,
+    },
+    Shrink {
+        i: usize,
+        pages: u64,
+    },
+    Free {
+        i: usize,
+    },
     Complete(u64),
+    /// Every live allocation freed on its stream, then `trim(0)` while
+    /// their events (and those before) may be pending: what stays on the
+    /// driver is what the frees still hold, and no chunk given back is
+    /// still mapped at an old address of same-stream reuse.
+    FreeAllAndTrim,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -243,6 +259,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<usize>(), 1..=3u64).prop_map(|(i, pages)| Op::Shrink { i, pages }),
         3 => any::<usize>().prop_map(|i| Op::Free { i }),
         1 => s.prop_map(Op::Complete),
+        1 => Just(Op::FreeAllAndTrim),
     ]
 }
 
@@ -271,7 +288,7 @@ fn run_with(ops: Vec<Op>, broken: bool) -> Result<(), TestCaseError> {
     let mut live: Vec<Live> = Vec::new();
     let mut next_fill = 1u8;
     for op in ops {
-        match op {
+        match op.clone() {
             Op::Alloc { pages, stream } => {
                 if let Ok((id, ptr)) = a.alloc_growable_on_stream(pages * C, 8 * C, stream) {
                     let fill = next_fill;
@@ -301,9 +318,23 @@ fn run_with(ops: Vec<Op>, broken: bool) -> Result<(), TestCaseError> {
                 a.free_on_stream(l.id, l.stream).unwrap();
             }
             Op::Complete(stream) => d.complete_stream(stream),
+            Op::FreeAllAndTrim => {
+                for l in live.drain(..) {
+                    a.free_on_stream(l.id, l.stream).unwrap();
+                }
+                a.trim(0).unwrap();
+                let s = a.stats().unwrap();
+                // Pooled is what the pending frees hold (`pooled_bytes`
+                // counts them), nothing else.
+                prop_assert_eq!((s.mapped_bytes, s.pooled_bytes), (0, s.pending_free_bytes));
+                prop_assert_eq!(d.live_chunks() as u64 * C, s.pending_free_bytes, "chunks beyond the pending frees");
+            }
             _ => {}
         }
-        Snap::of(&a).check_structure(a.va_range());
+        prop_assert_eq!(d.released_but_mapped(), 0, "a chunk was given back while still mapped ({:?})", op);
+        let snap = Snap::of(&a);
+        prop_assert_eq!(d.live_mappings() as u64, snap.mapped_pages(), "driver mappings vs mapped pages ({:?})", op);
+        snap.check_structure(a.va_range());
     }
     // The streams finish in either order on a device; stream 2's work
     // first is the order in which a lagging stream-1 write would land last.

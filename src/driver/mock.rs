@@ -244,6 +244,12 @@ impl MockDriver {
     pub fn live_mappings(&self) -> usize {
         self.state().map(|s| s.rules.live_mappings()).unwrap_or(0)
     }
+
+    /// Chunks released while still mapped somewhere (their memory lives
+    /// until the last unmap).
+    pub fn released_but_mapped(&self) -> usize {
+        self.state().map(|s| s.rules.released_but_mapped()).unwrap_or(0)
+    }
 }
 
 impl MockState {

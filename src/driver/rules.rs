@@ -69,6 +69,13 @@ impl Rules {
         self.mappings.len()
     }
 
+    /// Chunks released while still mapped: their memory lives until the
+    /// last unmap (allowed by `cuMemRelease`, but the arena never means
+    /// to: a chunk it gives back is unmapped everywhere first).
+    pub fn released_but_mapped(&self) -> usize {
+        self.chunks.values().filter(|c| c.released).count()
+    }
+
     /// `cuMemAddressReserve` takes an alignment of 0 (the default) or a power
     /// of two and refuses anything else; checking it here lets host and mock
     /// runs catch a caller that would only fail on a GPU.
