@@ -444,6 +444,12 @@ mod linux {
             self.state().map(|s| s.rules.live_mappings()).unwrap_or(0)
         }
 
+        /// Chunks released while still mapped somewhere (their memory
+        /// lives until the last unmap).
+        pub fn released_but_mapped(&self) -> usize {
+            self.state().map(|s| s.rules.released_but_mapped()).unwrap_or(0)
+        }
+
         fn punch(&self, s: &mut HostState, handle: ChunkHandle) {
             // A chunk with its own memfd: closing this driver's descriptor
             // drops its reference; the memory goes once no process holds it.

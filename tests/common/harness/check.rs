@@ -61,10 +61,16 @@ impl Harness {
         assert_eq!(self.fd.live_chunks() as u64, (s["mapped_bytes"] + s["pooled_bytes"]) / c, "{what}: chunks");
         assert_eq!(self.fd.live_mappings() as u64, snap.mapped_pages(), "{what}: driver mappings vs mapped pages");
         let inner = match &self.probe {
-            Probe::Host(d) => Some((d.live_chunks(), d.live_mappings())),
-            Probe::Mock(d) => Some((d.live_chunks(), d.live_mappings())),
+            Probe::Host(d) => Some((d.live_chunks(), d.live_mappings(), d.released_but_mapped())),
+            Probe::Mock(d) => Some((d.live_chunks(), d.live_mappings(), d.released_but_mapped())),
             Probe::None => None,
         };
+        // No chunk given back while still mapped (its memory would outlive
+        // the release).
+        let inner = inner.map(|(chunks, mappings, released)| {
+            assert_eq!(released, 0, "{what}: a chunk was released while still mapped");
+            (chunks, mappings)
+        });
         if let Some(inner) = inner {
             assert_eq!(inner, (self.fd.live_chunks(), self.fd.live_mappings()), "{what}: the driver's own count");
         }
