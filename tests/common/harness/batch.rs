@@ -8,7 +8,7 @@
 use vmm_arena::{Error, Id, Status};
 
 use super::super::common::Snap;
-use super::fault::{explained_by_event_polls, Faulted};
+use super::fault::{event_looks, explained_by_event_polls, Faulted};
 use super::{count, Backend, Harness};
 
 impl Harness {
@@ -53,7 +53,7 @@ impl Harness {
         let obtainable = self.obtainable();
         let pre = self.snap.clone().without_driver_counters();
         let watermark_failed = self.watermark_failed;
-        let polls0 = self.arena.stats().unwrap().event_polls;
+        let polls0 = event_looks(&self.arena);
         self.resized_many = reqs.iter().map(|&(id, _)| (id, self.live[&id].size)).collect();
         let (r, f) = self.call("resize_many", false, |a| a.resize_many(&reqs));
         if let Faulted::RolledBack = f {
@@ -103,7 +103,7 @@ impl Harness {
                 // pages known idle (on CUDA, where events can be pending).
                 if !watermark_failed {
                     let now = Snap::of(&self.arena).without_driver_counters();
-                    let polled = self.backend == Backend::Cuda && self.arena.stats().unwrap().event_polls > polls0;
+                    let polled = self.backend == Backend::Cuda && event_looks(&self.arena) > polls0;
                     let pre = explained_by_event_polls(pre, &now, polled, self.c)
                         .unwrap_or_else(|why| panic!("a failed resize_many changed the arena: {why}"));
                     assert_eq!(now, pre, "a failed resize_many changed the arena");

@@ -34,7 +34,7 @@ impl Harness {
     ) -> (vmm_arena::Result<T>, Faulted) {
         let Some((n, kind)) = self.fault.take() else { return (f(&self.arena), Faulted::No) };
         let failures0 = self.snap.stats["release_failures"];
-        let polls0 = self.arena.stats().unwrap().event_polls;
+        let polls0 = event_looks(&self.arena);
         self.fd.fail_nth(None, n, kind);
         let r = f(&self.arena);
         let fired = !self.fd.pending();
@@ -86,7 +86,7 @@ impl Harness {
                     assert!(now.stats["pooled_bytes"] <= pre.stats["pooled_bytes"]);
                 } else {
                     count("operation rolled back after a fault");
-                    let polled = self.backend == Backend::Cuda && self.arena.stats().unwrap().event_polls > polls0;
+                    let polled = self.backend == Backend::Cuda && event_looks(&self.arena) > polls0;
                     let pre = explained_by_event_polls(pre, &now, polled, self.c)
                         .unwrap_or_else(|why| panic!("{what}: a failed call changed the arena: {why}"));
                     assert_eq!(now, pre, "{what}: a failed call changed the arena");
@@ -99,16 +99,27 @@ impl Harness {
     }
 }
 
-/// The snapshot from before a failed call, with the one change an event
-/// poll inside that call may have made applied, or why `now` differs
+/// Event polls and waits so far: a call that made any may have seen
+/// stream events complete.
+pub(super) fn event_looks(arena: &Arena) -> u64 {
+    let s = arena.stats().unwrap();
+    s.event_polls + s.event_waits
+}
+
+/// The snapshot from before a failed call, with the changes an event poll
+/// or wait inside that call may have made applied, or why `now` differs
 /// otherwise. Every arena call first polls its pending stream events (on a
 /// GPU, the only backend here whose events can be pending), and a poll that
 /// finds an event complete acts on it even if the call then fails. The
 /// events this harness makes are those of `resize_on_stream` shrinks and
-/// `quiesce_on_stream`; their completion makes cached pages known idle and
-/// changes nothing else a snapshot shows: `idle_cached_bytes` grows, by
-/// whole chunks. Anything else (a decrease, a change with no poll, or in
-/// any other field) is left for the caller's equality check to report.
+/// `quiesce_on_stream`; their completion makes cached pages known idle
+/// (`idle_cached_bytes` grows, by whole chunks), and the old addresses
+/// that same-stream reuse kept mapped for a completed event may be
+/// unmapped by a call that looks at events, also one that then fails
+/// (`deferred_unmap_pages` falls: housekeeping of pages no work uses). It
+/// changes nothing else a snapshot shows. Anything else (another change, a
+/// change with no poll, or in any other field) is left for the caller's
+/// equality check to report.
 pub(super) fn explained_by_event_polls(
     mut pre: Snap,
     now: &Snap,
@@ -116,6 +127,16 @@ pub(super) fn explained_by_event_polls(
     chunk: u64,
 ) -> std::result::Result<Snap, String> {
     const IDLE: &str = "idle_cached_bytes";
+    // Old addresses whose event has completed (now, or at an earlier
+    // call's poll) may be unmapped by any call that looks at events
+    // (`stream_reuse::unmap_completed`, also before a failure): never more.
+    if now.deferred_unmap_pages > pre.deferred_unmap_pages {
+        return Err(format!(
+            "deferred_unmap_pages went from {} to {}: a failed call only unmaps them",
+            pre.deferred_unmap_pages, now.deferred_unmap_pages
+        ));
+    }
+    pre.deferred_unmap_pages = now.deferred_unmap_pages;
     let (before, after) = (pre.stats[IDLE], now.stats[IDLE]);
     if after == before {
         return Ok(pre);
