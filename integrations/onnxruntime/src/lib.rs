@@ -1,0 +1,40 @@
+//! ONNX Runtime on vmm-arena: an OrtAllocator over vmm-arena's C ABI,
+//! registered on ONNX Runtime's environment so that its CPU kernels take
+//! their tensors from the arena, plus what the tests and the benchmark need
+//! (loading the onnxruntime wheel's library, sessions of the decoder model,
+//! the model file, the process's resident memory).
+
+pub mod allocator;
+pub mod arena;
+pub mod model;
+pub mod runtime;
+
+pub use allocator::{session_allocator_stats, AllocatorCounters, ArenaAllocator, Registration, SetupError};
+pub use arena::{Arena, ArenaConfig, ArenaError, ArenaStats};
+pub use runtime::{Ort, OrtError, Session, SessionConfig};
+
+/// This process's resident set (VmRSS) in bytes.
+pub fn rss_bytes() -> u64 {
+    status_kib("VmRSS:") * 1024
+}
+
+/// This process's peak resident set (VmHWM) in bytes since start or
+/// `reset_peak_rss`.
+pub fn peak_rss_bytes() -> u64 {
+    status_kib("VmHWM:") * 1024
+}
+
+/// Resets VmHWM to the current resident set (Linux: clear_refs 5).
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn status_kib(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse().ok())
+        .unwrap_or(0)
+}
