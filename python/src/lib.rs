@@ -15,79 +15,69 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use pyo3::create_exception;
-use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyDict};
+use pyo3::types::{PyCapsule, PyDict, PyType};
 
 use vmm_arena::{Arena as RArena, ArenaConfig, Backend, Error, Id, Status, ALL_TAGS, SLEEP_BACKUP};
 
 mod dlpack;
 use dlpack::*;
 
-create_exception!(_vmm_arena, VmmArenaError, PyException, "Base of every error the arena reports.");
-create_exception!(
-    _vmm_arena,
-    InvalidArgument,
-    VmmArenaError,
-    "A bad argument: wrong type, out of range, not allowed here."
-);
-create_exception!(_vmm_arena, OutOfMemory, VmmArenaError, "The capacity (or the device) has no room for the request.");
-create_exception!(
-    _vmm_arena,
-    OutOfAddressSpace,
-    VmmArenaError,
-    "The reserved virtual range has no room for the request."
-);
-create_exception!(
-    _vmm_arena,
-    UnknownAllocation,
-    VmmArenaError,
-    "The allocation was freed, or belongs to another arena."
-);
-create_exception!(
-    _vmm_arena,
-    Pinned,
-    VmmArenaError,
-    "The allocation is pinned (or has DLPack views alive) and cannot move."
-);
-create_exception!(_vmm_arena, Asleep, VmmArenaError, "The allocation sleeps: wake its tag first.");
-create_exception!(_vmm_arena, Unsupported, VmmArenaError, "Not supported by this backend.");
-create_exception!(_vmm_arena, DriverError, VmmArenaError, "The driver refused a call.");
-create_exception!(_vmm_arena, InternalError, VmmArenaError, "A bug in the library (reported, never a crash).");
+/// An exception of `vmm_arena.errors` (defined in Python, so that it pickles
+/// and `InvalidArgument` can be a `ValueError` too) carrying `msg`.
+fn py_err(kind: &str, msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    Python::with_gil(|py| {
+        let class = py.import("vmm_arena.errors").and_then(|m| m.getattr(kind));
+        match class.and_then(|c| c.downcast_into::<PyType>().map_err(PyErr::from)) {
+            Ok(c) => PyErr::from_type(c, msg),
+            Err(e) => e,
+        }
+    })
+}
 
 fn to_py(e: Error) -> PyErr {
     let m = e.to_string();
     match e.status() {
-        Status::InvalidArgument => InvalidArgument::new_err(m),
-        Status::OutOfMemory => OutOfMemory::new_err(m),
-        Status::OutOfAddressSpace => OutOfAddressSpace::new_err(m),
-        Status::UnknownAllocation => UnknownAllocation::new_err(m),
-        Status::Pinned => Pinned::new_err(m),
-        Status::Asleep => Asleep::new_err(m),
-        Status::Unsupported => Unsupported::new_err(m),
-        Status::Driver => DriverError::new_err(m),
-        _ => InternalError::new_err(m),
+        Status::InvalidArgument => py_err("InvalidArgument", m),
+        Status::OutOfMemory => py_err("OutOfMemory", m),
+        Status::OutOfAddressSpace => py_err("OutOfAddressSpace", m),
+        Status::UnknownAllocation => py_err("UnknownAllocation", m),
+        Status::Pinned => py_err("Pinned", m),
+        Status::Asleep => py_err("Asleep", m),
+        Status::Unsupported => py_err("Unsupported", m),
+        Status::Driver => py_err("DriverError", m),
+        _ => py_err("InternalError", m),
     }
 }
 
-/// A non-negative integer that fits in 64 bits, else `InvalidArgument`.
+/// A non-negative integer that fits in 64 bits: a wrong type is
+/// `InvalidType` (a `TypeError`), a number out of range `InvalidArgument`.
 fn u64_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    if v.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(InvalidArgument::new_err(format!("{name} must be an int, not a bool")));
+    if v.is_instance_of::<pyo3::types::PyBool>() || !v.is_instance_of::<pyo3::types::PyInt>() {
+        let ty = v.get_type().name().map_or("?".into(), |n| n.to_string());
+        return Err(py_err("InvalidType", format!("{name} must be an int, not {ty}")));
     }
-    let n: i128 = v.extract().map_err(|_| {
-        InvalidArgument::new_err(format!(
-            "{name} must be an int, not {}",
-            v.get_type().name().map_or("?".into(), |n| n.to_string())
-        ))
-    })?;
-    u64::try_from(n).map_err(|_| InvalidArgument::new_err(format!("{name} = {n} is out of range (0 .. 2**64)")))
+    match v.extract::<u64>() {
+        Ok(n) => Ok(n),
+        Err(_) => Err(py_err("InvalidArgument", format!("{name} = {v} is out of range (0 .. 2**64)"))),
+    }
+}
+
+/// A positive size, or `default` for None (0 would silently mean a default).
+fn opt_positive(v: Option<&Bound<'_, PyAny>>, name: &str, default: u64) -> PyResult<u64> {
+    match v {
+        Some(v) if !v.is_none() => match u64_arg(v, name)? {
+            0 => Err(py_err("InvalidArgument", format!("{name} = 0: give a positive size, or None for the default"))),
+            n => Ok(n),
+        },
+        _ => Ok(default),
+    }
 }
 
 fn u32_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
     let n = u64_arg(v, name)?;
-    u32::try_from(n).map_err(|_| InvalidArgument::new_err(format!("{name} = {n} is out of range (0 .. 2**32)")))
+    u32::try_from(n).map_err(|_| py_err("InvalidArgument", format!("{name} = {n} is out of range (0 .. 2**32)")))
 }
 
 fn opt_u64(v: Option<&Bound<'_, PyAny>>, name: &str, default: u64) -> PyResult<u64> {
@@ -154,20 +144,20 @@ fn id_of(v: &Bound<'_, PyAny>, arena: &Arc<Shared>) -> PyResult<Id> {
     if let Ok(a) = v.downcast::<Allocation>() {
         let a = a.borrow();
         if !Arc::ptr_eq(&a.shared, arena) {
-            return Err(UnknownAllocation::new_err("the allocation belongs to another arena"));
+            return Err(py_err("UnknownAllocation", "the allocation belongs to another arena"));
         }
-        return Id::from_raw(a.id).ok_or_else(|| UnknownAllocation::new_err("id 0"));
+        return Id::from_raw(a.id).ok_or_else(|| py_err("UnknownAllocation", "id 0"));
     }
     if let Ok(b) = v.downcast::<Buffer>() {
         let b = b.borrow();
         let a = b.as_super();
         if !Arc::ptr_eq(&a.shared, arena) {
-            return Err(UnknownAllocation::new_err("the buffer belongs to another arena"));
+            return Err(py_err("UnknownAllocation", "the buffer belongs to another arena"));
         }
-        return Id::from_raw(a.id).ok_or_else(|| UnknownAllocation::new_err("id 0"));
+        return Id::from_raw(a.id).ok_or_else(|| py_err("UnknownAllocation", "id 0"));
     }
     let raw = u64_arg(v, "id")?;
-    Id::from_raw(raw).ok_or_else(|| UnknownAllocation::new_err("id 0 is never issued"))
+    Id::from_raw(raw).ok_or_else(|| py_err("UnknownAllocation", "id 0 is never issued"))
 }
 
 /// An arena over the CUDA backend (`backend="cuda"`) or host memory
@@ -180,12 +170,12 @@ struct Arena {
 #[pymethods]
 impl Arena {
     #[new]
-    #[pyo3(signature = (*, backend="host", device=0, capacity_bytes=None, reserve_bytes=None, chunk_bytes=None, retain_bytes=None, no_implicit_moves=false, background=false))]
+    #[pyo3(signature = (*, backend="host", device=None, capacity_bytes=None, reserve_bytes=None, chunk_bytes=None, retain_bytes=None, no_implicit_moves=false, background=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         backend: &str,
-        device: i32,
+        device: Option<&Bound<'_, PyAny>>,
         capacity_bytes: Option<&Bound<'_, PyAny>>,
         reserve_bytes: Option<&Bound<'_, PyAny>>,
         chunk_bytes: Option<&Bound<'_, PyAny>>,
@@ -198,17 +188,21 @@ impl Arena {
             "host" => Backend::Host,
             "host-sparse" => Backend::HostSparse,
             other => {
-                return Err(InvalidArgument::new_err(format!(
-                    "backend {other:?}: one of 'cuda', 'host', 'host-sparse'"
-                )))
+                return Err(py_err(
+                    "InvalidArgument",
+                    format!("backend {other:?}: one of 'cuda', 'host', 'host-sparse'"),
+                ))
             }
         };
+        let device = opt_u64(device, "device", 0)?;
+        let device = i32::try_from(device)
+            .map_err(|_| py_err("InvalidArgument", format!("device = {device} is out of range (0 .. 2**31)")))?;
         let config = ArenaConfig {
             backend,
             device,
-            capacity_bytes: opt_u64(capacity_bytes, "capacity_bytes", 0)?,
-            reserve_bytes: opt_u64(reserve_bytes, "reserve_bytes", 0)?,
-            chunk_bytes: opt_u64(chunk_bytes, "chunk_bytes", 0)?,
+            capacity_bytes: opt_positive(capacity_bytes, "capacity_bytes", 0)?,
+            reserve_bytes: opt_positive(reserve_bytes, "reserve_bytes", 0)?,
+            chunk_bytes: opt_positive(chunk_bytes, "chunk_bytes", 0)?,
             retain_bytes: opt_u64(retain_bytes, "retain_bytes", u64::MAX)?,
             no_implicit_moves,
             exportable: false,
@@ -354,7 +348,7 @@ impl Arena {
             Some(f) if f.is_none(py) => None,
             Some(f) => {
                 if !f.bind(py).is_callable() {
-                    return Err(InvalidArgument::new_err("the move callback must be callable"));
+                    return Err(py_err("InvalidArgument", "the move callback must be callable"));
                 }
                 Some(Box::new(move |e: &vmm_arena::MoveEvent| {
                     Python::with_gil(|py| {
@@ -379,7 +373,7 @@ impl Arena {
 
 fn free_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, stream: Option<u64>) -> PyResult<()> {
     if shared.views(id.get()) > 0 {
-        return Err(Pinned::new_err(format!("{:#x} has DLPack views alive: release them before freeing", id.get())));
+        return Err(py_err("Pinned", format!("{:#x} has DLPack views alive: release them before freeing", id.get())));
     }
     py.allow_threads(|| match stream {
         None => shared.arena.free(id),
@@ -396,10 +390,13 @@ fn resize_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, new_size: u64) -> PyR
     if shared.views(id.get()) > 0 {
         let size = py.allow_threads(|| shared.arena.query(id)).map_err(to_py)?.size;
         if new_size < size {
-            return Err(Pinned::new_err(format!(
-                "{:#x} has DLPack views alive over its {size} bytes: it cannot shrink until they are released",
-                id.get()
-            )));
+            return Err(py_err(
+                "Pinned",
+                format!(
+                    "{:#x} has DLPack views alive over its {size} bytes: it cannot shrink until they are released",
+                    id.get()
+                ),
+            ));
         }
     }
     py.allow_threads(|| shared.arena.resize(id, new_size)).map_err(to_py)
@@ -415,7 +412,7 @@ struct Allocation {
 
 impl Allocation {
     fn rid(&self) -> PyResult<Id> {
-        Id::from_raw(self.id).ok_or_else(|| UnknownAllocation::new_err("id 0"))
+        Id::from_raw(self.id).ok_or_else(|| py_err("UnknownAllocation", "id 0"))
     }
 
     fn info(&self, py: Python<'_>) -> PyResult<vmm_arena::AllocInfo> {
@@ -474,20 +471,36 @@ impl Allocation {
     fn free_on_stream(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
         free_id(py, &self.shared, self.rid()?, Some(u64_arg(stream, "stream")?))
     }
-    /// Pins it: it never moves until unpinned.
+    /// Pins it: it never moves until unpinned. A sleeping one raises
+    /// `Asleep` (DLPack views alive or not).
     fn pin(&self, py: Python<'_>) -> PyResult<()> {
-        let _ = self.info(py)?;
+        if self.info(py)?.asleep {
+            return Err(py_err("Asleep", format!("{:#x} sleeps: wake its tag before pinning it", self.id)));
+        }
         self.shared.change(self.id, |p| p.user = true).map_err(to_py)
     }
     fn unpin(&self, py: Python<'_>) -> PyResult<()> {
         let _ = self.info(py)?;
         self.shared.change(self.id, |p| p.user = false).map_err(to_py)
     }
-    /// Copies `data` (bytes-like) in at `offset`.
+    /// Copies `data` in at `offset`: any bytes-like object (bytes,
+    /// bytearray, memoryview, array.array, a numpy array: its bytes in C
+    /// order, whatever its item type).
     #[pyo3(signature = (data, offset=None))]
-    fn write(&self, py: Python<'_>, data: &[u8], offset: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let (id, off) = (self.rid()?, opt_u64(offset, "offset", 0)?);
-        py.allow_threads(|| self.shared.arena.write(id, off, data)).map_err(to_py)
+        let owned;
+        let bytes: &[u8] = if let Ok(b) = data.downcast::<pyo3::types::PyBytes>() {
+            b.as_bytes()
+        } else {
+            let view = pyo3::types::PyMemoryView::from(data).map_err(|_| {
+                let ty = data.get_type().name().map_or("?".into(), |n| n.to_string());
+                py_err("InvalidType", format!("data must be a bytes-like object, not {ty}"))
+            })?;
+            owned = view.call_method0("tobytes")?.downcast_into::<pyo3::types::PyBytes>()?;
+            owned.as_bytes()
+        };
+        py.allow_threads(|| self.shared.arena.write(id, off, bytes)).map_err(to_py)
     }
     /// `length` bytes from `offset` (default: all of it).
     #[pyo3(signature = (offset=None, length=None))]
@@ -501,9 +514,9 @@ impl Allocation {
         let off = opt_u64(offset, "offset", 0)?;
         let size = self.info(py)?.size;
         let len = opt_u64(length, "length", size.saturating_sub(off))?;
-        let len = usize::try_from(len).map_err(|_| InvalidArgument::new_err("length too large"))?;
+        let len = usize::try_from(len).map_err(|_| py_err("InvalidArgument", "length too large"))?;
         if len as u64 > size {
-            return Err(InvalidArgument::new_err(format!("length {len} exceeds the allocation's {size} bytes")));
+            return Err(py_err("InvalidArgument", format!("length {len} exceeds the allocation's {size} bytes")));
         }
         let mut out = vec![0u8; len];
         py.allow_threads(|| self.shared.arena.read(id, off, &mut out)).map_err(to_py)?;
@@ -551,9 +564,9 @@ impl Buffer {
         let a = slf.as_super();
         let info = a.info(py)?;
         if info.asleep {
-            return Err(Asleep::new_err(format!("{:#x} sleeps: wake its tag before viewing it", a.id)));
+            return Err(py_err("Asleep", format!("{:#x} sleeps: wake its tag before viewing it", a.id)));
         }
-        let len = i64::try_from(info.size).map_err(|_| InvalidArgument::new_err("too large"))?;
+        let len = i64::try_from(info.size).map_err(|_| py_err("InvalidArgument", "too large"))?;
         // Pinned from here until the consumer releases the view.
         a.shared.change(a.id, |p| p.views += 1).map_err(to_py)?;
         // The address after pinning (pinning does not move it).
@@ -651,25 +664,10 @@ fn _pinned_by_views(a: PyRef<'_, Allocation>) -> bool {
 
 #[pymodule]
 fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
     m.add_class::<Arena>()?;
     m.add_class::<Allocation>()?;
     m.add_class::<Buffer>()?;
     m.add_function(wrap_pyfunction!(_pinned_by_views, m)?)?;
     m.add("ALL_TAGS", ALL_TAGS)?;
-    for (name, e) in [
-        ("VmmArenaError", py.get_type::<VmmArenaError>()),
-        ("InvalidArgument", py.get_type::<InvalidArgument>()),
-        ("OutOfMemory", py.get_type::<OutOfMemory>()),
-        ("OutOfAddressSpace", py.get_type::<OutOfAddressSpace>()),
-        ("UnknownAllocation", py.get_type::<UnknownAllocation>()),
-        ("Pinned", py.get_type::<Pinned>()),
-        ("Asleep", py.get_type::<Asleep>()),
-        ("Unsupported", py.get_type::<Unsupported>()),
-        ("DriverError", py.get_type::<DriverError>()),
-        ("InternalError", py.get_type::<InternalError>()),
-    ] {
-        m.add(name, e)?;
-    }
     Ok(())
 }

@@ -13,10 +13,12 @@ driver) and wake at the same addresses, by tag.
     kv.resize(8 << 20)                 # grows in place (inside its reservation)
     arena.sleep(tag=1, backup=True); arena.wake(tag=1)
 
-Errors are exceptions under VmmArenaError: InvalidArgument (wrong type,
-negative or too large numbers, bad values), OutOfMemory, OutOfAddressSpace,
-UnknownAllocation (freed, or of another arena), Pinned (pinned, or DLPack
-views alive), Asleep, Unsupported, DriverError, InternalError.
+Errors are exceptions under VmmArenaError (vmm_arena.errors; they pickle):
+InvalidArgument (negative or too large numbers, bad values; also a
+ValueError) and its subclass InvalidType (a wrong type; also a TypeError),
+OutOfMemory, OutOfAddressSpace, UnknownAllocation (freed, or of another
+arena), Pinned (pinned, or DLPack views alive), Asleep, Unsupported,
+DriverError, InternalError.
 
 Tags: every allocation has one (0 unless given), small ones included: small
 allocations (at most half a chunk) share slabs only with allocations of
@@ -37,14 +39,13 @@ after wake, and must not be touched while it sleeps.
 from dataclasses import dataclass, fields
 import json as _json
 
-from ._vmm_arena import (  # noqa: F401
-    ALL_TAGS,
-    Allocation,
+from ._vmm_arena import ALL_TAGS, Allocation, Buffer  # noqa: F401
+from .errors import (  # noqa: F401
     Asleep,
-    Buffer,
     DriverError,
     InternalError,
     InvalidArgument,
+    InvalidType,
     OutOfAddressSpace,
     OutOfMemory,
     Pinned,
@@ -56,7 +57,7 @@ from ._vmm_arena import Arena as _Arena
 
 __all__ = [
     "ALL_TAGS", "Allocation", "Arena", "Asleep", "Buffer", "DriverError", "InternalError",
-    "InvalidArgument", "OutOfAddressSpace", "OutOfMemory", "Pinned", "Stats", "Unsupported",
+    "InvalidArgument", "InvalidType", "OutOfAddressSpace", "OutOfMemory", "Pinned", "Stats", "Unsupported",
     "UnknownAllocation", "VmmArenaError",
 ]
 
