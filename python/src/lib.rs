@@ -22,6 +22,7 @@ use vmm_arena::{Arena as RArena, ArenaConfig, Backend, Error, Id, Status, ALL_TA
 
 mod dlpack;
 use dlpack::*;
+mod torch_hooks;
 
 /// An exception of `vmm_arena.errors` (defined in Python, so that it pickles
 /// and `InvalidArgument` can be a `ValueError` too) carrying `msg`.
@@ -668,6 +669,18 @@ fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Allocation>()?;
     m.add_class::<Buffer>()?;
     m.add_function(wrap_pyfunction!(_pinned_by_views, m)?)?;
+    use torch_hooks::*;
+    m.add_function(wrap_pyfunction!(_hooks_configure, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_set_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_allocations, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_sleep, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_wake, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_retag, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_release, m)?)?;
     m.add("ALL_TAGS", ALL_TAGS)?;
     Ok(())
 }
