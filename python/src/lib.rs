@@ -102,9 +102,35 @@ struct Shared {
     device: i32,
     /// Ids with views or a caller's pin, by id.
     pins: Mutex<std::collections::HashMap<u64, Pins>>,
+    /// Ids of the live allocations made through this object (for `close`).
+    ids: Mutex<std::collections::HashSet<u64>>,
+    /// Set by `close`: no new allocation after it.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
+    /// Refuses new allocations once closed.
+    fn open(&self) -> PyResult<()> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(py_err("InvalidArgument", "the arena is closed"));
+        }
+        Ok(())
+    }
+
+    /// Books a new allocation as this object's: an `Allocation` (or a
+    /// `Buffer`, for a growable one) over it.
+    fn adopt(self: &Arc<Self>, py: Python<'_>, id: Id, growable: bool) -> PyResult<PyObject> {
+        if let Ok(mut ids) = self.ids.lock() {
+            ids.insert(id.get());
+        }
+        let a = Allocation { shared: self.clone(), id: id.get() };
+        if growable {
+            Ok(Py::new(py, PyClassInitializer::from(a).add_subclass(Buffer))?.into_any())
+        } else {
+            Ok(Py::new(py, a)?.into_any())
+        }
+    }
+
     /// Applies the pin the books say the id should have.
     fn sync_pin(&self, id: u64, was: bool, now: bool) -> Result<(), Error> {
         match (was, now) {
@@ -211,7 +237,15 @@ impl Arena {
             background,
         };
         let arena = py.allow_threads(|| RArena::new(config)).map_err(to_py)?;
-        Ok(Arena { shared: Arc::new(Shared { arena, device, pins: Mutex::new(Default::default()) }) })
+        Ok(Arena {
+            shared: Arc::new(Shared {
+                arena,
+                device,
+                pins: Mutex::new(Default::default()),
+                ids: Mutex::new(Default::default()),
+                closed: Default::default(),
+            }),
+        })
     }
 
     /// Bytes of one physical chunk.
@@ -235,14 +269,15 @@ impl Arena {
     /// A fixed-size allocation (small ones, at most half a chunk, share
     /// slabs with allocations of the same tag only).
     #[pyo3(signature = (size, tag=None))]
-    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, tag: Option<&Bound<'_, PyAny>>) -> PyResult<Allocation> {
+    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, tag: Option<&Bound<'_, PyAny>>) -> PyResult<PyObject> {
         let size = u64_arg(size, "size")?;
         let tag = match tag {
             Some(t) if !t.is_none() => u32_arg(t, "tag")?,
             _ => 0,
         };
+        self.shared.open()?;
         let (id, _) = py.allow_threads(|| self.shared.arena.alloc_tagged(size, tag)).map_err(to_py)?;
-        Ok(Allocation { shared: self.shared.clone(), id: id.get() })
+        self.shared.adopt(py, id, false)
     }
 
     /// A growable buffer: `size` bytes backed inside a reservation of
@@ -254,17 +289,16 @@ impl Arena {
         size: &Bound<'_, PyAny>,
         max_size: Option<&Bound<'_, PyAny>>,
         tag: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<Buffer>> {
+    ) -> PyResult<PyObject> {
         let size = u64_arg(size, "size")?;
         let max = opt_u64(max_size, "max_size", size)?;
         let tag = match tag {
             Some(t) if !t.is_none() => u32_arg(t, "tag")?,
             _ => 0,
         };
+        self.shared.open()?;
         let (id, _) = py.allow_threads(|| self.shared.arena.alloc_growable_tagged(size, max, tag)).map_err(to_py)?;
-        let init =
-            PyClassInitializer::from(Allocation { shared: self.shared.clone(), id: id.get() }).add_subclass(Buffer);
-        Py::new(py, init)
+        self.shared.adopt(py, id, true)
     }
 
     /// Frees an allocation (an `Allocation`, a `Buffer` or a raw id).
@@ -363,13 +397,144 @@ impl Arena {
         py.allow_threads(|| self.shared.arena.set_move_callback(cb)).map_err(to_py)
     }
 
-    /// The stats as a dict of ints (the package's `Arena.stats()` types it).
-    fn stats_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let json = py.allow_threads(|| self.shared.arena.snapshot_json()).map_err(to_py)?;
-        let json_mod = py.import("json")?;
-        let v = json_mod.call_method1("loads", (json,))?;
-        Ok(v.get_item("stats")?.downcast_into::<PyDict>()?)
+    /// Frees every allocation made through this object and gives the
+    /// arena's pooled memory back; no allocation is accepted after it.
+    /// Raises `Pinned` (and frees nothing) while a DLPack view is alive.
+    /// Closing twice does nothing.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let ids: Vec<u64> = self.shared.ids.lock().map(|i| i.iter().copied().collect()).unwrap_or_default();
+        if let Some(id) = ids.iter().find(|id| self.shared.views(**id) > 0) {
+            return Err(py_err("Pinned", format!("{id:#x} has DLPack views alive: release them before closing")));
+        }
+        self.shared.closed.store(true, std::sync::atomic::Ordering::Release);
+        for raw in ids {
+            let Some(id) = Id::from_raw(raw) else { continue };
+            if let Ok(mut p) = self.shared.pins.lock() {
+                p.remove(&raw);
+            }
+            // Freed through a raw id elsewhere already: nothing left to do.
+            match py.allow_threads(|| self.shared.arena.free(id)) {
+                Ok(()) | Err(Error::UnknownAllocation(_)) => {}
+                Err(e) => return Err(to_py(e)),
+            }
+            if let Ok(mut i) = self.shared.ids.lock() {
+                i.remove(&raw);
+            }
+        }
+        py.allow_threads(|| {
+            self.shared.arena.release_retired()?;
+            self.shared.arena.trim(0).map(|_| ())
+        })
+        .map_err(to_py)
     }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.shared.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// Does the pooled-memory work the prefetch settings ask for (what the
+    /// background worker does when `background=True`); best effort.
+    fn maintain(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.shared.arena.maintain()).map_err(to_py)
+    }
+
+    /// Keeps `precreate_bytes` of chunks created ahead and maps
+    /// `map_ahead_bytes` ahead of growing buffers (done by `maintain()` or
+    /// the background worker); (0, 0) turns it off.
+    fn set_prefetch(
+        &self,
+        py: Python<'_>,
+        precreate_bytes: &Bound<'_, PyAny>,
+        map_ahead_bytes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (p, m) = (u64_arg(precreate_bytes, "precreate_bytes")?, u64_arg(map_ahead_bytes, "map_ahead_bytes")?);
+        py.allow_threads(|| self.shared.arena.set_prefetch(p, m)).map_err(to_py)
+    }
+
+    /// A new growable buffer mapping `nbytes` of `src` from `src_offset`
+    /// (whole chunks: a prefix shared without a copy), growable up to
+    /// `max_size`.
+    #[pyo3(signature = (src, src_offset, nbytes, max_size=None))]
+    fn alloc_shared(
+        &self,
+        py: Python<'_>,
+        src: &Bound<'_, PyAny>,
+        src_offset: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        max_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyObject> {
+        self.shared.open()?;
+        let src = id_of(src, &self.shared)?;
+        let off = u64_arg(src_offset, "src_offset")?;
+        let n = u64_arg(nbytes, "nbytes")?;
+        let max = opt_u64(max_size, "max_size", n)?;
+        let (id, _) = py.allow_threads(|| self.shared.arena.alloc_shared(src, off, n, max)).map_err(to_py)?;
+        self.shared.adopt(py, id, true)
+    }
+
+    /// Resizes several allocations at once, all or nothing:
+    /// `requests` is [(allocation or id, new size)]; returns their addresses.
+    fn resize_many(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let mut reqs = Vec::new();
+        for item in requests.try_iter().map_err(|_| py_err("InvalidType", "requests must be an iterable of pairs"))? {
+            let item = item?;
+            let (a, n): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                item.extract().map_err(|_| py_err("InvalidType", "each request is an (allocation, new size) pair"))?;
+            let id = id_of(&a, &self.shared)?;
+            let n = u64_arg(&n, "new size")?;
+            if self.shared.views(id.get()) > 0 {
+                let size = py.allow_threads(|| self.shared.arena.query(id)).map_err(to_py)?.size;
+                if n < size {
+                    return Err(py_err("Pinned", format!("{:#x} has DLPack views alive: it cannot shrink", id.get())));
+                }
+            }
+            reqs.push((id, n));
+        }
+        py.allow_threads(|| self.shared.arena.resize_many(&reqs)).map_err(to_py)
+    }
+
+    /// Promises that the work queued on `stream` so far is the last that
+    /// touches the allocation until `unquiesce` (see the Rust API).
+    fn quiesce_on_stream(&self, py: Python<'_>, a: &Bound<'_, PyAny>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_of(a, &self.shared)?;
+        let stream = u64_arg(stream, "stream")?;
+        py.allow_threads(|| self.shared.arena.quiesce_on_stream(id, stream)).map_err(to_py)
+    }
+
+    /// Ends the promise of `quiesce_on_stream`.
+    fn unquiesce(&self, py: Python<'_>, a: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_of(a, &self.shared)?;
+        py.allow_threads(|| self.shared.arena.unquiesce(id)).map_err(to_py)
+    }
+
+    /// The stats as a dict of ints, every field of the Rust `Stats` (the
+    /// package's `Arena.stats()` types it).
+    fn stats_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.allow_threads(|| self.shared.arena.stats()).map_err(to_py)?;
+        stats_to_dict(py, &s)
+    }
+}
+
+/// Every field of `vmm_arena::Stats`, by name.
+pub(crate) fn stats_to_dict<'py>(py: Python<'py>, s: &vmm_arena::Stats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    macro_rules! put {
+        ($($f:ident)*) => { $( d.set_item(stringify!($f), s.$f)?; )* };
+    }
+    put!(live_allocations live_bytes mapped_bytes pooled_bytes peak_physical_bytes capacity_bytes reserved_va_bytes free_va_bytes largest_free_va_bytes retired_va_bytes moves driver_creates driver_releases driver_maps driver_unmaps driver_access_calls driver_syncs chunk_bytes cached_mapped_bytes idle_cached_bytes unmapped_pooled_bytes release_failures reserve_fallbacks bytes_copied small_slabs asleep_bytes backup_bytes imported_allocations imported_bytes exported_allocations caller_driver_calls caller_creates caller_syncs maintain_driver_calls stream_frees stream_shrinks quiesces event_polls event_waits pending_free_bytes prefetched_bytes maintain_failures shared_bytes);
+    Ok(d)
 }
 
 fn free_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, stream: Option<u64>) -> PyResult<()> {
@@ -383,6 +548,9 @@ fn free_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, stream: Option<u64>) ->
     .map_err(to_py)?;
     if let Ok(mut p) = shared.pins.lock() {
         p.remove(&id.get());
+    }
+    if let Ok(mut ids) = shared.ids.lock() {
+        ids.remove(&id.get());
     }
     Ok(())
 }

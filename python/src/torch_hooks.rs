@@ -400,10 +400,8 @@ pub(crate) fn _hooks_retag(py: Python<'_>, device: i64, ptr: u64, tag: u32) -> P
 #[pyfunction]
 pub(crate) fn _hooks_stats<'py>(py: Python<'py>, device: i64) -> PyResult<Option<Bound<'py, PyDict>>> {
     let Some(a) = existing(dev(device)?) else { return Ok(None) };
-    let (json, bad) =
-        py.allow_threads(|| Ok::<_, Error>((a.arena.snapshot_json()?, a.book()?.bad_frees))).map_err(to_py)?;
-    let v = py.import("json")?.call_method1("loads", (json,))?;
-    let d = v.get_item("stats")?.downcast_into::<PyDict>()?;
+    let (stats, bad) = py.allow_threads(|| Ok::<_, Error>((a.arena.stats()?, a.book()?.bad_frees))).map_err(to_py)?;
+    let d = crate::stats_to_dict(py, &stats)?;
     d.set_item("bad_frees", bad)?;
     Ok(Some(d))
 }

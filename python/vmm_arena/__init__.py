@@ -64,8 +64,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Stats:
-    """The arena's counters and sizes (bytes unless named otherwise); the
-    meaning of each is documented on vmm_arena::Stats in the Rust API."""
+    """The arena's counters and sizes, one attribute each (bytes unless named
+    otherwise; the meaning of each is documented on vmm_arena::Stats in the
+    Rust API). `bad_frees` is the PyTorch hooks' count of frees of pointers
+    they never handed out (0 for an Arena); `other` holds any counter this
+    version of the package does not know, as (name, value) pairs."""
 
     live_allocations: int = 0
     live_bytes: int = 0
@@ -78,16 +81,39 @@ class Stats:
     largest_free_va_bytes: int = 0
     retired_va_bytes: int = 0
     moves: int = 0
-    bytes_copied: int = 0
-    small_slabs: int = 0
-    asleep_bytes: int = 0
-    backup_bytes: int = 0
-    chunk_bytes: int = 0
     driver_creates: int = 0
     driver_releases: int = 0
     driver_maps: int = 0
     driver_unmaps: int = 0
+    driver_access_calls: int = 0
+    driver_syncs: int = 0
+    chunk_bytes: int = 0
+    cached_mapped_bytes: int = 0
+    idle_cached_bytes: int = 0
+    unmapped_pooled_bytes: int = 0
     release_failures: int = 0
+    reserve_fallbacks: int = 0
+    bytes_copied: int = 0
+    small_slabs: int = 0
+    asleep_bytes: int = 0
+    backup_bytes: int = 0
+    imported_allocations: int = 0
+    imported_bytes: int = 0
+    exported_allocations: int = 0
+    caller_driver_calls: int = 0
+    caller_creates: int = 0
+    caller_syncs: int = 0
+    maintain_driver_calls: int = 0
+    stream_frees: int = 0
+    stream_shrinks: int = 0
+    quiesces: int = 0
+    event_polls: int = 0
+    event_waits: int = 0
+    pending_free_bytes: int = 0
+    prefetched_bytes: int = 0
+    maintain_failures: int = 0
+    shared_bytes: int = 0
+    bad_frees: int = 0
     other: tuple = ()
 
     @classmethod
