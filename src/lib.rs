@@ -44,6 +44,7 @@ pub mod error;
 pub mod fd_passing;
 pub mod group;
 mod id;
+pub mod layout;
 mod snapshot;
 mod sync;
 mod va;

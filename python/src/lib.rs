@@ -15,79 +15,70 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use pyo3::create_exception;
-use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyDict};
+use pyo3::types::{PyCapsule, PyDict, PyType};
 
 use vmm_arena::{Arena as RArena, ArenaConfig, Backend, Error, Id, Status, ALL_TAGS, SLEEP_BACKUP};
 
 mod dlpack;
 use dlpack::*;
+mod torch_hooks;
 
-create_exception!(_vmm_arena, VmmArenaError, PyException, "Base of every error the arena reports.");
-create_exception!(
-    _vmm_arena,
-    InvalidArgument,
-    VmmArenaError,
-    "A bad argument: wrong type, out of range, not allowed here."
-);
-create_exception!(_vmm_arena, OutOfMemory, VmmArenaError, "The capacity (or the device) has no room for the request.");
-create_exception!(
-    _vmm_arena,
-    OutOfAddressSpace,
-    VmmArenaError,
-    "The reserved virtual range has no room for the request."
-);
-create_exception!(
-    _vmm_arena,
-    UnknownAllocation,
-    VmmArenaError,
-    "The allocation was freed, or belongs to another arena."
-);
-create_exception!(
-    _vmm_arena,
-    Pinned,
-    VmmArenaError,
-    "The allocation is pinned (or has DLPack views alive) and cannot move."
-);
-create_exception!(_vmm_arena, Asleep, VmmArenaError, "The allocation sleeps: wake its tag first.");
-create_exception!(_vmm_arena, Unsupported, VmmArenaError, "Not supported by this backend.");
-create_exception!(_vmm_arena, DriverError, VmmArenaError, "The driver refused a call.");
-create_exception!(_vmm_arena, InternalError, VmmArenaError, "A bug in the library (reported, never a crash).");
+/// An exception of `vmm_arena.errors` (defined in Python, so that it pickles
+/// and `InvalidArgument` can be a `ValueError` too) carrying `msg`.
+fn py_err(kind: &str, msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    Python::with_gil(|py| {
+        let class = py.import("vmm_arena.errors").and_then(|m| m.getattr(kind));
+        match class.and_then(|c| c.downcast_into::<PyType>().map_err(PyErr::from)) {
+            Ok(c) => PyErr::from_type(c, msg),
+            Err(e) => e,
+        }
+    })
+}
 
 fn to_py(e: Error) -> PyErr {
     let m = e.to_string();
     match e.status() {
-        Status::InvalidArgument => InvalidArgument::new_err(m),
-        Status::OutOfMemory => OutOfMemory::new_err(m),
-        Status::OutOfAddressSpace => OutOfAddressSpace::new_err(m),
-        Status::UnknownAllocation => UnknownAllocation::new_err(m),
-        Status::Pinned => Pinned::new_err(m),
-        Status::Asleep => Asleep::new_err(m),
-        Status::Unsupported => Unsupported::new_err(m),
-        Status::Driver => DriverError::new_err(m),
-        _ => InternalError::new_err(m),
+        Status::InvalidArgument => py_err("InvalidArgument", m),
+        Status::OutOfMemory => py_err("OutOfMemory", m),
+        Status::OutOfAddressSpace => py_err("OutOfAddressSpace", m),
+        Status::UnknownAllocation => py_err("UnknownAllocation", m),
+        Status::Pinned => py_err("Pinned", m),
+        Status::Asleep => py_err("Asleep", m),
+        Status::Unsupported => py_err("Unsupported", m),
+        Status::Driver => py_err("DriverError", m),
+        _ => py_err("InternalError", m),
     }
 }
 
-/// A non-negative integer that fits in 64 bits, else `InvalidArgument`.
+/// A non-negative integer that fits in 64 bits: a wrong type is
+/// `InvalidType` (a `TypeError`), a number out of range `InvalidArgument`.
 fn u64_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    if v.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(InvalidArgument::new_err(format!("{name} must be an int, not a bool")));
+    if v.is_instance_of::<pyo3::types::PyBool>() || !v.is_instance_of::<pyo3::types::PyInt>() {
+        let ty = v.get_type().name().map_or("?".into(), |n| n.to_string());
+        return Err(py_err("InvalidType", format!("{name} must be an int, not {ty}")));
     }
-    let n: i128 = v.extract().map_err(|_| {
-        InvalidArgument::new_err(format!(
-            "{name} must be an int, not {}",
-            v.get_type().name().map_or("?".into(), |n| n.to_string())
-        ))
-    })?;
-    u64::try_from(n).map_err(|_| InvalidArgument::new_err(format!("{name} = {n} is out of range (0 .. 2**64)")))
+    match v.extract::<u64>() {
+        Ok(n) => Ok(n),
+        Err(_) => Err(py_err("InvalidArgument", format!("{name} = {v} is out of range (0 .. 2**64)"))),
+    }
+}
+
+/// A positive size, or `default` for None (0 would silently mean a default).
+fn opt_positive(v: Option<&Bound<'_, PyAny>>, name: &str, default: u64) -> PyResult<u64> {
+    match v {
+        Some(v) if !v.is_none() => match u64_arg(v, name)? {
+            0 => Err(py_err("InvalidArgument", format!("{name} = 0: give a positive size, or None for the default"))),
+            n => Ok(n),
+        },
+        _ => Ok(default),
+    }
 }
 
 fn u32_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
     let n = u64_arg(v, name)?;
-    u32::try_from(n).map_err(|_| InvalidArgument::new_err(format!("{name} = {n} is out of range (0 .. 2**32)")))
+    u32::try_from(n).map_err(|_| py_err("InvalidArgument", format!("{name} = {n} is out of range (0 .. 2**32)")))
 }
 
 fn opt_u64(v: Option<&Bound<'_, PyAny>>, name: &str, default: u64) -> PyResult<u64> {
@@ -111,9 +102,35 @@ struct Shared {
     device: i32,
     /// Ids with views or a caller's pin, by id.
     pins: Mutex<std::collections::HashMap<u64, Pins>>,
+    /// Ids of the live allocations made through this object (for `close`).
+    ids: Mutex<std::collections::HashSet<u64>>,
+    /// Set by `close`: no new allocation after it.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
+    /// Refuses new allocations once closed.
+    fn open(&self) -> PyResult<()> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(py_err("InvalidArgument", "the arena is closed"));
+        }
+        Ok(())
+    }
+
+    /// Books a new allocation as this object's: an `Allocation` (or a
+    /// `Buffer`, for a growable one) over it.
+    fn adopt(self: &Arc<Self>, py: Python<'_>, id: Id, growable: bool) -> PyResult<PyObject> {
+        if let Ok(mut ids) = self.ids.lock() {
+            ids.insert(id.get());
+        }
+        let a = Allocation { shared: self.clone(), id: id.get() };
+        if growable {
+            Ok(Py::new(py, PyClassInitializer::from(a).add_subclass(Buffer))?.into_any())
+        } else {
+            Ok(Py::new(py, a)?.into_any())
+        }
+    }
+
     /// Applies the pin the books say the id should have.
     fn sync_pin(&self, id: u64, was: bool, now: bool) -> Result<(), Error> {
         match (was, now) {
@@ -154,20 +171,20 @@ fn id_of(v: &Bound<'_, PyAny>, arena: &Arc<Shared>) -> PyResult<Id> {
     if let Ok(a) = v.downcast::<Allocation>() {
         let a = a.borrow();
         if !Arc::ptr_eq(&a.shared, arena) {
-            return Err(UnknownAllocation::new_err("the allocation belongs to another arena"));
+            return Err(py_err("UnknownAllocation", "the allocation belongs to another arena"));
         }
-        return Id::from_raw(a.id).ok_or_else(|| UnknownAllocation::new_err("id 0"));
+        return Id::from_raw(a.id).ok_or_else(|| py_err("UnknownAllocation", "id 0"));
     }
     if let Ok(b) = v.downcast::<Buffer>() {
         let b = b.borrow();
         let a = b.as_super();
         if !Arc::ptr_eq(&a.shared, arena) {
-            return Err(UnknownAllocation::new_err("the buffer belongs to another arena"));
+            return Err(py_err("UnknownAllocation", "the buffer belongs to another arena"));
         }
-        return Id::from_raw(a.id).ok_or_else(|| UnknownAllocation::new_err("id 0"));
+        return Id::from_raw(a.id).ok_or_else(|| py_err("UnknownAllocation", "id 0"));
     }
     let raw = u64_arg(v, "id")?;
-    Id::from_raw(raw).ok_or_else(|| UnknownAllocation::new_err("id 0 is never issued"))
+    Id::from_raw(raw).ok_or_else(|| py_err("UnknownAllocation", "id 0 is never issued"))
 }
 
 /// An arena over the CUDA backend (`backend="cuda"`) or host memory
@@ -180,12 +197,12 @@ struct Arena {
 #[pymethods]
 impl Arena {
     #[new]
-    #[pyo3(signature = (*, backend="host", device=0, capacity_bytes=None, reserve_bytes=None, chunk_bytes=None, retain_bytes=None, no_implicit_moves=false, background=false))]
+    #[pyo3(signature = (*, backend="host", device=None, capacity_bytes=None, reserve_bytes=None, chunk_bytes=None, retain_bytes=None, no_implicit_moves=false, background=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         backend: &str,
-        device: i32,
+        device: Option<&Bound<'_, PyAny>>,
         capacity_bytes: Option<&Bound<'_, PyAny>>,
         reserve_bytes: Option<&Bound<'_, PyAny>>,
         chunk_bytes: Option<&Bound<'_, PyAny>>,
@@ -198,17 +215,21 @@ impl Arena {
             "host" => Backend::Host,
             "host-sparse" => Backend::HostSparse,
             other => {
-                return Err(InvalidArgument::new_err(format!(
-                    "backend {other:?}: one of 'cuda', 'host', 'host-sparse'"
-                )))
+                return Err(py_err(
+                    "InvalidArgument",
+                    format!("backend {other:?}: one of 'cuda', 'host', 'host-sparse'"),
+                ))
             }
         };
+        let device = opt_u64(device, "device", 0)?;
+        let device = i32::try_from(device)
+            .map_err(|_| py_err("InvalidArgument", format!("device = {device} is out of range (0 .. 2**31)")))?;
         let config = ArenaConfig {
             backend,
             device,
-            capacity_bytes: opt_u64(capacity_bytes, "capacity_bytes", 0)?,
-            reserve_bytes: opt_u64(reserve_bytes, "reserve_bytes", 0)?,
-            chunk_bytes: opt_u64(chunk_bytes, "chunk_bytes", 0)?,
+            capacity_bytes: opt_positive(capacity_bytes, "capacity_bytes", 0)?,
+            reserve_bytes: opt_positive(reserve_bytes, "reserve_bytes", 0)?,
+            chunk_bytes: opt_positive(chunk_bytes, "chunk_bytes", 0)?,
             retain_bytes: opt_u64(retain_bytes, "retain_bytes", u64::MAX)?,
             no_implicit_moves,
             exportable: false,
@@ -216,7 +237,15 @@ impl Arena {
             background,
         };
         let arena = py.allow_threads(|| RArena::new(config)).map_err(to_py)?;
-        Ok(Arena { shared: Arc::new(Shared { arena, device, pins: Mutex::new(Default::default()) }) })
+        Ok(Arena {
+            shared: Arc::new(Shared {
+                arena,
+                device,
+                pins: Mutex::new(Default::default()),
+                ids: Mutex::new(Default::default()),
+                closed: Default::default(),
+            }),
+        })
     }
 
     /// Bytes of one physical chunk.
@@ -240,14 +269,15 @@ impl Arena {
     /// A fixed-size allocation (small ones, at most half a chunk, share
     /// slabs with allocations of the same tag only).
     #[pyo3(signature = (size, tag=None))]
-    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, tag: Option<&Bound<'_, PyAny>>) -> PyResult<Allocation> {
+    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, tag: Option<&Bound<'_, PyAny>>) -> PyResult<PyObject> {
         let size = u64_arg(size, "size")?;
         let tag = match tag {
             Some(t) if !t.is_none() => u32_arg(t, "tag")?,
             _ => 0,
         };
+        self.shared.open()?;
         let (id, _) = py.allow_threads(|| self.shared.arena.alloc_tagged(size, tag)).map_err(to_py)?;
-        Ok(Allocation { shared: self.shared.clone(), id: id.get() })
+        self.shared.adopt(py, id, false)
     }
 
     /// A growable buffer: `size` bytes backed inside a reservation of
@@ -259,17 +289,16 @@ impl Arena {
         size: &Bound<'_, PyAny>,
         max_size: Option<&Bound<'_, PyAny>>,
         tag: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<Buffer>> {
+    ) -> PyResult<PyObject> {
         let size = u64_arg(size, "size")?;
         let max = opt_u64(max_size, "max_size", size)?;
         let tag = match tag {
             Some(t) if !t.is_none() => u32_arg(t, "tag")?,
             _ => 0,
         };
+        self.shared.open()?;
         let (id, _) = py.allow_threads(|| self.shared.arena.alloc_growable_tagged(size, max, tag)).map_err(to_py)?;
-        let init =
-            PyClassInitializer::from(Allocation { shared: self.shared.clone(), id: id.get() }).add_subclass(Buffer);
-        Py::new(py, init)
+        self.shared.adopt(py, id, true)
     }
 
     /// Frees an allocation (an `Allocation`, a `Buffer` or a raw id).
@@ -354,7 +383,7 @@ impl Arena {
             Some(f) if f.is_none(py) => None,
             Some(f) => {
                 if !f.bind(py).is_callable() {
-                    return Err(InvalidArgument::new_err("the move callback must be callable"));
+                    return Err(py_err("InvalidArgument", "the move callback must be callable"));
                 }
                 Some(Box::new(move |e: &vmm_arena::MoveEvent| {
                     Python::with_gil(|py| {
@@ -368,18 +397,149 @@ impl Arena {
         py.allow_threads(|| self.shared.arena.set_move_callback(cb)).map_err(to_py)
     }
 
-    /// The stats as a dict of ints (the package's `Arena.stats()` types it).
-    fn stats_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let json = py.allow_threads(|| self.shared.arena.snapshot_json()).map_err(to_py)?;
-        let json_mod = py.import("json")?;
-        let v = json_mod.call_method1("loads", (json,))?;
-        Ok(v.get_item("stats")?.downcast_into::<PyDict>()?)
+    /// Frees every allocation made through this object and gives the
+    /// arena's pooled memory back; no allocation is accepted after it.
+    /// Raises `Pinned` (and frees nothing) while a DLPack view is alive.
+    /// Closing twice does nothing.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let ids: Vec<u64> = self.shared.ids.lock().map(|i| i.iter().copied().collect()).unwrap_or_default();
+        if let Some(id) = ids.iter().find(|id| self.shared.views(**id) > 0) {
+            return Err(py_err("Pinned", format!("{id:#x} has DLPack views alive: release them before closing")));
+        }
+        self.shared.closed.store(true, std::sync::atomic::Ordering::Release);
+        for raw in ids {
+            let Some(id) = Id::from_raw(raw) else { continue };
+            if let Ok(mut p) = self.shared.pins.lock() {
+                p.remove(&raw);
+            }
+            // Freed through a raw id elsewhere already: nothing left to do.
+            match py.allow_threads(|| self.shared.arena.free(id)) {
+                Ok(()) | Err(Error::UnknownAllocation(_)) => {}
+                Err(e) => return Err(to_py(e)),
+            }
+            if let Ok(mut i) = self.shared.ids.lock() {
+                i.remove(&raw);
+            }
+        }
+        py.allow_threads(|| {
+            self.shared.arena.release_retired()?;
+            self.shared.arena.trim(0).map(|_| ())
+        })
+        .map_err(to_py)
     }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.shared.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// Does the pooled-memory work the prefetch settings ask for (what the
+    /// background worker does when `background=True`); best effort.
+    fn maintain(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.shared.arena.maintain()).map_err(to_py)
+    }
+
+    /// Keeps `precreate_bytes` of chunks created ahead and maps
+    /// `map_ahead_bytes` ahead of growing buffers (done by `maintain()` or
+    /// the background worker); (0, 0) turns it off.
+    fn set_prefetch(
+        &self,
+        py: Python<'_>,
+        precreate_bytes: &Bound<'_, PyAny>,
+        map_ahead_bytes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (p, m) = (u64_arg(precreate_bytes, "precreate_bytes")?, u64_arg(map_ahead_bytes, "map_ahead_bytes")?);
+        py.allow_threads(|| self.shared.arena.set_prefetch(p, m)).map_err(to_py)
+    }
+
+    /// A new growable buffer mapping `nbytes` of `src` from `src_offset`
+    /// (whole chunks: a prefix shared without a copy), growable up to
+    /// `max_size`.
+    #[pyo3(signature = (src, src_offset, nbytes, max_size=None))]
+    fn alloc_shared(
+        &self,
+        py: Python<'_>,
+        src: &Bound<'_, PyAny>,
+        src_offset: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        max_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyObject> {
+        self.shared.open()?;
+        let src = id_of(src, &self.shared)?;
+        let off = u64_arg(src_offset, "src_offset")?;
+        let n = u64_arg(nbytes, "nbytes")?;
+        let max = opt_u64(max_size, "max_size", n)?;
+        let (id, _) = py.allow_threads(|| self.shared.arena.alloc_shared(src, off, n, max)).map_err(to_py)?;
+        self.shared.adopt(py, id, true)
+    }
+
+    /// Resizes several allocations at once, all or nothing:
+    /// `requests` is [(allocation or id, new size)]; returns their addresses.
+    fn resize_many(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let mut reqs = Vec::new();
+        for item in requests.try_iter().map_err(|_| py_err("InvalidType", "requests must be an iterable of pairs"))? {
+            let item = item?;
+            let (a, n): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                item.extract().map_err(|_| py_err("InvalidType", "each request is an (allocation, new size) pair"))?;
+            let id = id_of(&a, &self.shared)?;
+            let n = u64_arg(&n, "new size")?;
+            if self.shared.views(id.get()) > 0 {
+                let size = py.allow_threads(|| self.shared.arena.query(id)).map_err(to_py)?.size;
+                if n < size {
+                    return Err(py_err("Pinned", format!("{:#x} has DLPack views alive: it cannot shrink", id.get())));
+                }
+            }
+            reqs.push((id, n));
+        }
+        py.allow_threads(|| self.shared.arena.resize_many(&reqs)).map_err(to_py)
+    }
+
+    /// Promises that the work queued on `stream` so far is the last that
+    /// touches the allocation until `unquiesce` (see the Rust API).
+    fn quiesce_on_stream(&self, py: Python<'_>, a: &Bound<'_, PyAny>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_of(a, &self.shared)?;
+        let stream = u64_arg(stream, "stream")?;
+        py.allow_threads(|| self.shared.arena.quiesce_on_stream(id, stream)).map_err(to_py)
+    }
+
+    /// Ends the promise of `quiesce_on_stream`.
+    fn unquiesce(&self, py: Python<'_>, a: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_of(a, &self.shared)?;
+        py.allow_threads(|| self.shared.arena.unquiesce(id)).map_err(to_py)
+    }
+
+    /// The stats as a dict of ints, every field of the Rust `Stats` (the
+    /// package's `Arena.stats()` types it).
+    fn stats_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.allow_threads(|| self.shared.arena.stats()).map_err(to_py)?;
+        stats_to_dict(py, &s)
+    }
+}
+
+/// Every field of `vmm_arena::Stats`, by name.
+pub(crate) fn stats_to_dict<'py>(py: Python<'py>, s: &vmm_arena::Stats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    macro_rules! put {
+        ($($f:ident)*) => { $( d.set_item(stringify!($f), s.$f)?; )* };
+    }
+    put!(live_allocations live_bytes mapped_bytes pooled_bytes peak_physical_bytes capacity_bytes reserved_va_bytes free_va_bytes largest_free_va_bytes retired_va_bytes moves driver_creates driver_releases driver_maps driver_unmaps driver_access_calls driver_syncs chunk_bytes cached_mapped_bytes idle_cached_bytes unmapped_pooled_bytes release_failures reserve_fallbacks bytes_copied small_slabs asleep_bytes backup_bytes imported_allocations imported_bytes exported_allocations caller_driver_calls caller_creates caller_syncs maintain_driver_calls stream_frees stream_shrinks quiesces event_polls event_waits pending_free_bytes prefetched_bytes maintain_failures shared_bytes);
+    Ok(d)
 }
 
 fn free_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, stream: Option<u64>) -> PyResult<()> {
     if shared.views(id.get()) > 0 {
-        return Err(Pinned::new_err(format!("{:#x} has DLPack views alive: release them before freeing", id.get())));
+        return Err(py_err("Pinned", format!("{:#x} has DLPack views alive: release them before freeing", id.get())));
     }
     py.allow_threads(|| match stream {
         None => shared.arena.free(id),
@@ -389,6 +549,9 @@ fn free_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, stream: Option<u64>) ->
     if let Ok(mut p) = shared.pins.lock() {
         p.remove(&id.get());
     }
+    if let Ok(mut ids) = shared.ids.lock() {
+        ids.remove(&id.get());
+    }
     Ok(())
 }
 
@@ -396,10 +559,13 @@ fn resize_id(py: Python<'_>, shared: &Arc<Shared>, id: Id, new_size: u64) -> PyR
     if shared.views(id.get()) > 0 {
         let size = py.allow_threads(|| shared.arena.query(id)).map_err(to_py)?.size;
         if new_size < size {
-            return Err(Pinned::new_err(format!(
-                "{:#x} has DLPack views alive over its {size} bytes: it cannot shrink until they are released",
-                id.get()
-            )));
+            return Err(py_err(
+                "Pinned",
+                format!(
+                    "{:#x} has DLPack views alive over its {size} bytes: it cannot shrink until they are released",
+                    id.get()
+                ),
+            ));
         }
     }
     py.allow_threads(|| shared.arena.resize(id, new_size)).map_err(to_py)
@@ -415,7 +581,7 @@ struct Allocation {
 
 impl Allocation {
     fn rid(&self) -> PyResult<Id> {
-        Id::from_raw(self.id).ok_or_else(|| UnknownAllocation::new_err("id 0"))
+        Id::from_raw(self.id).ok_or_else(|| py_err("UnknownAllocation", "id 0"))
     }
 
     fn info(&self, py: Python<'_>) -> PyResult<vmm_arena::AllocInfo> {
@@ -474,20 +640,36 @@ impl Allocation {
     fn free_on_stream(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
         free_id(py, &self.shared, self.rid()?, Some(u64_arg(stream, "stream")?))
     }
-    /// Pins it: it never moves until unpinned.
+    /// Pins it: it never moves until unpinned. A sleeping one raises
+    /// `Asleep` (DLPack views alive or not).
     fn pin(&self, py: Python<'_>) -> PyResult<()> {
-        let _ = self.info(py)?;
+        if self.info(py)?.asleep {
+            return Err(py_err("Asleep", format!("{:#x} sleeps: wake its tag before pinning it", self.id)));
+        }
         self.shared.change(self.id, |p| p.user = true).map_err(to_py)
     }
     fn unpin(&self, py: Python<'_>) -> PyResult<()> {
         let _ = self.info(py)?;
         self.shared.change(self.id, |p| p.user = false).map_err(to_py)
     }
-    /// Copies `data` (bytes-like) in at `offset`.
+    /// Copies `data` in at `offset`: any bytes-like object (bytes,
+    /// bytearray, memoryview, array.array, a numpy array: its bytes in C
+    /// order, whatever its item type).
     #[pyo3(signature = (data, offset=None))]
-    fn write(&self, py: Python<'_>, data: &[u8], offset: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let (id, off) = (self.rid()?, opt_u64(offset, "offset", 0)?);
-        py.allow_threads(|| self.shared.arena.write(id, off, data)).map_err(to_py)
+        let owned;
+        let bytes: &[u8] = if let Ok(b) = data.downcast::<pyo3::types::PyBytes>() {
+            b.as_bytes()
+        } else {
+            let view = pyo3::types::PyMemoryView::from(data).map_err(|_| {
+                let ty = data.get_type().name().map_or("?".into(), |n| n.to_string());
+                py_err("InvalidType", format!("data must be a bytes-like object, not {ty}"))
+            })?;
+            owned = view.call_method0("tobytes")?.downcast_into::<pyo3::types::PyBytes>()?;
+            owned.as_bytes()
+        };
+        py.allow_threads(|| self.shared.arena.write(id, off, bytes)).map_err(to_py)
     }
     /// `length` bytes from `offset` (default: all of it).
     #[pyo3(signature = (offset=None, length=None))]
@@ -501,9 +683,9 @@ impl Allocation {
         let off = opt_u64(offset, "offset", 0)?;
         let size = self.info(py)?.size;
         let len = opt_u64(length, "length", size.saturating_sub(off))?;
-        let len = usize::try_from(len).map_err(|_| InvalidArgument::new_err("length too large"))?;
+        let len = usize::try_from(len).map_err(|_| py_err("InvalidArgument", "length too large"))?;
         if len as u64 > size {
-            return Err(InvalidArgument::new_err(format!("length {len} exceeds the allocation's {size} bytes")));
+            return Err(py_err("InvalidArgument", format!("length {len} exceeds the allocation's {size} bytes")));
         }
         let mut out = vec![0u8; len];
         py.allow_threads(|| self.shared.arena.read(id, off, &mut out)).map_err(to_py)?;
@@ -551,9 +733,9 @@ impl Buffer {
         let a = slf.as_super();
         let info = a.info(py)?;
         if info.asleep {
-            return Err(Asleep::new_err(format!("{:#x} sleeps: wake its tag before viewing it", a.id)));
+            return Err(py_err("Asleep", format!("{:#x} sleeps: wake its tag before viewing it", a.id)));
         }
-        let len = i64::try_from(info.size).map_err(|_| InvalidArgument::new_err("too large"))?;
+        let len = i64::try_from(info.size).map_err(|_| py_err("InvalidArgument", "too large"))?;
         // Pinned from here until the consumer releases the view.
         a.shared.change(a.id, |p| p.views += 1).map_err(to_py)?;
         // The address after pinning (pinning does not move it).
@@ -651,25 +833,22 @@ fn _pinned_by_views(a: PyRef<'_, Allocation>) -> bool {
 
 #[pymodule]
 fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
     m.add_class::<Arena>()?;
     m.add_class::<Allocation>()?;
     m.add_class::<Buffer>()?;
     m.add_function(wrap_pyfunction!(_pinned_by_views, m)?)?;
+    use torch_hooks::*;
+    m.add_function(wrap_pyfunction!(_hooks_configure, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_set_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_allocations, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_sleep, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_wake, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_retag, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_release, m)?)?;
     m.add("ALL_TAGS", ALL_TAGS)?;
-    for (name, e) in [
-        ("VmmArenaError", py.get_type::<VmmArenaError>()),
-        ("InvalidArgument", py.get_type::<InvalidArgument>()),
-        ("OutOfMemory", py.get_type::<OutOfMemory>()),
-        ("OutOfAddressSpace", py.get_type::<OutOfAddressSpace>()),
-        ("UnknownAllocation", py.get_type::<UnknownAllocation>()),
-        ("Pinned", py.get_type::<Pinned>()),
-        ("Asleep", py.get_type::<Asleep>()),
-        ("Unsupported", py.get_type::<Unsupported>()),
-        ("DriverError", py.get_type::<DriverError>()),
-        ("InternalError", py.get_type::<InternalError>()),
-    ] {
-        m.add(name, e)?;
-    }
     Ok(())
 }

@@ -13,10 +13,12 @@ driver) and wake at the same addresses, by tag.
     kv.resize(8 << 20)                 # grows in place (inside its reservation)
     arena.sleep(tag=1, backup=True); arena.wake(tag=1)
 
-Errors are exceptions under VmmArenaError: InvalidArgument (wrong type,
-negative or too large numbers, bad values), OutOfMemory, OutOfAddressSpace,
-UnknownAllocation (freed, or of another arena), Pinned (pinned, or DLPack
-views alive), Asleep, Unsupported, DriverError, InternalError.
+Errors are exceptions under VmmArenaError (vmm_arena.errors; they pickle):
+InvalidArgument (negative or too large numbers, bad values; also a
+ValueError) and its subclass InvalidType (a wrong type; also a TypeError),
+OutOfMemory, OutOfAddressSpace, UnknownAllocation (freed, or of another
+arena), Pinned (pinned, or DLPack views alive), Asleep, Unsupported,
+DriverError, InternalError.
 
 Tags: every allocation has one (0 unless given), small ones included: small
 allocations (at most half a chunk) share slabs only with allocations of
@@ -37,14 +39,13 @@ after wake, and must not be touched while it sleeps.
 from dataclasses import dataclass, fields
 import json as _json
 
-from ._vmm_arena import (  # noqa: F401
-    ALL_TAGS,
-    Allocation,
+from ._vmm_arena import ALL_TAGS, Allocation, Buffer  # noqa: F401
+from .errors import (  # noqa: F401
     Asleep,
-    Buffer,
     DriverError,
     InternalError,
     InvalidArgument,
+    InvalidType,
     OutOfAddressSpace,
     OutOfMemory,
     Pinned,
@@ -56,15 +57,18 @@ from ._vmm_arena import Arena as _Arena
 
 __all__ = [
     "ALL_TAGS", "Allocation", "Arena", "Asleep", "Buffer", "DriverError", "InternalError",
-    "InvalidArgument", "OutOfAddressSpace", "OutOfMemory", "Pinned", "Stats", "Unsupported",
+    "InvalidArgument", "InvalidType", "OutOfAddressSpace", "OutOfMemory", "Pinned", "Stats", "Unsupported",
     "UnknownAllocation", "VmmArenaError",
 ]
 
 
 @dataclass(frozen=True)
 class Stats:
-    """The arena's counters and sizes (bytes unless named otherwise); the
-    meaning of each is documented on vmm_arena::Stats in the Rust API."""
+    """The arena's counters and sizes, one attribute each (bytes unless named
+    otherwise; the meaning of each is documented on vmm_arena::Stats in the
+    Rust API). `bad_frees` is the PyTorch hooks' count of frees of pointers
+    they never handed out (0 for an Arena); `other` holds any counter this
+    version of the package does not know, as (name, value) pairs."""
 
     live_allocations: int = 0
     live_bytes: int = 0
@@ -77,16 +81,39 @@ class Stats:
     largest_free_va_bytes: int = 0
     retired_va_bytes: int = 0
     moves: int = 0
-    bytes_copied: int = 0
-    small_slabs: int = 0
-    asleep_bytes: int = 0
-    backup_bytes: int = 0
-    chunk_bytes: int = 0
     driver_creates: int = 0
     driver_releases: int = 0
     driver_maps: int = 0
     driver_unmaps: int = 0
+    driver_access_calls: int = 0
+    driver_syncs: int = 0
+    chunk_bytes: int = 0
+    cached_mapped_bytes: int = 0
+    idle_cached_bytes: int = 0
+    unmapped_pooled_bytes: int = 0
     release_failures: int = 0
+    reserve_fallbacks: int = 0
+    bytes_copied: int = 0
+    small_slabs: int = 0
+    asleep_bytes: int = 0
+    backup_bytes: int = 0
+    imported_allocations: int = 0
+    imported_bytes: int = 0
+    exported_allocations: int = 0
+    caller_driver_calls: int = 0
+    caller_creates: int = 0
+    caller_syncs: int = 0
+    maintain_driver_calls: int = 0
+    stream_frees: int = 0
+    stream_shrinks: int = 0
+    quiesces: int = 0
+    event_polls: int = 0
+    event_waits: int = 0
+    pending_free_bytes: int = 0
+    prefetched_bytes: int = 0
+    maintain_failures: int = 0
+    shared_bytes: int = 0
+    bad_frees: int = 0
     other: tuple = ()
 
     @classmethod

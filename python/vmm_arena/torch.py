@@ -1,188 +1,316 @@
-"""vmm_arena as PyTorch's CUDA allocator, with torch_memory_saver's pause and
-resume by tag.
+"""vmm_arena under PyTorch: pausable regions with torch_memory_saver's meaning.
 
     import vmm_arena.torch as vt
-    vt.use()                                   # before the first CUDA tensor
     with vt.region("weights", enable_cpu_backup=True):
         model = build_model().cuda()
     with vt.region("kv_cache"):
         kv = torch.empty(..., device="cuda")
-    vt.pause()                                 # memory back to the driver
-    vt.resume()                                # same addresses; weights restored
+    vt.pause()            # every region's memory back to the driver, all devices
+    vt.resume()           # same addresses; the weights' bytes restored
 
-The allocator is the C library's PyTorch entry points (libvmm_arena.so,
-built by `cargo build --release -p vmm-arena-ffi`), loaded through
-`torch.cuda.memory.CUDAPluggableAllocator`: the library is found at
-`library=`, else $VMM_ARENA_LIBRARY, else target/release/libvmm_arena.so
-of the repository this package was built from. The arena is configured by
-$VMM_ARENA_CONF (see ffi/src/torch.rs). Every allocation PyTorch makes is
-pinned (PyTorch keeps raw pointers): nothing moves.
+The allocator is the extension module itself: it exports the PyTorch hooks
+`vmm_arena_torch_malloc_or_throw` and `vmm_arena_torch_free`, loaded by
+`torch.cuda.memory.CUDAPluggableAllocator(vmm_arena.torch.library_path(),
+...)`; `pip install ./python` is the whole install. Inside a `region`,
+PyTorch allocates from a `torch.cuda.MemPool` over that allocator (one pool
+per tag and backup choice, as torch_memory_saver does); outside, PyTorch's
+own allocator serves, and that memory is never paused. `use()` instead makes
+the arena PyTorch's allocator for everything (memory outside a region is
+then the arena's too, and still never paused).
 
-Tags: the names given to `region` map to small integers (the first name
-1, the next 2, ...; outside any region, tag 0). `pause(tag=None)` sleeps
-that tag (None: every tag), backing up the bytes of tags whose region asked
-for `enable_cpu_backup`; `resume(tag=None)` wakes them at the same
-addresses. Needs CUDA: on a machine without it `use()` raises RuntimeError.
+Each device's arena is created on first use, configured by `configure()` or
+else $VMM_ARENA_CONF (`backend:auto|cuda|host|host-sparse`, `capacity:`,
+`reserve:`, `chunk:`, `retain:`; sizes take KiB/MiB/GiB/TiB). `auto`, the
+default, is the CUDA backend, or the host one (with a warning) where CUDA
+cannot start: `backend()` says which.
+
+Tags: a region's name (any str or int) and its backup choice select one
+arena tag; memory outside any region has tag 0 and `pause()` never touches
+it. `pause(tag=None)` sleeps every region's memory (or one name's) on every
+device with an arena, backing up the bytes of allocations made with
+`enable_cpu_backup=True`; `resume(tag=None)` maps them back at the same
+addresses. Every allocation PyTorch makes is pinned: nothing moves.
 """
 
 import contextlib
 import ctypes
-import os
 import threading
+import warnings
 
-_ALL_TAGS = 0xFFFFFFFF
-_SLEEP_BACKUP = 1
+from . import _vmm_arena as _ext
+
+OUTSIDE = 0  # the tag of memory outside any region: never paused
+RESIDENT = 1  # the tag keep_resident() gives: never paused
+
 _lock = threading.Lock()
-_tags = {}
-_backup = set()
-_lib = None
-_allocator = None
+_names = {}  # region name -> index (1, 2, ...); tags 2*index (+1 with backup)
+_pools = {}  # tag -> torch.cuda.MemPool over the arena
+_allocator = None  # the CUDAPluggableAllocator, once made
+_replaced = False  # use() made the arena PyTorch's allocator
+_warned = set()
 
 
-def _library_path(library=None):
-    if library:
-        return library
-    env = os.environ.get("VMM_ARENA_LIBRARY")
-    if env:
-        return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    for up in (os.path.join(here, "..", ".."), os.getcwd()):
-        cand = os.path.normpath(os.path.join(up, "target", "release", "libvmm_arena.so"))
-        if os.path.exists(cand):
-            return cand
-    raise FileNotFoundError(
-        "libvmm_arena.so not found: build it with `cargo build --release -p vmm-arena-ffi` "
-        "and pass library= or set VMM_ARENA_LIBRARY"
-    )
+def library_path():
+    """The file holding the PyTorch allocator entry points: the installed
+    extension module (no other build or library needed)."""
+    return _ext.__file__
 
 
 def _load(library=None):
-    global _lib
-    if _lib is None:
-        lib = ctypes.CDLL(_library_path(library))
-        lib.vmm_arena_torch_set_tag.argtypes = [ctypes.c_uint32]
-        lib.vmm_arena_torch_set_tag.restype = ctypes.c_uint32
-        lib.vmm_arena_torch_tag.restype = ctypes.c_uint32
-        lib.vmm_arena_torch_sleep.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32]
-        lib.vmm_arena_torch_sleep.restype = ctypes.c_int
-        lib.vmm_arena_torch_wake.argtypes = [ctypes.c_int, ctypes.c_uint32]
-        lib.vmm_arena_torch_wake.restype = ctypes.c_int
-        lib.vmm_arena_last_error.restype = ctypes.c_char_p
-        _lib = lib
-    return _lib
+    """The extension module as a ctypes library (the hooks PyTorch calls),
+    with argument types set. `library` is accepted for compatibility and
+    must be None or this very file."""
+    if library not in (None, library_path()):
+        raise ValueError("the hooks live in the extension module; library= is no longer needed")
+    lib = ctypes.CDLL(library_path())
+    lib.vmm_arena_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.vmm_arena_torch_malloc.restype = ctypes.c_void_p
+    lib.vmm_arena_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.vmm_arena_torch_free.restype = None
+    lib.vmm_arena_torch_last_error.restype = ctypes.c_char_p
+    return lib
 
 
-def tag_of(name):
-    """The integer tag of a region name (allocated on first use; 0 is no region)."""
-    if name is None:
-        return 0
-    if isinstance(name, int) and not isinstance(name, bool):
-        if not 0 <= name < _ALL_TAGS:
-            raise ValueError(f"tag {name} out of range")
-        return name
-    if not isinstance(name, str):
-        raise TypeError("a region's tag is a str (or an int)")
+def configure(conf):
+    """Sets the arenas' configuration (VMM_ARENA_CONF's syntax, e.g.
+    "backend:host,capacity:8GiB"); only before the first allocation."""
+    _ext._hooks_configure(conf)
+
+
+def _index(name):
+    if isinstance(name, bool) or not isinstance(name, (str, int)):
+        raise TypeError(f"a region's tag is a str or an int, not {type(name).__name__}")
     with _lock:
-        return _tags.setdefault(name, len(_tags) + 1)
+        return _names.setdefault(name, len(_names) + 1)
 
 
-def use(library=None):
-    """Makes the arena PyTorch's CUDA allocator (before any CUDA tensor exists).
-    Returns the CUDAPluggableAllocator."""
-    global _allocator
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("vmm_arena.torch.use() needs CUDA")
-    path = _library_path(library)
-    _load(path)
-    if _allocator is None:
-        _allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            path, "vmm_arena_torch_malloc_or_throw", "vmm_arena_torch_free"
-        )
-        torch.cuda.memory.change_current_allocator(_allocator)
-    return _allocator
+def tag_of(name, enable_cpu_backup=False):
+    """The arena tag of a region name and backup choice (0 for None: no region)."""
+    if name is None:
+        return OUTSIDE
+    return 2 * _index(name) + (1 if enable_cpu_backup else 0)
 
 
-def mem_pool(library=None):
-    """A torch.cuda.MemPool over the arena (where PyTorch has MemPool), for
-    `with torch.cuda.use_mem_pool(pool):` instead of replacing the allocator."""
-    import torch
-
-    path = _library_path(library)
-    _load(path)
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "vmm_arena_torch_malloc_or_throw", "vmm_arena_torch_free")
-    if not hasattr(torch.cuda, "MemPool"):
-        raise RuntimeError("this PyTorch has no torch.cuda.MemPool; use vmm_arena.torch.use()")
-    return torch.cuda.MemPool(alloc.allocator())
+def name_of(tag):
+    """The region name of an arena tag (None for memory outside a region)."""
+    if tag < 2:
+        return None
+    idx = tag // 2
+    with _lock:
+        return next((n for n, i in _names.items() if i == idx), None)
 
 
-@contextlib.contextmanager
-def region(tag="default", enable_cpu_backup=False):
-    """Allocations made by this thread inside carry `tag` (and so pause and
-    resume with it); with enable_cpu_backup their bytes survive a pause."""
-    t = tag_of(tag)
-    if enable_cpu_backup:
-        _backup.add(t)
-    lib = _load()
-    prev = lib.vmm_arena_torch_set_tag(t)
-    try:
-        yield t
-    finally:
-        lib.vmm_arena_torch_set_tag(prev)
-
-
-def _check(status, what):
-    if status != 0:
-        from . import VmmArenaError
-
-        raise VmmArenaError(f"{what}: {_lib.vmm_arena_last_error().decode(errors='replace')}")
-
-
-def _cuda():
-    """torch.cuda where PyTorch and a device are present, else None (the
-    entry points then serve VMM_ARENA_CONF's backend, e.g. the host one in
-    tests, on device 0)."""
+def _torch():
     try:
         import torch
     except ImportError:
         return None
-    return torch.cuda if torch.cuda.is_available() else None
+    return torch
 
 
-def _device():
+def _cuda():
+    """torch.cuda where PyTorch and a device are present, else None."""
+    torch = _torch()
+    return torch.cuda if torch is not None and torch.cuda.is_available() else None
+
+
+def _pluggable():
+    global _allocator
+    torch = _torch()
+    with _lock:
+        if _allocator is None:
+            _allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                library_path(), "vmm_arena_torch_malloc_or_throw", "vmm_arena_torch_free"
+            )
+        return _allocator
+
+
+def use():
+    """Makes the arena PyTorch's CUDA allocator for every allocation (before
+    any CUDA tensor exists). Returns the CUDAPluggableAllocator."""
+    global _replaced
     cuda = _cuda()
-    return cuda.current_device() if cuda else 0
+    if cuda is None:
+        raise RuntimeError("vmm_arena.torch.use() needs CUDA")
+    alloc = _pluggable()
+    if not _replaced:
+        cuda.memory.change_current_allocator(alloc)
+        _replaced = True
+    return alloc
 
 
-def pause(tag=None):
-    """Gives the physical memory of `tag` (None: every tag) back to the
-    driver, after the device's work; addresses stay. Tags whose region asked
-    for a CPU backup keep their bytes."""
-    cuda = _cuda()
-    if cuda:
-        cuda.synchronize()
-    lib = _load()
-    dev = _device()
-    tags = [tag_of(tag)] if tag is not None else sorted(set(_tags.values()) | {0})
-    for t in tags:
-        _check(lib.vmm_arena_torch_sleep(dev, t, _SLEEP_BACKUP if t in _backup else 0), f"pause({t})")
-
-
-def resume(tag=None):
-    """Maps memory back for `tag` (None: every tag) at the same addresses."""
-    lib = _load()
-    t = _ALL_TAGS if tag is None else tag_of(tag)
-    _check(lib.vmm_arena_torch_wake(_device(), t), f"resume({tag})")
+def mem_pool(tag=None, enable_cpu_backup=False):
+    """The torch.cuda.MemPool over the arena whose allocations carry the tag
+    of (`tag`, `enable_cpu_backup`) (one pool per tag, kept)."""
+    t = tag_of(tag, enable_cpu_backup)
+    torch = _torch()
+    if _cuda() is None or not hasattr(torch.cuda, "MemPool"):
+        raise RuntimeError("a MemPool needs CUDA and a PyTorch with torch.cuda.MemPool")
+    alloc = _pluggable()
+    with _lock:
+        if t not in _pools:
+            _pools[t] = torch.cuda.MemPool(alloc.allocator())
+        return _pools[t]
 
 
 @contextlib.contextmanager
-def cuda_graph(graph, tag="cuda_graph", enable_cpu_backup=False, **kwargs):
-    """torch.cuda.graph(graph, ...) whose private pool comes from the arena
-    under `tag` (the allocator must be in use: use()), so that the graph's
-    memory pauses and resumes with that tag."""
-    import torch
+def _thread_tag(t):
+    prev = _ext._hooks_set_tag(t)
+    try:
+        yield
+    finally:
+        _ext._hooks_set_tag(prev)
 
-    with region(tag, enable_cpu_backup=enable_cpu_backup):
-        with torch.cuda.graph(graph, **kwargs):
-            yield graph
+
+@contextlib.contextmanager
+def region(tag="default", enable_cpu_backup=False):
+    """Memory PyTorch allocates on this thread inside carries `tag` and pauses
+    and resumes with it; with `enable_cpu_backup` its bytes survive a pause
+    (the choice is per allocation: one name may have both kinds). Yields the
+    arena tag."""
+    t = tag_of(tag, enable_cpu_backup)
+    _warn_if_fallback()
+    with _thread_tag(t):
+        if _cuda() is not None and not _replaced:
+            torch = _torch()
+            with torch.cuda.use_mem_pool(mem_pool(tag, enable_cpu_backup)):
+                yield t
+        else:
+            yield t
+
+
+@contextlib.contextmanager
+def disable():
+    """Inside a region: memory allocated here is outside any region (PyTorch's
+    own allocator where the arena is not PyTorch's allocator; tag 0, never
+    paused)."""
+    with _thread_tag(OUTSIDE):
+        torch = _torch()
+        if _cuda() is not None and not _replaced and hasattr(torch.cuda, "MemPool"):
+            pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(pool):
+                yield
+            del pool
+        else:
+            yield
+
+
+@contextlib.contextmanager
+def cuda_graph(cuda_graph, pool=None, stream=None, capture_error_mode="global", tag="default",
+               enable_cpu_backup=False):
+    """`torch.cuda.graph(...)` whose memory comes from the arena under `tag`
+    (the region's pool unless `pool` is given), so that it pauses and
+    resumes with that tag. Needs CUDA."""
+    torch = _torch()
+    with region(tag, enable_cpu_backup):
+        if pool is None and not _replaced:
+            pool = mem_pool(tag, enable_cpu_backup).id
+        with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            yield cuda_graph
+
+
+def devices():
+    """The devices whose arenas exist (every one pause and resume act on)."""
+    return _ext._hooks_devices()
+
+
+def backend(device=0):
+    """(backend, reason): "cuda", or "host" with why CUDA was not used (None
+    when the host backend was asked for). Creates the device's arena."""
+    return _ext._hooks_backend(device)
+
+
+def _warn_if_fallback(device=0):
+    if device in _warned:
+        return
+    name, why = backend(device)
+    if why is not None:
+        _warned.add(device)
+        warnings.warn(f"vmm_arena: no usable CUDA ({why}); the arena of device {device} is host memory",
+                      RuntimeWarning, stacklevel=3)
+
+
+def allocations(device=0):
+    """[(ptr, bytes, tag)] of the live allocations the hooks handed out."""
+    return _ext._hooks_allocations(device)
+
+
+def _region_tags(device, select):
+    """The region tags with live memory on `device` that `select(name)` picks."""
+    tags = sorted({t for _, _, t in allocations(device) if t >= 2})
+    return [t for t in tags if select(name_of(t))]
+
+
+def _synchronize():
+    cuda = _cuda()
+    if cuda is not None:
+        for d in devices():
+            with cuda.device(d):
+                cuda.synchronize()
+
+
+def _sleep(select, backup_of):
+    """Sleeps the region tags `select` picks on every device, each with the
+    backup `backup_of(tag)` says."""
+    _synchronize()
+    for d in devices():
+        for t in _region_tags(d, select):
+            _ext._hooks_sleep(d, t, backup_of(t))
+
+
+def _wake(select):
+    for d in devices():
+        for t in _region_tags(d, select):
+            _ext._hooks_wake(d, t)
+
+
+def _selector(tag):
+    if tag is None:
+        return lambda name: True
+    _index(tag)  # type check
+    return lambda name: name == tag
+
+
+def pause(tag=None):
+    """Gives the physical memory of every region (None) or of region `tag`
+    back to the driver on every device, after the device's work; addresses
+    stay. Allocations made with enable_cpu_backup keep their bytes. Memory
+    outside any region and kept-resident memory are never touched."""
+    _sleep(_selector(tag), lambda t: bool(t & 1))
+
+
+def resume(tag=None):
+    """Maps memory back for every region (None) or region `tag`, at the same
+    addresses, on every device."""
+    _wake(_selector(tag))
+
+
+def keep_resident(x, device=None):
+    """Keeps the allocation containing `x` (a tensor, or an address with
+    `device`) out of every later pause; returns its bytes, 0 for an empty
+    tensor or memory the arena did not allocate. Refused for a paused one
+    (Asleep) and for a small allocation that shares a slab (Pinned: it
+    would have to move)."""
+    if hasattr(x, "data_ptr"):
+        if x.numel() == 0:
+            return 0
+        ptr = x.data_ptr()
+        device = x.device.index if x.device.index is not None else 0
+    else:
+        ptr = int(x)
+    return _ext._hooks_retag(device or 0, ptr, RESIDENT)
+
+
+def stats(device=0):
+    """The device's arena stats (vmm_arena.Stats), None before its first use;
+    `other` holds bad_frees, frees of pointers the hooks never handed out."""
+    from . import Stats
+
+    d = _ext._hooks_stats(device)
+    return None if d is None else Stats._from_dict(d)
+
+
+def release(device=0):
+    """Drops the device's arena, giving all its memory (and host backups)
+    back, when the hooks hold no live allocation there; returns whether it did."""
+    return _ext._hooks_release(device)

@@ -1,0 +1,231 @@
+"""vmm_arena.torch_memory_saver and vmm_arena.vllm against the peers'
+documented behaviours (docs/python-drop-ins.md numbers them: TMS-n, VLLM-n),
+on the host backend through the hooks PyTorch would call. The ones that need
+a GPU (real tensors, MemPools, CUDA graphs) are listed there as GPU-only."""
+import pytest
+
+import vmm_arena as va
+import vmm_arena.torch as vt
+from vmm_arena.torch_memory_saver import TorchMemorySaver, memory_saver, torch_memory_saver
+from vmm_arena.vllm import CuMemAllocator
+
+from conftest import MiB, fill, holds, mapped
+
+tms = torch_memory_saver
+
+
+# torch_memory_saver
+
+
+def test_tms1_region_memory_is_released_by_pause_and_mapped_back_by_resume_at_its_address(hooks):
+    with tms.region():
+        p = hooks.malloc(4 * MiB)
+    tms.pause()
+    assert mapped() == 0
+    tms.resume()
+    assert mapped() == 4 * MiB and [a for a, _, _ in vt.allocations()] == [p]
+    fill(p, 1)
+
+
+def test_tms2_memory_outside_a_region_is_never_paused(hooks):
+    normal = hooks.malloc(4 * MiB)
+    fill(normal, 5)
+    with tms.region():
+        hooks.malloc(4 * MiB)
+    tms.pause()
+    assert mapped() == 4 * MiB and holds(normal, 5)
+
+
+def test_tms3_tags_pause_and_resume_selectively_in_any_order(hooks):
+    with tms.region(tag="type1"):
+        hooks.malloc(4 * MiB)
+    with tms.region(tag="type2"):
+        hooks.malloc(2 * MiB)
+    tms.pause("type1")
+    assert mapped() == 2 * MiB
+    tms.pause("type2")
+    assert mapped() == 0
+    tms.resume("type2")
+    assert mapped() == 2 * MiB
+    tms.resume("type1")
+    assert mapped() == 6 * MiB
+    tms.pause("type1")
+    tms.resume("type1")
+    assert mapped() == 6 * MiB
+
+
+def test_tms4_content_is_kept_only_with_enable_cpu_backup(hooks):
+    with tms.region(tag="demo", enable_cpu_backup=True):
+        kept = hooks.malloc(4 * MiB)
+    with tms.region(tag="other"):
+        hooks.malloc(4 * MiB)
+    fill(kept, 42)
+    tms.pause()
+    assert va.Stats is type(vt.stats()) and vt.stats().backup_bytes == 4 * MiB
+    tms.resume()
+    assert holds(kept, 42)
+
+
+def test_tms5_pause_and_resume_with_no_tag_cover_every_tag(hooks):
+    for tag in ("a", "b", 7):
+        with tms.region(tag=tag):
+            hooks.malloc(2 * MiB)
+    tms.pause(None)
+    assert mapped() == 0
+    tms.resume(None)
+    assert mapped() == 6 * MiB
+
+
+def test_tms6_disable_inside_a_region_allocates_untracked_memory(hooks):
+    with tms.region(tag="kv"):
+        with tms.disable():
+            untracked = hooks.malloc(4 * MiB)
+    fill(untracked, 3)
+    tms.pause()
+    assert mapped() == 4 * MiB and holds(untracked, 3)
+
+
+def test_tms7_keep_resident_protects_an_allocation_and_refuses_a_paused_one(hooks):
+    with tms.region(tag="mixed", enable_cpu_backup=True):
+        resident = hooks.malloc(4 * MiB)
+        ordinary = hooks.malloc(4 * MiB)
+    assert vt.keep_resident(resident + 4096, device=0) == 4 * MiB
+    fill(resident, 17)
+    fill(ordinary, 29)
+    for tag in ("mixed", None, "mixed"):
+        tms.pause(tag)
+        assert holds(resident, 17) and mapped() == 4 * MiB
+        tms.resume(tag)
+        assert holds(ordinary, 29)
+    tms.pause("mixed")
+    with pytest.raises(va.Asleep):
+        vt.keep_resident(ordinary, device=0)
+
+
+def test_tms8_every_affected_device_is_paused(hooks):
+    with tms.region():
+        hooks.malloc(2 * MiB, device=0)
+        hooks.malloc(2 * MiB, device=1)
+    tms.pause()
+    assert mapped(0) == mapped(1) == 0
+    tms.resume()
+    assert mapped(0) == mapped(1) == 2 * MiB
+
+
+def test_tms9_the_object_its_aliases_and_properties():
+    assert memory_saver is torch_memory_saver and isinstance(TorchMemorySaver(), TorchMemorySaver)
+    assert tms.enabled is True
+    tms.hook_mode = "torch"
+    with pytest.raises(NotImplementedError):
+        tms.hook_mode = "preload"
+    with pytest.raises(AttributeError):
+        tms.hook_mode
+
+
+# vLLM's CuMemAllocator
+
+
+def test_vllm1_get_instance_is_a_singleton():
+    assert CuMemAllocator.get_instance() is CuMemAllocator.get_instance()
+    assert CuMemAllocator.default_tag == "default"
+
+
+def test_vllm2_only_memory_in_the_pool_sleeps(hooks):
+    a = CuMemAllocator.get_instance()
+    outside = hooks.malloc(4 * MiB)
+    fill(outside, 11)
+    with a.use_memory_pool(tag="weights"):
+        hooks.malloc(4 * MiB)
+    a.sleep()
+    assert mapped() == 4 * MiB and holds(outside, 11)
+    a.wake_up()
+
+
+def test_vllm3_sleep_offloads_the_tags_named_and_discards_the_rest(hooks):
+    a = CuMemAllocator.get_instance()
+    with a.use_memory_pool(tag="weights"):
+        w = hooks.malloc(4 * MiB)
+    with a.use_memory_pool(tag="kv_cache"):
+        hooks.malloc(4 * MiB)
+    fill(w, 21)
+    a.sleep(offload_tags=("weights",))
+    s = vt.stats()
+    assert s.mapped_bytes == 0 and s.backup_bytes == 4 * MiB, "kv_cache discarded, not copied"
+    a.wake_up()
+    assert mapped() == 8 * MiB and holds(w, 21)
+
+
+def test_vllm4_sleep_defaults_to_offloading_the_default_tag_and_takes_a_str(hooks):
+    a = CuMemAllocator.get_instance()
+    with a.use_memory_pool():
+        d = hooks.malloc(2 * MiB)
+    with a.use_memory_pool(tag="kv_cache"):
+        k = hooks.malloc(2 * MiB)
+    fill(d, 1)
+    fill(k, 2)
+    a.sleep()
+    assert vt.stats().backup_bytes == 2 * MiB
+    a.wake_up()
+    assert holds(d, 1)
+    fill(k, 2)  # discarded by that sleep
+    a.sleep(offload_tags="kv_cache")
+    assert vt.stats().backup_bytes == 2 * MiB
+    a.wake_up()
+    assert holds(k, 2)
+
+
+def test_vllm5_a_level_2_sleep_discards_everything_even_after_an_offloading_sleep(hooks):
+    a = CuMemAllocator.get_instance()
+    with a.use_memory_pool(tag="weights"):
+        hooks.malloc(4 * MiB)
+    a.sleep(offload_tags=("weights",))
+    a.wake_up()
+    a.sleep(offload_tags=())
+    s = vt.stats()
+    assert s.mapped_bytes == 0 and s.backup_bytes == 0
+    a.wake_up()
+
+
+def test_vllm6_wake_up_maps_back_only_the_tags_named(hooks):
+    a = CuMemAllocator.get_instance()
+    with a.use_memory_pool(tag="weights"):
+        w = hooks.malloc(4 * MiB)
+    with a.use_memory_pool(tag="kv_cache"):
+        hooks.malloc(2 * MiB)
+    fill(w, 8)
+    a.sleep(offload_tags=("weights",))
+    a.wake_up(tags=["weights"])
+    assert mapped() == 4 * MiB and holds(w, 8)
+    a.wake_up(tags=["kv_cache"])
+    assert mapped() == 6 * MiB
+
+
+def test_vllm7_get_current_usage_counts_the_pools_live_bytes_asleep_or_awake(hooks):
+    a = CuMemAllocator.get_instance()
+    hooks.malloc(4 * MiB)  # outside the pool: not counted
+    with a.use_memory_pool(tag="weights"):
+        w = hooks.malloc(4 * MiB)
+        hooks.malloc(1000)
+    assert a.get_current_usage() == 4 * MiB + 1000
+    a.sleep()
+    assert a.get_current_usage() == 4 * MiB + 1000
+    a.wake_up()
+    hooks.free_(w)
+    assert a.get_current_usage() == 1000
+
+
+def test_vllm8_sleep_and_wake_cover_every_device(hooks):
+    a = CuMemAllocator.get_instance()
+    with a.use_memory_pool():
+        hooks.malloc(2 * MiB, device=0)
+        hooks.malloc(2 * MiB, device=1)
+    a.sleep()
+    assert mapped(0) == mapped(1) == 0
+    a.wake_up()
+    assert mapped(0) == mapped(1) == 2 * MiB
+
+
+def test_vllm9_a_tag_must_be_a_str():
+    with pytest.raises(TypeError):
+        with CuMemAllocator.get_instance().use_memory_pool(tag=3):
+            pass

@@ -1,0 +1,72 @@
+"""A drop-in for torch_memory_saver over vmm_arena.
+
+    from vmm_arena.torch_memory_saver import torch_memory_saver
+    with torch_memory_saver.region(tag="weights", enable_cpu_backup=True):
+        weights = torch.empty(..., device="cuda")
+    torch_memory_saver.pause()      # or pause("weights")
+    torch_memory_saver.resume()
+
+The names and their meaning are torch_memory_saver's (see
+docs/python-drop-ins.md for the list of behaviours and the tests that check
+them): memory allocated outside any region is never paused; `pause(tag)` /
+`resume(tag)` act on one tag, or on every tag when None, on every device;
+the CPU backup is chosen per region and so per allocation; `disable()`
+allocates outside the regions while inside one; `keep_resident(tensor)`
+keeps an allocation out of later pauses. It runs on vmm_arena.torch (the
+hooks are in the installed extension module; no LD_PRELOAD).
+"""
+
+from . import torch as _vt
+
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "memory_saver"]
+
+
+class TorchMemorySaver:
+    """torch_memory_saver's object; all instances share the one allocator."""
+
+    def region(self, tag="default", enable_cpu_backup=False):
+        """Context manager: CUDA memory allocated inside is pausable under `tag`."""
+        return _vt.region(tag, enable_cpu_backup)
+
+    def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global", tag="default",
+                   enable_cpu_backup=False):
+        """torch.cuda.graph(...) whose memory pauses with `tag`."""
+        return _vt.cuda_graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode, tag=tag,
+                              enable_cpu_backup=enable_cpu_backup)
+
+    def disable(self):
+        """Context manager: inside a region, allocate as if outside it."""
+        return _vt.disable()
+
+    def pause(self, tag=None):
+        """Releases the physical memory of `tag` (None: every tag)."""
+        _vt.pause(tag)
+
+    def resume(self, tag=None):
+        """Maps memory back for `tag` (None: every tag) at the same addresses."""
+        _vt.resume(tag)
+
+    def keep_resident(self, x):
+        """Keeps the allocation holding tensor `x` out of later pauses;
+        returns its bytes (0 for an empty tensor or memory not from a region)."""
+        return _vt.keep_resident(x)
+
+    @property
+    def enabled(self):
+        """Always True: the hooks are part of the installed package."""
+        return True
+
+    @property
+    def hook_mode(self):
+        raise AttributeError("hook_mode is write-only")
+
+    @hook_mode.setter
+    def hook_mode(self, mode):
+        if mode not in ("torch", "preload"):
+            raise ValueError(f"hook_mode {mode!r}: 'torch' or 'preload'")
+        if mode == "preload":
+            raise NotImplementedError("vmm_arena has no LD_PRELOAD mode: it hooks PyTorch's allocator only")
+
+
+torch_memory_saver = TorchMemorySaver()
+memory_saver = torch_memory_saver
