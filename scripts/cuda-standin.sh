@@ -52,7 +52,14 @@ for mode in "${modes[@]}"; do
         VMM_ARENA_TEST_BACKEND=cuda run cargo test -q --release --test faults --test group
     fi
     VMM_ARENA_REQUIRE_GPU=1 run cargo test -q -p vmm-arena-ffi --test c_programs -- c_cuda_backend_test c_api_test_shared_library
-    run cargo run -q --release -p vmm-sim --bin gpu_measure -- --quick --out "target/ci/gpu-measure-$mode" >/dev/null
+    # The stand-in loads no modules: the kernels are reported not measured
+    # (--kernels-optional), which the run must say.
+    run cargo run -q --release -p vmm-sim --bin gpu_measure -- --quick --kernels-optional --out "target/ci/gpu-measure-$mode" >/dev/null
+    grep -q "Not measured: this driver cannot load modules" "target/ci/gpu-measure-$mode/gpu-measure.md" ||
+        { echo "gpu_measure did not say the kernels were not measured on the stand-in" >&2; exit 1; }
+    if grep -q attn_eff "target/ci/gpu-measure-$mode/kv-profile.json" 2>/dev/null; then
+        echo "gpu_measure wrote attn_eff_* without measuring the kernels" >&2; exit 1
+    fi
     grep -q "\"unmap_spans_mappings\": $([[ $strict == 1 ]] && echo false || echo true)" "target/ci/gpu-measure-$mode/gpu-measure.json" ||
         { echo "gpu_measure did not record the probe's answer for $mode unmaps" >&2; exit 1; }
     unset LD_LIBRARY_PATH CUDA_STANDIN_STRICT_UNMAP CUDA_STANDIN_EVENT_POLLS CUDA_STANDIN_QUIET

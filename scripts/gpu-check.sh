@@ -122,13 +122,15 @@ PY
 # --- run: there -----------------------------------------------------------
 #
 # Time budget: every step has its own limit, and the limits add up to at
-# most 340 s; with the 2 s grace `timeout -k` gives each of the seven steps
-# that can hang, the worst case stays under 6 minutes (360 s):
+# most 380 s; with the 2 s grace `timeout -k` gives each of the seven steps
+# that can hang, the worst case stays under 7 minutes (400 s):
 #
 #   gpu-info        10 s   nvidia-smi
 #   cuda_backend    35 s   tests/cuda_backend.rs against the real driver
 #   gpu_measure     50 s   driver call latencies (driver_latency.md) and the
-#                          attention kernels by KV layout (a few seconds)
+#                          decode attention kernels by KV layout (seconds)
+#   attn checks     40 s   gpu_measure --attention-only with a broken and a
+#                          slow paged kernel (20 s each): both must be rejected
 #   pytorch        190 s   three fresh processes (native, expandable segments,
 #                          vmm-arena), 60 s each: a cold `import torch` plus
 #                          CUDA and cuBLAS initialisation take most of that on
@@ -140,7 +142,7 @@ PY
 #   host tests      10 s   all other test binaries, sharing these 10 s; each
 #                          gets what is left, the rest SKIPPED
 #                 -----
-#                  340 s
+#                  380 s
 #
 # GPU_CHECK_MAX_STEP_S caps every step's limit (for testing the script).
 
@@ -151,6 +153,7 @@ LIMIT_SUITES_TOTAL=35
 LIMIT_HOST_TOTAL=10
 LIMIT_HOST_EACH=10
 LIMIT_MEASURE=50
+LIMIT_ATTN_CHECK=20
 TORCH_CHILD=60
 LIMIT_TORCH=$((3 * TORCH_CHILD + 10))
 KILL_GRACE=2
@@ -352,6 +355,29 @@ cmd_run() {
             local spans
             spans=$(grep -o '"unmap_spans_mappings": [a-z]*' "$WORK/gpu-measure.json" 2>/dev/null | awk '{print $2}')
             echo "gpu-check run: one cuMemUnmap over separate mappings accepted (the arena's probe): ${spans:-unknown}" >&2
+        fi
+    fi
+
+    # 3b. The attention measurement's own checks, with deliberately bad
+    # kernels in place of paged: a broken one must fail verification (exit
+    # non-zero, no attn_eff_*), a slow one must be marked INVALID by the
+    # bandwidth rule at the full decode size.
+    if [[ -z $nogpu && -x $bin/gpu_measure && $MEASURE_STATUS == ok ]]; then
+        local rc=0
+        timeout -k "$KILL_GRACE" "$(cap $LIMIT_ATTN_CHECK)" "$bin/gpu_measure" --attention-only --quick \
+            --kernel-variant broken >"$WORK/attention-broken.log" 2>&1 || rc=$?
+        if ((rc != 0)) && grep -q "FAILED: attention_paged_broken" "$WORK/attention-broken.log"; then
+            report attention_broken_rejected "ok" "the broken kernel failed verification (rc=$rc)"
+        else
+            report attention_broken_rejected "FAILED" "rc=$rc: the broken kernel was not rejected; see attention-broken.log"
+        fi
+        rc=0
+        timeout -k "$KILL_GRACE" "$(cap $LIMIT_ATTN_CHECK)" "$bin/gpu_measure" --attention-only \
+            --kernel-variant slow >"$WORK/attention-slow.log" 2>&1 || rc=$?
+        if ((rc == 0)) && grep -q "^| paged | attention_paged_slow .*INVALID |" "$WORK/attention-slow.log"; then
+            report attention_slow_rejected "ok" "the slow kernel was marked INVALID"
+        else
+            report attention_slow_rejected "FAILED" "rc=$rc: the slow kernel was not marked INVALID; see attention-slow.log"
         fi
     fi
 

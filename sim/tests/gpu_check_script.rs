@@ -209,7 +209,10 @@ fn with_a_gpu_the_measurements_reach_the_markdown_tables() {
     );
     write_exe(
         &bin.join("gpu_measure"),
-        "#!/bin/sh\n[ \"$1\" = --out ] || exit 9\n\
+        "#!/bin/sh\n\
+         case \"$*\" in *'--kernel-variant broken'*) echo 'FAILED: attention_paged_broken (x): differs'; exit 1;; esac\n\
+         case \"$*\" in *'--kernel-variant slow'*) echo '| paged | attention_paged_slow | 1 | 900.0 | 1-2 | 300 | 9 % | 0.100 | INVALID |'; exit 0;; esac\n\
+         [ \"$1\" = --out ] || exit 9\n\
          printf '# CUDA VMM measurements\\n\\n| call | median |\\n|---|---|\\n| `cuMemCreate` | 12.5 |\\n' >\"$2/gpu-measure.md\"\n\
          echo '{\"status\": \"ok\"}' >\"$2/gpu-measure.json\"\n\
          echo '{\"name\": \"measured\", \"set_access_call_s\": 2e-05}' >\"$2/kv-profile.json\"\n",
@@ -238,6 +241,10 @@ fn with_a_gpu_the_measurements_reach_the_markdown_tables() {
     assert!(s.lines().next().unwrap().contains("GPU: Fake H200"), "{s}");
     assert!(status(&s, "cuda_backend").contains("ok") && status(&s, "cuda_backend").contains("12 passed"), "{s}");
     assert!(status(&s, "gpu_measure").contains("ok"), "{s}");
+    // The attention checks ran the deliberately broken and slow kernels and
+    // saw them rejected.
+    assert!(status(&s, "attention_broken_rejected").contains("ok"), "{s}");
+    assert!(status(&s, "attention_slow_rejected").contains("ok"), "{s}");
     assert!(status(&s, "pytorch").contains("ok"), "{s}");
     let latency = std::fs::read_to_string(out.join("driver_latency.md")).unwrap();
     assert!(latency.contains("| `cuMemCreate` | 12.5 |"), "{latency}");

@@ -1,69 +1,58 @@
-//! The attention efficiencies of the three KV layouts, measured: the kernels
-//! of `sim/gpu/attention.cu` (one implementation, only the addressing
-//! differs), loaded from the committed PTX with `cuModuleLoadData`, checked
-//! against a CPU reference on small sizes, then timed with events on one
-//! layer of Llama-3-8B-shaped attention (32 query heads, 8 KV heads, head dim
-//! 128, bf16 K/V), a decode launch and a prefill-shaped one (a chunk of
-//! queries at the end of its context, causal).
+//! The attention efficiencies of the KV layouts, measured with a kernel that
+//! stands for the real decode kernels: `sim/gpu/attention.cu` (split-KV,
+//! 16-byte loads, the block table read once a tile; one implementation, only
+//! the addressing differs), loaded from the committed PTX, checked against a
+//! CPU reference, then timed on one layer of Llama-3-8B-shaped decode
+//! attention (32 query heads, 8 KV heads, head dim 128, bf16 K/V).
 //!
-//! Each layout's efficiency is the per-layer contiguous kernel's time over
-//! its own (the same code reading a dense, uniformly strided layout): the
-//! replay's `attn_eff_*` constants, with per-layer at 1 by definition.
+//! The rules that keep the figures honest:
+//! - every kernel is verified before it is timed; a kernel that fails to
+//!   load or verify is an error ([`AttnError::Failed`]), and no `attn_eff_*`
+//!   is written;
+//! - each layout's achieved bandwidth is compared with a plain device copy
+//!   measured in the same run; below `min_fraction` of it the layout's result
+//!   is marked invalid and its efficiency is not written;
+//! - the clocks are warmed until a batch of launches times within 2 % of the
+//!   one before, then the layouts are timed interleaved (one launch of each
+//!   in turn, the order rotated every round), median and spread reported.
+//!
+//! Efficiency = the dense kernel's median time over the layout's. Only the
+//! decode launch is measured: it is memory-bound, so the copy comparison
+//! judges it; a prefill kernel is compute-bound and this one does not tile
+//! queries as FlashAttention's prefill does, so the profile keeps its
+//! assumed prefill efficiencies.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_void, CString};
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUresult};
 
-const PTX: &str = include_str!("../../../gpu/attention.ptx");
-const HEADS: i32 = 32;
-const KV_HEADS: i32 = 8;
-const DIM: usize = 128;
-const BLOCK: usize = 16;
-/// Layers of the token-major layout: a token's KV of every layer together.
-const LAYERS: usize = 32;
-const THREADS: u32 = 128;
+use crate::attention_layout::{
+    bandwidth_valid, host_layout, kernel_name, max_ptx_isa, percentile, ptx_isa, ptx_isa_candidates, reference, splits,
+    to_bf16, verify, with_ptx_isa, Kv, Mode, Rng, Shape, Variant, DIM, HEADS, KV_HEADS, MODES, ROW,
+};
 
-type Res<T> = Result<T, String>;
+const PTX: &str = include_str!("../../../gpu/attention.ptx");
+const WARPS: usize = 4;
+const THREADS: u32 = (WARPS * 32) as u32;
+const TOLERANCE: f32 = 2e-3;
+
+/// Why the kernels were not measured.
+pub enum AttnError {
+    /// This driver cannot load modules at all (the libcuda stand-in answers
+    /// NOT_SUPPORTED): nothing to measure here.
+    NoModules(String),
+    /// A kernel failed to load, launch or verify on a real driver.
+    Failed(String),
+}
+
+type Res<T> = Result<T, AttnError>;
 
 fn ck(r: CUresult, what: &str) -> Res<()> {
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(format!("{what}: {r:?}"))
-    }
-}
-
-/// The kernels' `Kv` argument (`attention.cu`), field for field.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct Kv {
-    k: CUdeviceptr,
-    v: CUdeviceptr,
-    block_table: CUdeviceptr,
-    req_base: CUdeviceptr,
-    token_stride: i64,
-    layer_offset: i64,
-    batch_stride: i64,
-    max_blocks: i32,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Mode {
-    Paged,
-    TokenMajor,
-    PerLayer,
-}
-
-const MODES: [Mode; 3] = [Mode::Paged, Mode::TokenMajor, Mode::PerLayer];
-
-impl Mode {
-    fn kernel(self) -> &'static str {
-        match self {
-            Mode::Paged => "attention_paged",
-            Mode::TokenMajor => "attention_token_major",
-            Mode::PerLayer => "attention_per_layer",
-        }
+        Err(AttnError::Failed(format!("{what}: {r:?}")))
     }
 }
 
@@ -75,9 +64,10 @@ impl DevBuf {
         let mut p: CUdeviceptr = 0;
         // SAFETY: an out-pointer to a local; a context is current (`Gpu::new`).
         ck(unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) }, "cuMemAlloc")?;
+        let b = DevBuf(p);
         // SAFETY: `p` was just allocated with at least `bytes` bytes.
         ck(unsafe { sys::cuMemsetD8_v2(p, 0, bytes.max(1)) }, "cuMemsetD8")?;
-        Ok(DevBuf(p))
+        Ok(b)
     }
 
     fn from<T: Copy>(v: &[T]) -> Res<DevBuf> {
@@ -105,8 +95,7 @@ impl Drop for DevBuf {
     }
 }
 
-/// The device's primary context, retained; released on drop (also while
-/// a panic unwinds out of `Gpu::new`).
+/// The device's primary context, retained; released on drop.
 struct PrimaryCtx(sys::CUdevice);
 
 impl Drop for PrimaryCtx {
@@ -121,6 +110,9 @@ impl Drop for PrimaryCtx {
 /// before the context).
 struct Gpu {
     module: sys::CUmodule,
+    sms: usize,
+    /// The PTX ISA the module was loaded with.
+    isa: (u32, u32),
     _ctx: PrimaryCtx,
 }
 
@@ -128,27 +120,49 @@ impl Gpu {
     fn new(device: i32) -> Res<Gpu> {
         // SAFETY: only looks for the library (no call into it).
         if !unsafe { sys::is_culib_present() } {
-            return Err("libcuda not found".into());
+            return Err(AttnError::NoModules("libcuda not found".into()));
         }
-        // SAFETY: plain driver calls with out-pointers to locals; the PTX is
-        // a NUL-terminated string that outlives the call.
-        unsafe {
+        // SAFETY: plain driver calls with out-pointers to locals.
+        let (dev, ctx, driver, sms) = unsafe {
             ck(sys::cuInit(0), "cuInit")?;
             let mut dev = 0;
             ck(sys::cuDeviceGet(&mut dev, device), "cuDeviceGet")?;
             let mut ctx = std::ptr::null_mut();
             ck(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-            let guard = PrimaryCtx(dev);
-            ck(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
-            let image = CString::new(PTX).map_err(|e| e.to_string())?;
+            let mut driver = 0;
+            ck(sys::cuDriverGetVersion(&mut driver), "cuDriverGetVersion")?;
+            let mut sms = 0;
+            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+            ck(sys::cuDeviceGetAttribute(&mut sms, attr, dev), "cuDeviceGetAttribute")?;
+            (dev, ctx, driver, sms)
+        };
+        let guard = PrimaryCtx(dev);
+        // SAFETY: the context was retained above.
+        ck(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")?;
+        let own = ptx_isa(PTX).ok_or_else(|| AttnError::Failed("the committed PTX has no .version".into()))?;
+        let mut last = String::new();
+        for isa in ptx_isa_candidates(own, max_ptx_isa(driver)) {
+            let image = CString::new(with_ptx_isa(PTX, isa)).map_err(|e| AttnError::Failed(e.to_string()))?;
             let mut module = std::ptr::null_mut();
-            ck(sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void), "cuModuleLoadData")?;
-            Ok(Gpu { module, _ctx: guard })
+            // SAFETY: the image is a NUL-terminated PTX string that outlives the call.
+            let r = unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void) };
+            match r {
+                CUresult::CUDA_SUCCESS => return Ok(Gpu { module, sms: sms.max(1) as usize, isa, _ctx: guard }),
+                CUresult::CUDA_ERROR_NOT_SUPPORTED => {
+                    return Err(AttnError::NoModules(format!("cuModuleLoadData: {r:?} (driver {driver})")))
+                }
+                // An older ISA number may still be accepted.
+                CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION | CUresult::CUDA_ERROR_INVALID_PTX => {
+                    last = format!("cuModuleLoadData with PTX ISA {}.{}: {r:?}", isa.0, isa.1)
+                }
+                _ => return Err(AttnError::Failed(format!("cuModuleLoadData: {r:?} (driver {driver})"))),
+            }
         }
+        Err(AttnError::Failed(format!("no PTX ISA this driver ({driver}) accepts: {last}")))
     }
 
     fn function(&self, name: &str) -> Res<sys::CUfunction> {
-        let c = CString::new(name).map_err(|e| e.to_string())?;
+        let c = CString::new(name).map_err(|e| AttnError::Failed(e.to_string()))?;
         let mut f = std::ptr::null_mut();
         // SAFETY: the module is loaded; the name is NUL-terminated.
         ck(unsafe { sys::cuModuleGetFunction(&mut f, self.module, c.as_ptr()) }, "cuModuleGetFunction")?;
@@ -163,160 +177,77 @@ impl Drop for Gpu {
     }
 }
 
-/// One problem: `batch` requests, a context of `context` tokens each, the
-/// last `queries` of them queried (1: decode).
-#[derive(Clone, Copy, Debug)]
-struct Shape {
-    batch: usize,
-    context: usize,
-    queries: usize,
-}
-
-/// A tiny deterministic generator (xorshift) for data and permutations.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn unit(&mut self) -> f32 {
-        (self.next() % 2001) as f32 / 1000.0 - 1.0
-    }
-
-    fn permutation(&mut self, n: usize) -> Vec<usize> {
-        let mut v: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            v.swap(i, (self.next() % (i as u64 + 1)) as usize);
-        }
-        v
-    }
-}
-
-fn to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
-fn from_bf16(x: u16) -> f32 {
-    f32::from_bits((x as u32) << 16)
-}
-
-/// K/V of every (request, token, KV head) of one layer, as bf16 on the
-/// host (`None`: zeros, for timing), laid out in `mode` on the device.
-struct Layout {
+/// A layout on the device, with its split-KV scratch and output.
+struct Device {
     kv: Kv,
+    splits: usize,
+    part_ml: DevBuf,
+    part_acc: DevBuf,
+    out: DevBuf,
     _bufs: Vec<DevBuf>,
 }
 
-fn build(mode: Mode, s: Shape, data: Option<(&[u16], &[u16])>, rng: &mut Rng) -> Res<Layout> {
-    let row = KV_HEADS as usize * DIM; // one token's K (or V) of one layer
-    let at = |b: usize, t: usize| (b * s.context + t) * row;
-    let mut kv = Kv::default();
+fn upload(gpu: &Gpu, mode: Mode, s: Shape, data: Option<(&[u16], &[u16])>, rng: &mut Rng) -> Res<Device> {
+    let l = host_layout(mode, s, data, rng);
+    let mut kv = l.kv;
     let mut bufs = Vec::new();
-    match mode {
-        Mode::PerLayer => {
-            let n = s.batch * s.context * row;
-            let (k, v) = match data {
-                Some((k, v)) => (DevBuf::from(k)?, DevBuf::from(v)?),
-                None => (DevBuf::new(n * 2)?, DevBuf::new(n * 2)?),
-            };
-            kv.k = k.0;
-            kv.v = v.0;
-            kv.batch_stride = (s.context * row) as i64;
-            bufs.extend([k, v]);
-        }
-        Mode::Paged => {
-            let per = s.context.div_ceil(BLOCK);
-            let blocks = s.batch * per;
-            // Blocks handed out in a shuffled order, as a pool does over time.
-            let order = rng.permutation(blocks);
-            let table: Vec<i32> = order.iter().map(|&x| x as i32).collect();
-            let n = blocks * BLOCK * row;
-            let (k, v) = match data {
-                Some((kd, vd)) => {
-                    let (mut kh, mut vh) = (vec![0u16; n], vec![0u16; n]);
-                    for b in 0..s.batch {
-                        for t in 0..s.context {
-                            let dst = (table[b * per + t / BLOCK] as usize * BLOCK + t % BLOCK) * row;
-                            kh[dst..dst + row].copy_from_slice(&kd[at(b, t)..at(b, t) + row]);
-                            vh[dst..dst + row].copy_from_slice(&vd[at(b, t)..at(b, t) + row]);
-                        }
-                    }
-                    (DevBuf::from(&kh)?, DevBuf::from(&vh)?)
-                }
-                None => (DevBuf::new(n * 2)?, DevBuf::new(n * 2)?),
-            };
-            let t = DevBuf::from(&table)?;
-            kv.k = k.0;
-            kv.v = v.0;
-            kv.block_table = t.0;
-            kv.max_blocks = per as i32;
-            bufs.extend([k, v, t]);
-        }
-        Mode::TokenMajor => {
-            // Each request's allocation holds every layer's K and V of each
-            // token; requests sit at shuffled places in one buffer. This is
-            // layer 2 of LAYERS.
-            let token = LAYERS * 2 * row;
-            let region = s.context * token;
-            let place = rng.permutation(s.batch);
-            let base: Vec<i64> = place.iter().map(|&p| (p * region) as i64).collect();
-            let layer_offset = 2 * 2 * row;
-            let n = s.batch * region;
-            let buf = match data {
-                Some((kd, vd)) => {
-                    let mut h = vec![0u16; n];
-                    for b in 0..s.batch {
-                        for t in 0..s.context {
-                            let dst = base[b] as usize + t * token + layer_offset;
-                            h[dst..dst + row].copy_from_slice(&kd[at(b, t)..at(b, t) + row]);
-                            h[dst + row..dst + 2 * row].copy_from_slice(&vd[at(b, t)..at(b, t) + row]);
-                        }
-                    }
-                    DevBuf::from(&h)?
-                }
-                None => DevBuf::new(n * 2)?,
-            };
-            let bb = DevBuf::from(&base)?;
-            kv.k = buf.0;
-            kv.req_base = bb.0;
-            kv.token_stride = token as i64;
-            kv.layer_offset = layer_offset as i64;
-            bufs.extend([buf, bb]);
-        }
+    let k = if data.is_some() { DevBuf::from(&l.k)? } else { DevBuf::new(l.k_len * 2)? };
+    kv.k = k.0;
+    bufs.push(k);
+    if l.v_len > 0 {
+        let v = if data.is_some() { DevBuf::from(&l.v)? } else { DevBuf::new(l.v_len * 2)? };
+        kv.v = v.0;
+        bufs.push(v);
     }
-    Ok(Layout { kv, _bufs: bufs })
+    if !l.table.is_empty() {
+        let t = DevBuf::from(&l.table)?;
+        kv.block_table = t.0;
+        bufs.push(t);
+    }
+    if !l.base.is_empty() {
+        let b = DevBuf::from(&l.base)?;
+        kv.req_base = b.0;
+        bufs.push(b);
+    }
+    let splits = splits(s, gpu.sms, WARPS);
+    let rows = s.batch * s.queries * HEADS;
+    Ok(Device {
+        kv,
+        splits,
+        part_ml: DevBuf::new(rows * splits * 2 * 4)?,
+        part_acc: DevBuf::new(rows * splits * DIM * 4)?,
+        out: DevBuf::new(rows * DIM * 4)?,
+        _bufs: bufs,
+    })
 }
 
-/// Launches `f` over `s` once.
-fn launch(f: sys::CUfunction, q: &DevBuf, out: &DevBuf, kv: &Kv, s: Shape) -> Res<()> {
-    let (mut qp, mut op, mut kvv) = (q.0, out.0, *kv);
-    let (mut h, mut kvh, mut ctx, mut nq) = (HEADS, KV_HEADS, s.context as i32, s.queries as i32);
+/// One attention: the split kernel, then the merge of the splits.
+fn launch(f: sys::CUfunction, reduce: sys::CUfunction, q: &DevBuf, d: &Device, s: Shape) -> Res<()> {
+    let (mut qp, mut ml, mut acc, mut kvv) = (q.0, d.part_ml.0, d.part_acc.0, d.kv);
+    let (mut kvh, mut ctx, mut nq, mut sp) = (KV_HEADS as i32, s.context as i32, s.queries as i32, d.splits as i32);
     let mut scale = 1.0f32 / (DIM as f32).sqrt();
-    let mut params: [*mut c_void; 8] = [
+    let mut params: [*mut c_void; 9] = [
         &mut qp as *mut _ as *mut c_void,
-        &mut op as *mut _ as *mut c_void,
+        &mut ml as *mut _ as *mut c_void,
+        &mut acc as *mut _ as *mut c_void,
         &mut kvv as *mut _ as *mut c_void,
-        &mut h as *mut _ as *mut c_void,
         &mut kvh as *mut _ as *mut c_void,
         &mut ctx as *mut _ as *mut c_void,
         &mut nq as *mut _ as *mut c_void,
+        &mut sp as *mut _ as *mut c_void,
         &mut scale as *mut _ as *mut c_void,
     ];
-    // SAFETY: the parameters match the kernel's signature in type and
-    // order and live across the call (the driver copies them at launch);
-    // the buffers hold what the shape addresses.
+    let grid_z = (s.queries * d.splits) as u32;
+    // SAFETY: the parameters match the kernel's signature in type and order
+    // and live across the call (the driver copies them at launch); the
+    // buffers hold what the shape and the split count address.
     ck(
         unsafe {
             sys::cuLaunchKernel(
                 f,
                 s.batch as u32,
                 KV_HEADS as u32,
-                s.queries as u32,
+                grid_z,
                 THREADS,
                 1,
                 1,
@@ -327,157 +258,272 @@ fn launch(f: sys::CUfunction, q: &DevBuf, out: &DevBuf, kv: &Kv, s: Shape) -> Re
             )
         },
         "cuLaunchKernel",
+    )?;
+    let (mut ml, mut acc, mut out) = (d.part_ml.0, d.part_acc.0, d.out.0);
+    let mut rparams: [*mut c_void; 4] = [
+        &mut ml as *mut _ as *mut c_void,
+        &mut acc as *mut _ as *mut c_void,
+        &mut out as *mut _ as *mut c_void,
+        &mut sp as *mut _ as *mut c_void,
+    ];
+    let rows = (s.batch * s.queries * HEADS) as u32;
+    // SAFETY: as above, for `attention_reduce(part_ml, part_acc, out, splits)`.
+    ck(
+        unsafe {
+            sys::cuLaunchKernel(
+                reduce,
+                rows,
+                1,
+                1,
+                DIM as u32,
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                rparams.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        },
+        "cuLaunchKernel (reduce)",
     )
 }
 
-/// The CPU reference: softmax(q·K / sqrt(dim)) V per query head, causal.
-fn reference(q: &[f32], k: &[u16], v: &[u16], s: Shape) -> Vec<f32> {
-    let (h, kvh) = (HEADS as usize, KV_HEADS as usize);
-    let group = h / kvh;
-    let scale = 1.0 / (DIM as f32).sqrt();
-    let mut out = vec![0f32; s.batch * s.queries * h * DIM];
-    for b in 0..s.batch {
-        for qi in 0..s.queries {
-            let keys = s.context - s.queries + qi + 1;
-            for hh in 0..h {
-                let g = hh / group;
-                let qo = ((b * s.queries + qi) * h + hh) * DIM;
-                let kv_at = |t: usize| ((b * s.context + t) * kvh + g) * DIM;
-                let scores: Vec<f32> =
-                    (0..keys).map(|t| (0..DIM).map(|d| q[qo + d] * scale * from_bf16(k[kv_at(t) + d])).sum()).collect();
-                let m = scores.iter().cloned().fold(f32::MIN, f32::max);
-                let e: Vec<f32> = scores.iter().map(|x| (x - m).exp()).collect();
-                let z: f32 = e.iter().sum();
-                for d in 0..DIM {
-                    out[qo + d] = (0..keys).map(|t| e[t] * from_bf16(v[kv_at(t) + d])).sum::<f32>() / z;
-                }
-            }
-        }
+/// Seconds that `work` takes on the default stream, timed with events.
+fn timed(work: impl FnOnce() -> Res<()>) -> Res<f64> {
+    let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: events created, recorded on the default stream around the
+    // work, waited for, read and destroyed here.
+    unsafe {
+        ck(sys::cuEventCreate(&mut a, 0), "cuEventCreate")?;
+        ck(sys::cuEventCreate(&mut b, 0), "cuEventCreate")?;
+        let r = (|| {
+            ck(sys::cuEventRecord(a, std::ptr::null_mut()), "cuEventRecord")?;
+            work()?;
+            ck(sys::cuEventRecord(b, std::ptr::null_mut()), "cuEventRecord")?;
+            ck(sys::cuEventSynchronize(b), "cuEventSynchronize")?;
+            let mut ms = 0f32;
+            ck(sys::cuEventElapsedTime(&mut ms, a, b), "cuEventElapsedTime")?;
+            Ok(ms as f64 * 1e-3)
+        })();
+        let _ = sys::cuEventDestroy_v2(a);
+        let _ = sys::cuEventDestroy_v2(b);
+        r
     }
-    out
 }
 
-/// Every layout's kernel against the CPU reference on a small problem.
-fn check(gpu: &Gpu, s: Shape) -> Res<f32> {
+/// Every layout's kernel against the CPU reference on a small problem;
+/// the largest difference.
+fn check(gpu: &Gpu, s: Shape, variant: Variant) -> Res<f32> {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let row = KV_HEADS as usize * DIM;
-    let n = s.batch * s.context * row;
+    let n = s.batch * s.context * ROW;
     let k: Vec<u16> = (0..n).map(|_| to_bf16(rng.unit())).collect();
     let v: Vec<u16> = (0..n).map(|_| to_bf16(rng.unit())).collect();
-    let nq = s.batch * s.queries * HEADS as usize * DIM;
+    let nq = s.batch * s.queries * HEADS * DIM;
     let q: Vec<f32> = (0..nq).map(|_| rng.unit()).collect();
     let want = reference(&q, &k, &v, s);
     let qd = DevBuf::from(&q)?;
+    let reduce = gpu.function("attention_reduce")?;
     let mut worst = 0f32;
     for mode in MODES {
-        let l = build(mode, s, Some((&k, &v)), &mut rng)?;
-        let out = DevBuf::new(nq * 4)?;
-        launch(gpu.function(mode.kernel())?, &qd, &out, &l.kv, s)?;
+        let name = kernel_name(mode, variant);
+        let d = upload(gpu, mode, s, Some((&k, &v)), &mut rng)?;
+        launch(gpu.function(name)?, reduce, &qd, &d, s)?;
         // SAFETY: a context is current.
         ck(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")?;
-        let got = out.read_f32(nq)?;
-        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        if err.is_nan() || err > 2e-3 {
-            return Err(format!("{}: output differs from the CPU reference by {err} ({s:?})", mode.kernel()));
-        }
-        worst = worst.max(err);
+        let got = d.out.read_f32(nq)?;
+        worst =
+            worst.max(verify(&got, &want, TOLERANCE).map_err(|e| AttnError::Failed(format!("{name} ({s:?}): {e}")))?);
     }
     Ok(worst)
 }
 
-/// Median seconds of one launch of each layout's kernel over `s`.
-fn time(gpu: &Gpu, s: Shape, reps: usize) -> Res<[f64; 3]> {
-    let mut rng = Rng(7);
-    let nq = s.batch * s.queries * HEADS as usize * DIM;
-    let q = DevBuf::new(nq * 4)?;
-    let out = DevBuf::new(nq * 4)?;
-    let mut res = [0.0; 3];
-    for (i, mode) in MODES.iter().enumerate() {
-        let l = build(*mode, s, None, &mut rng)?;
-        let f = gpu.function(mode.kernel())?;
-        let mut ms = Vec::new();
-        for r in 0..reps + 2 {
-            let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
-            // SAFETY: events created, recorded on the default stream around
-            // one launch, waited for, read and destroyed here.
-            unsafe {
-                ck(sys::cuEventCreate(&mut a, 0), "cuEventCreate")?;
-                ck(sys::cuEventCreate(&mut b, 0), "cuEventCreate")?;
-                ck(sys::cuEventRecord(a, std::ptr::null_mut()), "cuEventRecord")?;
-                launch(f, &q, &out, &l.kv, s)?;
-                ck(sys::cuEventRecord(b, std::ptr::null_mut()), "cuEventRecord")?;
-                ck(sys::cuEventSynchronize(b), "cuEventSynchronize")?;
-                let mut t = 0f32;
-                ck(sys::cuEventElapsedTime(&mut t, a, b), "cuEventElapsedTime")?;
-                let _ = sys::cuEventDestroy_v2(a);
-                let _ = sys::cuEventDestroy_v2(b);
-                if r >= 2 {
-                    ms.push(t as f64);
-                }
-            }
+/// Bytes per second of a plain device-to-device copy of `bytes` (read plus
+/// write), the median of `reps`.
+fn copy_bandwidth(bytes: usize, reps: usize) -> Res<f64> {
+    let (src, dst) = (DevBuf::new(bytes)?, DevBuf::new(bytes)?);
+    let mut t = Vec::new();
+    for r in 0..reps + 2 {
+        // SAFETY: both buffers hold `bytes` bytes.
+        let s = timed(|| ck(unsafe { sys::cuMemcpyDtoD_v2(dst.0, src.0, bytes) }, "cuMemcpyDtoD"))?;
+        if r >= 2 {
+            t.push(s);
         }
-        ms.sort_by(f64::total_cmp);
-        res[i] = ms[ms.len() / 2] * 1e-3;
     }
-    Ok(res)
+    Ok(2.0 * bytes as f64 / percentile(&t, 50.0))
+}
+
+/// One layout's decode timing.
+pub struct Timing {
+    pub mode: Mode,
+    pub kernel: &'static str,
+    pub splits: usize,
+    pub median_s: f64,
+    pub p10_s: f64,
+    pub p90_s: f64,
+    /// K/V bytes read per second at the median.
+    pub bandwidth: f64,
+    pub valid: bool,
 }
 
 /// What the measurement found.
 pub struct Measured {
-    /// Seconds per launch, paged / token-major / per-layer, decode and prefill.
-    pub decode_s: [f64; 3],
-    pub prefill_s: [f64; 3],
-    pub decode: String,
-    pub prefill: String,
+    pub shape: Shape,
+    pub timings: Vec<Timing>,
+    pub copy_bandwidth: f64,
+    pub min_fraction: f64,
     pub max_error: f32,
+    pub rounds: usize,
+    pub warmup_batches: usize,
+    pub ptx_isa: (u32, u32),
 }
 
 impl Measured {
-    /// The `attn_eff_*` profile fields, with their sources.
+    fn timing(&self, mode: Mode) -> &Timing {
+        self.timings.iter().find(|t| t.mode == mode).expect("every mode is timed")
+    }
+
+    /// The decode `attn_eff_*` profile fields, with their sources: only for
+    /// layouts whose timing is valid, and none if the dense reference is not.
     pub fn profile_fields(&self, device: &str) -> Vec<(String, serde_json::Value)> {
+        let dense = self.timing(Mode::Dense);
+        if !dense.valid {
+            return Vec::new();
+        }
         let mut v = Vec::new();
-        for (phase, t, shape) in [("decode", self.decode_s, &self.decode), ("prefill", self.prefill_s, &self.prefill)] {
-            for (i, layout) in ["paged", "token_major", "per_layer"].iter().enumerate() {
-                let src = format!(
-                    "gpu_measure on {device}: sim/gpu/attention.cu, one layer, 32/8 heads, dim 128, bf16, {shape}; \
-                     median launch of the per-layer contiguous kernel ({:.1} us) over this layout's ({:.1} us)",
-                    t[2] * 1e6,
-                    t[i] * 1e6
-                );
-                v.push((
-                    format!("attn_eff_{phase}_{layout}"),
-                    serde_json::json!({"value": t[2] / t[i], "source": src}),
-                ));
+        for mode in [Mode::Paged, Mode::TokenMajor, Mode::PerLayer] {
+            let t = self.timing(mode);
+            if !t.valid {
+                continue;
             }
+            let src = format!(
+                "gpu_measure on {device}: sim/gpu/attention.cu split-KV decode, one layer, 32/8 heads, dim 128, bf16, \
+                 batch {} context {}; median of {} interleaved launches of the dense kernel ({:.1} us) over this \
+                 layout's ({:.1} us, {:.0} GB/s, {:.0} % of a device copy's {:.0} GB/s)",
+                self.shape.batch,
+                self.shape.context,
+                self.rounds,
+                dense.median_s * 1e6,
+                t.median_s * 1e6,
+                t.bandwidth / 1e9,
+                100.0 * t.bandwidth / self.copy_bandwidth,
+                self.copy_bandwidth / 1e9
+            );
+            v.push((
+                format!("attn_eff_decode_{}", mode.name()),
+                serde_json::json!({"value": dense.median_s / t.median_s, "source": src}),
+            ));
         }
         v
     }
+
+    /// The Markdown table of the measurement.
+    pub fn markdown(&self) -> String {
+        let mut md = format!(
+            "Decode, batch {} context {}, PTX ISA {}.{}; outputs match the CPU reference (largest difference \
+             {:.1e}). Device copy: {:.0} GB/s; a layout below {:.0} % of it is marked invalid. Warm-up: {} batches; \
+             {} interleaved rounds.\n\n\
+             | layout | kernel | splits | median us | p10-p90 us | GB/s | of copy | vs dense | valid |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---|\n",
+            self.shape.batch,
+            self.shape.context,
+            self.ptx_isa.0,
+            self.ptx_isa.1,
+            self.max_error,
+            self.copy_bandwidth / 1e9,
+            100.0 * self.min_fraction,
+            self.warmup_batches,
+            self.rounds
+        );
+        let dense = self.timing(Mode::Dense).median_s;
+        for t in &self.timings {
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.1} | {:.1}-{:.1} | {:.0} | {:.0} % | {:.3} | {} |\n",
+                t.mode.name(),
+                t.kernel,
+                t.splits,
+                t.median_s * 1e6,
+                t.p10_s * 1e6,
+                t.p90_s * 1e6,
+                t.bandwidth / 1e9,
+                100.0 * t.bandwidth / self.copy_bandwidth,
+                dense / t.median_s,
+                if t.valid { "yes" } else { "INVALID" }
+            ));
+        }
+        md
+    }
 }
 
-/// Checks the kernels, then times them.
-pub fn measure(device: i32, quick: bool) -> Res<Measured> {
+/// Checks the kernels, then times them. `variant` swaps in a deliberately
+/// slow or broken `paged` kernel (to show the checks reject it).
+pub fn measure(device: i32, quick: bool, variant: Variant, min_fraction: f64) -> Result<Measured, AttnError> {
     let gpu = Gpu::new(device)?;
-    let mut max_error = check(&gpu, Shape { batch: 2, context: 37, queries: 1 })?;
-    max_error = max_error.max(check(&gpu, Shape { batch: 2, context: 50, queries: 7 })?);
-    let reps = if quick { 3 } else { 20 };
-    let decode = if quick {
-        Shape { batch: 4, context: 512, queries: 1 }
+    let mut max_error = check(&gpu, Shape { batch: 2, context: 37, queries: 1 }, variant)?;
+    max_error = max_error.max(check(&gpu, Shape { batch: 3, context: 300, queries: 1 }, variant)?);
+    max_error = max_error.max(check(&gpu, Shape { batch: 1, context: 1000, queries: 1 }, variant)?);
+    let (shape, rounds, copy_bytes) = if quick {
+        (Shape { batch: 8, context: 1024, queries: 1 }, 5, 64 << 20)
     } else {
-        Shape { batch: 64, context: 4096, queries: 1 }
+        // 512 MiB of K/V per layer: ten times the H200's L2.
+        (Shape { batch: 32, context: 4096, queries: 1 }, 30, 1 << 30)
     };
-    let prefill = if quick {
-        Shape { batch: 1, context: 512, queries: 64 }
-    } else {
-        Shape { batch: 2, context: 4096, queries: 512 }
-    };
+    let copy = copy_bandwidth(copy_bytes, if quick { 3 } else { 10 })?;
+    let reduce = gpu.function("attention_reduce")?;
+    let q = DevBuf::new(shape.batch * HEADS * DIM * 4)?;
+    let mut rng = Rng(7);
+    let mut layouts = Vec::new();
+    for mode in MODES {
+        let f = gpu.function(kernel_name(mode, variant))?;
+        layouts.push((mode, f, upload(&gpu, mode, shape, None, &mut rng)?));
+    }
+    // Warm the clocks on the dense kernel: batches of 10 launches until one
+    // times within 2 % of the one before (at least 3, at most 100).
+    let (_, dense_f, dense) = &layouts[0];
+    let mut prev = f64::INFINITY;
+    let mut warmup_batches = 0;
+    for i in 0..100 {
+        let t = timed(|| (0..10).try_for_each(|_| launch(*dense_f, reduce, &q, dense, shape)))?;
+        warmup_batches = i + 1;
+        if i >= 2 && (t - prev).abs() <= 0.02 * prev {
+            break;
+        }
+        prev = t;
+    }
+    let mut samples = vec![Vec::new(); layouts.len()];
+    for r in 0..rounds {
+        for j in 0..layouts.len() {
+            let i = (r + j) % layouts.len();
+            let (_, f, d) = &layouts[i];
+            samples[i].push(timed(|| launch(*f, reduce, &q, d, shape))?);
+        }
+    }
+    let kv_bytes = (shape.batch * shape.context * 2 * ROW * 2) as f64;
+    let timings = layouts
+        .iter()
+        .zip(&samples)
+        .map(|((mode, _, d), s)| {
+            let median_s = percentile(s, 50.0);
+            let bandwidth = kv_bytes / median_s;
+            Timing {
+                mode: *mode,
+                kernel: kernel_name(*mode, variant),
+                splits: d.splits,
+                median_s,
+                p10_s: percentile(s, 10.0),
+                p90_s: percentile(s, 90.0),
+                bandwidth,
+                valid: bandwidth_valid(bandwidth, copy, min_fraction),
+            }
+        })
+        .collect();
     Ok(Measured {
-        decode_s: time(&gpu, decode, reps)?,
-        prefill_s: time(&gpu, prefill, reps)?,
-        decode: format!("decode batch {} context {}", decode.batch, decode.context),
-        prefill: format!(
-            "prefill {} queries over context {} x batch {}",
-            prefill.queries, prefill.context, prefill.batch
-        ),
+        shape,
+        timings,
+        copy_bandwidth: copy,
+        min_fraction,
         max_error,
+        rounds,
+        warmup_batches,
+        ptx_isa: gpu.isa,
     })
 }

@@ -16,10 +16,14 @@
 //!   the same bytes with `cuMemcpyDtoD` (timed until complete), as a ratio;
 //! - and, through an [`Arena`] over the same device, alloc/free pairs on the
 //!   pooled path, with the driver calls they made (expected: none).
-//! - and the attention kernels of `sim/gpu/attention.cu` (decode and a
-//!   prefill-shaped launch over paged, token-major and per-layer KV; see
-//!   `attention.rs`), checked against a CPU reference, timed with events;
-//!   their efficiencies join `kv-profile.json` (`attn_eff_*`, with sources).
+//! - and the decode attention kernels of `sim/gpu/attention.cu` over five KV
+//!   addressings (dense, paged, block-in-chunk, token-major, per-layer; see
+//!   `attention.rs`), checked against a CPU reference, timed interleaved
+//!   with events and judged against a device copy's bandwidth; the valid
+//!   efficiencies join `kv-profile.json` (`attn_eff_decode_*`, with sources).
+//!   A kernel that fails to load or verify makes the run exit 1 with no
+//!   `attn_eff_*` written (`--kernels-optional` accepts a driver that cannot
+//!   load modules at all, as the libcuda stand-in; the run says so).
 //!
 //! Prints a Markdown report; with `--out DIR` also writes `gpu-measure.json`
 //! and `gpu-measure.md` there, and `kv-profile.json`: the measured driver
@@ -36,6 +40,7 @@ use clap::Parser;
 use vmm_arena::driver::cuda::CudaDriver;
 
 mod attention;
+mod attention_layout;
 mod measure;
 mod report;
 mod stats;
@@ -59,6 +64,22 @@ struct Args {
     /// Fewer repetitions and sizes, for a smoke run.
     #[arg(long)]
     quick: bool,
+    /// Swap in a deliberately slow or broken `paged` attention kernel, to
+    /// show that the checks reject it (no `attn_eff_*` is written).
+    #[arg(long, value_enum, default_value = "none")]
+    kernel_variant: attention_layout::Variant,
+    /// A layout whose attention bandwidth is below this fraction of a device
+    /// copy's is marked invalid and its efficiency not written.
+    #[arg(long, default_value_t = 0.6)]
+    min_bandwidth_fraction: f64,
+    /// Accept a driver that cannot load modules at all (the libcuda
+    /// stand-in): the kernels are reported not measured and the run exits 0.
+    #[arg(long)]
+    kernels_optional: bool,
+    /// Measure only the attention kernels (no driver call latencies): for
+    /// the GPU check's runs of the deliberately slow and broken variants.
+    #[arg(long)]
+    attention_only: bool,
 }
 
 fn write_out(dir: &Option<PathBuf>, json: &str, md: &str) {
@@ -92,46 +113,56 @@ fn main() {
         ..Report::default()
     };
     let start = Instant::now();
-    if let Err(e) = measure::run(&driver, args.device, args.quick, &mut report) {
+    if args.attention_only {
+        eprintln!("gpu_measure: --attention-only: driver call latencies not measured");
+    } else if let Err(e) = measure::run(&driver, args.device, args.quick, &mut report) {
         eprintln!("gpu_measure: a driver call failed: {e}");
         std::process::exit(1);
     }
-    // The attention kernels: a failure here (no module loading, say) leaves
-    // the driver figures standing, and says why.
-    // cudarc panics on a function the loaded libcuda lacks: that is a
-    // "not measured" too.
-    let attn = std::panic::catch_unwind(|| attention::measure(args.device, args.quick))
-        .unwrap_or_else(|_| Err("the driver library lacks a function the kernels need (see the panic above)".into()));
+    // The attention kernels. cudarc panics on a function the loaded libcuda
+    // lacks: a failure too.
+    let attn = std::panic::catch_unwind(|| {
+        attention::measure(args.device, args.quick, args.kernel_variant, args.min_bandwidth_fraction)
+    })
+    .unwrap_or_else(|_| {
+        Err(attention::AttnError::Failed(
+            "the driver library lacks a function the kernels need (see the panic above)".into(),
+        ))
+    });
     report.seconds = start.elapsed().as_secs_f64();
     let mut md = report.markdown();
-    md.push_str("\n## Attention kernels by KV layout (sim/gpu/attention.cu)\n\n");
+    md.push_str("\n## Decode attention by KV layout (sim/gpu/attention.cu)\n\n");
+    let mut failed = None;
     match &attn {
         Ok(m) => {
-            md.push_str(&format!(
-                "Outputs match the CPU reference (largest difference {:.1e}).\n\n\
-                 | launch | paged us | token-major us | per-layer us |\n|---|---:|---:|---:|\n\
-                 | {} | {:.1} | {:.1} | {:.1} |\n| {} | {:.1} | {:.1} | {:.1} |\n",
-                m.max_error,
-                m.decode,
-                m.decode_s[0] * 1e6,
-                m.decode_s[1] * 1e6,
-                m.decode_s[2] * 1e6,
-                m.prefill,
-                m.prefill_s[0] * 1e6,
-                m.prefill_s[1] * 1e6,
-                m.prefill_s[2] * 1e6
-            ));
+            md.push_str(&m.markdown());
+            if args.quick {
+                md.push_str("\n(--quick: K/V small enough to sit in L2; bandwidths are not judged meaningfully.)\n");
+            }
+            if args.kernel_variant != attention_layout::Variant::None {
+                md.push_str(&format!(
+                    "\nKernel variant {:?} in place of paged: no attn_eff_* written.\n",
+                    args.kernel_variant
+                ));
+            }
         }
-        Err(e) => md.push_str(&format!("Not measured: {e}\n")),
+        Err(attention::AttnError::NoModules(e)) if args.kernels_optional => {
+            md.push_str(&format!("Not measured: this driver cannot load modules ({e}).\n"))
+        }
+        Err(attention::AttnError::NoModules(e) | attention::AttnError::Failed(e)) => {
+            md.push_str(&format!("FAILED: {e}\n"));
+            failed = Some(e.clone());
+        }
     }
-    print!("{md}");
     write_out(&args.out, &report.json(), &md);
     if let Some(dir) = &args.out {
         match report.kv_profile() {
             Ok(p) => {
                 let p = match &attn {
-                    Ok(m) => with_fields(&p, m.profile_fields(&report.device)),
-                    Err(_) => p,
+                    Ok(m) if args.kernel_variant == attention_layout::Variant::None => {
+                        with_fields(&p, m.profile_fields(&report.device))
+                    }
+                    _ => p,
                 };
                 if let Err(e) = std::fs::write(dir.join("kv-profile.json"), p) {
                     eprintln!("gpu_measure: cannot write kv-profile.json: {e}");
@@ -141,6 +172,10 @@ fn main() {
             // Measured but not fittable: the report stands; say why.
             Err(e) => eprintln!("gpu_measure: no kv-profile.json: {e}"),
         }
+    }
+    if let Some(e) = failed {
+        eprintln!("gpu_measure: the attention kernels failed: {e}");
+        std::process::exit(1);
     }
 }
 
