@@ -35,7 +35,7 @@ use vmm_arena::{Arena, ArenaConfig, Error, Group, GroupId, Id};
 
 use super::caching::CachingAllocator;
 use super::counted::{is_host_limit, Calls};
-use super::managers::{discard, host_budget, new_device, Dev, Fail, KvManager, KvShape, Layout, TorchMgr};
+use super::managers::{discard, host_budget, new_device, Dev, Fail, KvManager, KvShape, TorchMgr};
 use super::trace::Request;
 use super::util::{mix64, Rng};
 
@@ -79,8 +79,8 @@ fn draw(noise: &Noise, rng: &mut Rng) -> Vec<u64> {
 
 /// The shape of one device's shard: 1/N of every token's KV.
 pub fn shard_shape(shape: KvShape, members: usize) -> Result<KvShape, String> {
-    if shape.layout != Layout::TokenMajor {
-        return Err("--tp shards the token-major layout only".into());
+    if !shape.layout.one_allocation() {
+        return Err("--tp shards the token-major and block-in-chunk layouts only".into());
     }
     let per = shape.kv_bytes_per_token / members as u64;
     if per < 8 || shape.kv_bytes_per_token % members as u64 != 0 {

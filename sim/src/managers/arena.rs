@@ -214,8 +214,8 @@ impl ArenaMgr {
         if !on {
             return self;
         }
-        if self.shape.layout != Layout::TokenMajor {
-            self.prefix_state = "off: token-major layout only";
+        if !self.shape.layout.one_allocation() {
+            self.prefix_state = "off: one allocation per request only";
             return self;
         }
         self.prefix = ArenaPrefixCache::new(self.chunk, self.shape.bpt());

@@ -51,8 +51,16 @@ pub fn new_device(capacity: u64) -> Result<Dev, String> {
 /// KV layout of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
+    /// One allocation per request, a token's KV of every layer together.
     TokenMajor,
+    /// One allocation per layer and per K/V.
     PerLayer,
+    /// One allocation per request of whole chunks, each chunk one block of
+    /// a paged kernel's block table: its tokens laid out layer-major inside
+    /// it (`vmm_arena::layout`). Memory as token-major's where a chunk holds
+    /// a whole number of tokens (checked by the CLI); attention reads it as
+    /// a paged kernel does.
+    BlockInChunk,
 }
 
 impl Layout {
@@ -60,7 +68,13 @@ impl Layout {
         match self {
             Layout::TokenMajor => "token-major",
             Layout::PerLayer => "per-layer",
+            Layout::BlockInChunk => "block-in-chunk",
         }
+    }
+
+    /// Whether a request's KV is one allocation (every layout but per-layer).
+    pub fn one_allocation(self) -> bool {
+        self != Layout::PerLayer
     }
 }
 
@@ -79,7 +93,7 @@ impl KvShape {
     /// Allocations per request.
     pub fn n_allocs(&self) -> u64 {
         match self.layout {
-            Layout::TokenMajor => 1,
+            Layout::TokenMajor | Layout::BlockInChunk => 1,
             Layout::PerLayer => 2 * self.layers as u64,
         }
     }
@@ -306,9 +320,9 @@ pub fn check_host_memory(
     let batch_tokens: u64 = longest.iter().take(max_batch).sum();
     let live = device_tokens.min(batch_tokens) * TAG_PAGE_BYTES;
     let hashes = requests.iter().any(|q| !q.hash_ids.is_empty());
-    // Both prefix caches (vLLM's, and the arena's in the token-major
+    // Both prefix caches (vLLM's, and the arena's in a one-allocation
     // layout) keep the tags of cached blocks resident.
-    let caches = |m: &str| m == "vllm-paged" || (m.starts_with("arena") && shape.layout == Layout::TokenMajor);
+    let caches = |m: &str| m == "vllm-paged" || (m.starts_with("arena") && shape.layout.one_allocation());
     let worst = |m: &str| if caches(m) && prefix_caching && hashes { device_tokens * TAG_PAGE_BYTES } else { live };
     let mut per: Vec<u64> = managers.iter().map(|m| worst(m) + host_budget_for(capacity, ram)).collect();
     per.sort_unstable_by(|a, b| b.cmp(a));

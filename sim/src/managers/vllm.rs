@@ -56,7 +56,7 @@ impl VllmMgr {
     pub fn new(shape: KvShape, capacity: u64, prefix_caching: bool) -> Result<VllmMgr, String> {
         let dev = new_device(capacity)?;
         let n_tensors = match shape.layout {
-            Layout::TokenMajor => 1,
+            Layout::TokenMajor | Layout::BlockInChunk => 1,
             Layout::PerLayer => shape.layers as u64,
         };
         let per_block = VLLM_BLOCK_TOKENS * shape.bpt() * (shape.n_allocs() / n_tensors);
@@ -125,7 +125,7 @@ impl VllmMgr {
         let block = blocks[(t / VLLM_BLOCK_TOKENS) as usize] as u64;
         let pos = t % VLLM_BLOCK_TOKENS;
         match self.shape.layout {
-            Layout::TokenMajor => self.tensors[0].0 + (block * VLLM_BLOCK_TOKENS + pos) * bpt,
+            Layout::TokenMajor | Layout::BlockInChunk => self.tensors[0].0 + (block * VLLM_BLOCK_TOKENS + pos) * bpt,
             Layout::PerLayer => {
                 let (l, kv) = (a / 2, a as u64 % 2);
                 self.tensors[l].0 + (kv * self.num_blocks + block) * VLLM_BLOCK_TOKENS * bpt + pos * bpt
@@ -224,7 +224,7 @@ impl VllmMgr {
                     let len = VLLM_BLOCK_TOKENS * self.shape.bpt();
                     for (base, _, _) in &self.tensors {
                         match self.shape.layout {
-                            Layout::TokenMajor => discard(base + b as u64 * len, len),
+                            Layout::TokenMajor | Layout::BlockInChunk => discard(base + b as u64 * len, len),
                             Layout::PerLayer => {
                                 for kv in 0..2 {
                                     discard(base + (kv * self.num_blocks + b as u64) * len, len);

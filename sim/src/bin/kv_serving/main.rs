@@ -87,7 +87,8 @@ struct Opts {
     /// context: 4096 / 131072 / 131072, Llama 2 and 3.1).
     #[arg(long)]
     max_context: Option<u64>,
-    /// KV layout of a request.
+    /// KV layout of a request (block-in-chunk: each 2 MiB chunk one block of
+    /// a paged kernel's block table, read at the paged kernel's efficiency).
     #[arg(long, value_enum, default_value = "token-major")]
     layout: LayoutArg,
     /// Most running requests.
@@ -183,6 +184,7 @@ struct Opts {
 enum LayoutArg {
     TokenMajor,
     PerLayer,
+    BlockInChunk,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -256,11 +258,23 @@ fn setup(o: &Opts) -> Setup {
         layout: match o.layout {
             LayoutArg::TokenMajor => Layout::TokenMajor,
             LayoutArg::PerLayer => Layout::PerLayer,
+            LayoutArg::BlockInChunk => Layout::BlockInChunk,
         },
         max_context: o.max_context.unwrap_or(model.context),
     };
     if shape.kv_bytes_per_token < 8 * shape.n_allocs() {
         die("--kv-bytes-per-token is too small for the layout (8 bytes per allocation at least)");
+    }
+    if shape.layout == Layout::BlockInChunk {
+        // A chunk is one block of whole tokens; a remainder would be padding
+        // the replay does not model.
+        let per_device = shape.kv_bytes_per_token / tp_degree as u64;
+        if per_device == 0 || (2u64 << 20) % per_device != 0 {
+            die(&format!(
+                "--layout block-in-chunk: a 2 MiB chunk does not hold a whole number of {per_device}-byte tokens \
+                 (the replay models it where it does, as for Llama-3-8B: 16 tokens of 128 KiB)"
+            ));
+        }
     }
     let trace: Trace = match &o.trace {
         Some(p) => {
@@ -430,8 +444,8 @@ fn main() {
         if o.retain == u64::MAX { "all pooled memory".to_string() } else { fmt_bytes(o.retain) },
         match (s.build.prefix_caching, s.shape.layout) {
             (false, _) => "off",
-            (true, Layout::PerLayer) => "off (token-major layout only)",
-            (true, Layout::TokenMajor) => "on",
+            (true, Layout::PerLayer) => "off (one allocation per request only)",
+            (true, _) => "on",
         },
         fmt_bytes(o.precreate),
         fmt_bytes(o.map_ahead),

@@ -61,11 +61,13 @@ pub const MODELS: [Model; 3] = [
 
 /// The KV layout attention kernels see under manager `name`: vLLM's
 /// block pool is paged; every other manager lays a request's KV out as
-/// `--layout` says.
+/// `--layout` says (block-in-chunk is read by the paged kernel).
 pub fn attn_layout(name: &str, layout: Layout) -> AttnLayout {
     match (name, layout) {
         ("vllm-paged", _) => AttnLayout::Paged,
         (_, Layout::TokenMajor) => AttnLayout::TokenMajor,
         (_, Layout::PerLayer) => AttnLayout::PerLayer,
+        // A chunk is one block of a paged kernel's block table.
+        (_, Layout::BlockInChunk) => AttnLayout::Paged,
     }
 }

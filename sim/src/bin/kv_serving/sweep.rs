@@ -6,8 +6,10 @@
 //! simulated clock, and the arena prepares admissions within the step's
 //! GPU time), so every point that changes a manager's step times is
 //! replayed. What is reused: a manager's replay depends only on its own
-//! layout's efficiency, so the arena runs once per (penalty, pricing) and
-//! vLLM once per (overhead, pricing); and vLLM's per-call runs are those
+//! layout's efficiency, so the arena runs once per (penalty, pricing) (with
+//! `--layout block-in-chunk`, read by the paged kernel: once per (overhead,
+//! pricing), and the penalty axis does not apply to it) and vLLM once per
+//! (overhead, pricing); and vLLM's per-call runs are those
 //! of per-chunk pricing when its steps made no driver call the two
 //! pricings charge differently (checked on its per-chunk results).
 
@@ -17,6 +19,8 @@ use serde_json::json;
 use vmm_sim::replay::RunResult;
 use vmm_sim::sweep::{self, Point, PAGED_OVERHEADS, PRICINGS, TOKEN_MAJOR_PENALTIES};
 use vmm_sim::timing::Profile;
+
+use vmm_sim::managers::Layout;
 
 use super::{die, run_workers, Setup};
 
@@ -56,10 +60,14 @@ pub fn run(dir: &Path, s: &Setup, jobs: usize, title: &str) {
     // First pass: the arena at every (penalty, pricing), vLLM at every
     // overhead with per-chunk pricing.
     let mut runs: Vec<(String, Vec<String>)> = Vec::new();
+    // The arena's axis: the token-major penalty, or (block-in-chunk, read
+    // by the paged kernel) the paged overhead, which then applies to both.
+    let paged_arena = s.shape.layout == Layout::BlockInChunk;
+    let arena_axis: &[f64] = if paged_arena { &PAGED_OVERHEADS } else { &TOKEN_MAJOR_PENALTIES };
     for pricing in PRICINGS {
-        for tm in TOKEN_MAJOR_PENALTIES {
+        for &x in arena_axis {
             let mut m = pricing_overrides(pricing, base);
-            efficiency_overrides(&mut m, "token_major", tm);
+            efficiency_overrides(&mut m, if paged_arena { "paged" } else { "token_major" }, x);
             runs.push(("arena".into(), args(m)));
         }
     }
@@ -68,10 +76,17 @@ pub fn run(dir: &Path, s: &Setup, jobs: usize, title: &str) {
         efficiency_overrides(&mut m, "paged", po);
         runs.push(("vllm-paged".into(), args(m)));
     }
-    eprintln!("sweep: {} replays (arena x {} penalties x {} pricings, vllm-paged x {} overheads)", runs.len(), 4, 2, 4);
+    eprintln!(
+        "sweep: {} replays (arena x {} {} x {} pricings, vllm-paged x {} overheads)",
+        runs.len(),
+        arena_axis.len(),
+        if paged_arena { "paged overheads" } else { "token-major penalties" },
+        PRICINGS.len(),
+        PAGED_OVERHEADS.len()
+    );
     let first = run_workers(&runs, s, jobs);
-    let arena = |pricing: usize, tm: usize| &first[pricing * TOKEN_MAJOR_PENALTIES.len() + tm];
-    let n_arena = PRICINGS.len() * TOKEN_MAJOR_PENALTIES.len();
+    let arena = |pricing: usize, tm: usize, po: usize| &first[pricing * arena_axis.len() + if paged_arena { po } else { tm }];
+    let n_arena = PRICINGS.len() * arena_axis.len();
     let vllm_chunk: Vec<RunResult> = first[n_arena..].to_vec();
     // vLLM under per-call pricing: the same replay unless its steps' calls
     // are priced differently.
@@ -97,8 +112,8 @@ pub fn run(dir: &Path, s: &Setup, jobs: usize, title: &str) {
     for (pi, pricing) in PRICINGS.iter().enumerate() {
         let vllm = if pi == 0 { &vllm_chunk } else { &vllm_call };
         for (ti, &tm) in TOKEN_MAJOR_PENALTIES.iter().enumerate() {
-            let a = arena(pi, ti);
             for (oi, &po) in PAGED_OVERHEADS.iter().enumerate() {
+                let a = arena(pi, ti, oi);
                 let v = &vllm[oi];
                 points.push(Point {
                     pricing: pricing.to_string(),
