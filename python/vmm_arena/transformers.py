@@ -71,7 +71,7 @@ class _Store:
         self._take_view()
 
     def _take_view(self):
-        size = self.buf.size
+        self.size = size = self.buf.size
         rows = size // self.row_bytes
         raw = torch.from_dlpack(self.buf)
         self.view = raw[: rows * self.row_bytes].view(self.dtype).view((rows,) + self.tail)
@@ -93,7 +93,7 @@ class _Store:
         self.shrink_to_bytes(self.bytes_for(tokens))
 
     def shrink_to_bytes(self, want):
-        if want >= self.buf.size:
+        if want >= self.size:
             return
         self.view = None  # the cache's own view must go for the shrink to be allowed
         try:
@@ -154,7 +154,7 @@ class ArenaLayer(CacheLayerMixin):
     def _state(self):
         if not self.is_initialized:
             return None
-        return self.length, self._k.buf.size, self._v.buf.size
+        return self.length, self._k.size, self._v.size
 
     def _restore(self, state):
         """Goes back to a `_state()`: fewer tokens, and the chunks mapped then."""
@@ -199,7 +199,7 @@ class ArenaLayer(CacheLayerMixin):
             raise ValueError(
                 f"{end} tokens do not fit the cache's max_cache_len of {self.max_cache_len} (it holds {self.length})"
             )
-        k_bytes = self._k.buf.size
+        k_bytes = self._k.size
         if end > self._k.capacity:
             self._k.grow(end)
         if end > self._v.capacity:
