@@ -247,3 +247,44 @@ def test_release_frees_every_allocation_and_a_shared_arena_serves_two_caches():
     with pytest.raises(ValueError, match="ignored"):
         ArenaCache(model.config, arena=arena, chunk_bytes=CHUNK)
     assert isinstance(a.layers[0], ArenaLayer)
+
+
+def test_an_update_the_arena_cannot_map_fails_cleanly_and_leaves_the_arena_as_it_was():
+    model = tiny_llama()
+    # 60 tokens take 2 chunks of 4 KiB in each of the 4 allocations, 100
+    # tokens 4: with 14 chunks, layer 0 grows and layer 1's keys cannot.
+    arena = va.Arena(backend="host", chunk_bytes=CHUNK, capacity_bytes=14 * CHUNK, reserve_bytes=1 << 20)
+    cache = ArenaCache(model.config, arena=arena)
+    with torch.no_grad():
+        model(torch.randint(3, 512, (1, 60)), cache=cache, use_cache=True)
+        keys = [layer.keys.clone() for layer in cache.layers]
+        values = [layer.values.clone() for layer in cache.layers]
+        before = arena.stats()
+        with pytest.raises(va.OutOfMemory):
+            model(torch.randint(3, 512, (1, 40)), cache=cache, use_cache=True)
+        after = arena.stats()
+        assert (after.mapped_bytes, after.live_bytes, after.live_allocations) == (
+            before.mapped_bytes, before.live_bytes, before.live_allocations)
+        assert cache.get_seq_length() == 60
+        for layer, k, v in zip(cache.layers, keys, values):
+            assert layer.get_seq_length() == 60
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        nxt = torch.randint(3, 512, (1, 4))
+        ref = DynamicCache(config=model.config)
+        ref.update(keys[0], values[0], 0)
+        ref.update(keys[1], values[1], 1)
+        a = model(nxt, cache=ref, use_cache=True).logits
+        b = model(nxt, cache=cache, use_cache=True).logits  # it still works after the failure
+    torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
+def test_a_first_forward_that_fails_frees_what_it_allocated():
+    model = tiny_llama()
+    # Room for layer 0 (2 chunks each for keys and values), not for layer 1.
+    arena = va.Arena(backend="host", chunk_bytes=CHUNK, capacity_bytes=5 * CHUNK, reserve_bytes=1 << 20)
+    cache = ArenaCache(model.config, arena=arena)
+    with torch.no_grad(), pytest.raises(va.OutOfMemory):
+        model(torch.randint(3, 512, (1, 60)), cache=cache, use_cache=True)
+    st = arena.stats()
+    assert (st.live_allocations, st.mapped_bytes) == (0, 0)
+    assert cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers)

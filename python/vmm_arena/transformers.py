@@ -30,6 +30,11 @@ the batch size (`batch_repeat_interleave`, `batch_select_indices`: the
 stored layout is per batch size), offloading, and tokens past
 `max_cache_len`.
 
+Failures: a forward whose update fails in some layer (the arena's
+OutOfMemory, a shape that does not fit) raises, and the layers it had
+already updated go back to their tokens and chunks of before it, so the
+cache and the arena are as they were and generation can go on.
+
 On CUDA (`ArenaCache(config, backend="cuda")`) the views are device memory
 of the arena's device; a shrink waits for the current stream first, since
 the chunks it unmaps may still be read by queued kernels.
@@ -66,7 +71,7 @@ class _Store:
         self._take_view()
 
     def _take_view(self):
-        size = self.buf.size
+        self.size = size = self.buf.size
         rows = size // self.row_bytes
         raw = torch.from_dlpack(self.buf)
         self.view = raw[: rows * self.row_bytes].view(self.dtype).view((rows,) + self.tail)
@@ -85,8 +90,10 @@ class _Store:
 
     def shrink(self, tokens):
         """Unmaps the chunks past `tokens`, if no view outside the cache is alive."""
-        want = self.bytes_for(tokens)
-        if want >= self.buf.size:
+        self.shrink_to_bytes(self.bytes_for(tokens))
+
+    def shrink_to_bytes(self, want):
+        if want >= self.size:
             return
         self.view = None  # the cache's own view must go for the shrink to be allowed
         try:
@@ -144,6 +151,26 @@ class ArenaLayer(CacheLayerMixin):
         self.is_initialized = True
         self._publish()
 
+    def _state(self):
+        if not self.is_initialized:
+            return None
+        return self.length, self._k.size, self._v.size
+
+    def _restore(self, state):
+        """Goes back to a `_state()`: fewer tokens, and the chunks mapped then."""
+        if state is None:
+            if self.is_initialized:
+                self.release()
+            return
+        length, k_bytes, v_bytes = state
+        if not self.is_initialized or self.length < length:
+            return  # nothing this forward added
+        self.length = length
+        self.keys = self.values = None
+        self._k.shrink_to_bytes(k_bytes)
+        self._v.shrink_to_bytes(v_bytes)
+        self._publish()
+
     def _publish(self):
         """Points `keys`/`values` at the live tokens, as `[batch, heads, seq, dim]` views."""
         n = self.length
@@ -172,10 +199,18 @@ class ArenaLayer(CacheLayerMixin):
             raise ValueError(
                 f"{end} tokens do not fit the cache's max_cache_len of {self.max_cache_len} (it holds {self.length})"
             )
+        k_bytes = self._k.size
         if end > self._k.capacity:
             self._k.grow(end)
         if end > self._v.capacity:
-            self._v.grow(end)
+            try:
+                self._v.grow(end)
+            except BaseException:
+                # Give the keys' new chunks back: a failed update leaves the arena as it was.
+                self.keys = self.values = None
+                self._k.shrink_to_bytes(k_bytes)
+                self._publish()
+                raise
         # The new tokens are written once, after the ones already there.
         self._k.view[self.length:end].copy_(key_states.permute(2, 0, 1, 3))
         self._v.view[self.length:end].copy_(value_states.permute(2, 0, 1, 3))
@@ -295,6 +330,26 @@ class ArenaCache(Cache):
         self.max_cache_len = int(max_cache_len)
         layers = [ArenaLayer(arena, self.max_cache_len, tag) for _ in layer_types]
         super().__init__(layers=layers)
+        self._before_forward = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0:
+            # A new forward: what to go back to if a later layer's update fails.
+            self._before_forward = [layer._state() for layer in self.layers]
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            self._roll_back(layer_idx)
+            raise
+
+    def _roll_back(self, failed):
+        """Puts layers 0..failed back as they were before this forward, so a
+        failed forward leaves the cache and the arena as they were (the
+        layers before the failed one were already updated)."""
+        if self._before_forward is None:
+            return
+        for layer, state in zip(self.layers[: failed + 1], self._before_forward):
+            layer._restore(state)
 
     @property
     def copied_bytes(self):
