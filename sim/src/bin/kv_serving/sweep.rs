@@ -85,7 +85,8 @@ pub fn run(dir: &Path, s: &Setup, jobs: usize, title: &str) {
         PAGED_OVERHEADS.len()
     );
     let first = run_workers(&runs, s, jobs);
-    let arena = |pricing: usize, tm: usize, po: usize| &first[pricing * arena_axis.len() + if paged_arena { po } else { tm }];
+    let arena =
+        |pricing: usize, tm: usize, po: usize| &first[pricing * arena_axis.len() + if paged_arena { po } else { tm }];
     let n_arena = PRICINGS.len() * arena_axis.len();
     let vllm_chunk: Vec<RunResult> = first[n_arena..].to_vec();
     // vLLM under per-call pricing: the same replay unless its steps' calls
