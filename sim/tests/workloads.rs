@@ -194,7 +194,7 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
     let per_layer = KvShape { layout: Layout::PerLayer, ..shape };
     let r = run_shape("arena", per_layer, capacity, &reqs);
     let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
-    assert_eq!(extra("arena_prefix_caching"), "\"off: token-major layout only\"");
+    assert_eq!(extra("arena_prefix_caching"), "\"off: one allocation per request only\"");
     assert_eq!((r.integrity_errors, r.prefix_hit_tokens), (0, 0));
 }
 

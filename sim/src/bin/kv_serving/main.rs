@@ -136,7 +136,7 @@ struct Opts {
     #[arg(long)]
     profile_file: Option<PathBuf>,
     /// Prefix caching: vLLM's automatic prefix caching in vllm-paged, and
-    /// the arena's prefix cache (shared chunks, token-major layout only) in
+    /// the arena's prefix cache (shared chunks, one allocation per request: token-major or block-in-chunk) in
     /// arena, arena-staged, arena-no-moves and arena-sync; on by default, as in vLLM.
     #[arg(long, value_enum, default_value = "on")]
     prefix_caching: OnOff,
