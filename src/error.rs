@@ -25,6 +25,7 @@ pub enum Status {
     Driver = 7,
     Internal = 8,
     Asleep = 9,
+    Stale = 10,
 }
 
 impl Status {
@@ -41,6 +42,7 @@ impl Status {
             Status::Driver => "VMM_ARENA_ERR_DRIVER",
             Status::Internal => "VMM_ARENA_ERR_INTERNAL",
             Status::Asleep => "VMM_ARENA_ERR_ASLEEP",
+            Status::Stale => "VMM_ARENA_ERR_STALE",
         }
     }
 
@@ -57,6 +59,7 @@ impl Status {
             7 => Status::Driver,
             8 => Status::Internal,
             9 => Status::Asleep,
+            10 => Status::Stale,
             _ => return None,
         })
     }
@@ -108,6 +111,11 @@ pub enum Error {
     /// A bug inside the library (a caught panic, a poisoned lock).
     #[error("internal error: {0}")]
     Internal(String),
+    /// A prepared two-phase operation whose allocation another call changed
+    /// (resized, freed, put to sleep) since the prepare: its commit or abort
+    /// no longer describes the arena, and did nothing.
+    #[error("stale prepared operation: {0}")]
+    Stale(String),
 }
 
 impl Error {
@@ -123,6 +131,7 @@ impl Error {
             Error::Driver { .. } => Status::Driver,
             Error::Internal(_) => Status::Internal,
             Error::Asleep(_) => Status::Asleep,
+            Error::Stale(_) => Status::Stale,
         }
     }
 
@@ -137,13 +146,14 @@ mod tests {
 
     #[test]
     fn status_values_are_the_abi_values() {
-        for raw in 0..=9u32 {
+        for raw in 0..=10u32 {
             let s = Status::from_raw(raw).unwrap();
             assert_eq!(s as u32, raw);
             assert!(s.name().starts_with("VMM_ARENA_"));
         }
         assert_eq!(Status::from_raw(9).map(Status::name), Some("VMM_ARENA_ERR_ASLEEP"));
-        assert_eq!(Status::from_raw(10), None);
+        assert_eq!(Status::from_raw(10).map(Status::name), Some("VMM_ARENA_ERR_STALE"));
+        assert_eq!(Status::from_raw(11), None);
     }
 
     #[test]
@@ -158,9 +168,10 @@ mod tests {
             Error::Driver { call: "x", code: 1, name: "E".into(), message: String::new() },
             Error::Internal(String::new()),
             Error::Asleep(1),
+            Error::Stale(String::new()),
         ];
         let mut seen = std::collections::HashSet::new();
-        assert_eq!(errs.len(), 9, "one error per status but Ok");
+        assert_eq!(errs.len(), 10, "one error per status but Ok");
         for e in &errs {
             assert_ne!(e.status(), Status::Ok);
             assert!(seen.insert(e.status()), "{e:?} reuses a status");

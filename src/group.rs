@@ -151,6 +151,7 @@ impl From<GroupError> for Error {
             Error::OutOfAddressSpace(_) => Error::OutOfAddressSpace(text),
             Error::Unsupported(_) => Error::Unsupported(text),
             Error::Internal(_) => Error::Internal(text),
+            Error::Stale(_) => Error::Stale(text),
             Error::Driver { call, code, name, .. } => Error::Driver { call, code, name, message: text },
             e @ (Error::UnknownAllocation(_) | Error::Pinned(_) | Error::Asleep(_)) => e,
         }

@@ -12,7 +12,8 @@
  *    VMM_ARENA_ERR_INVALID_ARGUMENT (never a crash);
  *  - when several statuses apply, the first in this order is returned:
  *    INVALID_ARGUMENT (the call's own arguments first), INTERNAL (a poisoned
- *    arena or group; a panic caught in this call), UNKNOWN_ALLOCATION,
+ *    arena or group; a panic caught in this call), STALE (only from
+ *    vmm_arena_commit and vmm_arena_abort), UNKNOWN_ALLOCATION,
  *    ASLEEP, PINNED, UNSUPPORTED (the backend lacks the capability),
  *    OUT_OF_MEMORY, OUT_OF_ADDRESS_SPACE, DRIVER (a driver call failed);
  *    OK only when none applies;
@@ -200,6 +201,12 @@ typedef enum vmm_arena_status {
    * memory: resize and pin of a sleeping allocation.
    */
   VMM_ARENA_ERR_ASLEEP = 9,
+  /**
+   * A prepared two-phase operation whose allocation another call changed
+   * since the prepare (resized, freed, put to sleep): the commit or abort
+   * did nothing (see vmm_arena_commit).
+   */
+  VMM_ARENA_ERR_STALE = 10,
 } vmm_arena_status;
 
 /**
@@ -1555,10 +1562,17 @@ enum vmm_arena_status vmm_arena_prepare_alloc(struct vmm_arena *arena,
 
 /**
  * Prepares a resize of an allocation of whole chunks to new_size: a growth
- * is done now, inside its reservation (beyond it, or of a small
- * allocation: INVALID_ARGUMENT); a shrink is only checked and done by the
- * commit. *out_ptr receives its address (unchanged). Then commit or abort
- * on every rank, as for vmm_arena_prepare_alloc. On failure nothing changed.
+ * is done now, inside its reservation; a shrink is checked now, as the
+ * commit would check it, and done by the commit. *out_ptr receives its
+ * address (unchanged). Then commit or abort on every rank, as for
+ * vmm_arena_prepare_alloc. On failure nothing changed.
+ *
+ * Errors, the call's own arguments first: INVALID_ARGUMENT for a small
+ * allocation, an imported one, a new_size of 0 or beyond the reservation,
+ * a shrink below the chunks an export holds, or a shrink that would unmap
+ * chunks shared by vmm_arena_alloc_shared (a driver call, which a commit
+ * must not make: use vmm_arena_resize); then UNKNOWN_ALLOCATION, ASLEEP,
+ * and what a growth meets (OUT_OF_MEMORY, DRIVER).
  *
  * # Safety
  * `arena` is NULL or a live handle; the out-parameters are NULL or writable.
@@ -1570,8 +1584,9 @@ enum vmm_arena_status vmm_arena_prepare_resize(struct vmm_arena *arena,
                                                uint64_t *out_ptr);
 
 /**
- * Prepares a free of an allocation of whole chunks: checks the id; the
- * commit frees it.
+ * Prepares a free of an allocation of whole chunks: checks the id
+ * (INVALID_ARGUMENT for a small or an imported allocation); the commit
+ * frees it.
  *
  * # Safety
  * `arena` is NULL or a live handle; `out_prepared` is NULL or writable.
@@ -1583,11 +1598,14 @@ enum vmm_arena_status vmm_arena_prepare_free(struct vmm_arena *arena,
 /**
  * Commits a prepared operation and consumes the handle (on any status but
  * an INVALID_ARGUMENT for a NULL arena or prepared, which leave it with the
- * caller). Nothing in it can fail for memory or a driver call: it fails
- * only when the allocation was changed behind its back (freed, put to
- * sleep), when a shrink unmaps chunks another allocation shares
- * (vmm_arena_alloc_shared), for a prepared handle of another arena
- * (INVALID_ARGUMENT), or when the arena is poisoned.
+ * caller). Nothing in it can fail for memory or a driver call: with no
+ * other call on the allocation since the prepare it returns OK (but for a
+ * poisoned arena: INTERNAL). VMM_ARENA_ERR_STALE when another call changed
+ * the allocation since (resized, freed or put it to sleep; exported or
+ * shared the chunks a shrink would drop): nothing is done, checked under
+ * the same lock as the work. Calls that change neither its size nor its
+ * awake state (pin, set_tag, a move by compaction) leave the prepare
+ * valid. INVALID_ARGUMENT for a prepared handle of another arena.
  *
  * # Safety
  * `arena` is NULL or a live handle; `prepared` is NULL or a live handle,
@@ -1599,7 +1617,9 @@ enum vmm_arena_status vmm_arena_commit(struct vmm_arena *arena,
 /**
  * Aborts a prepared operation (frees a prepared allocation, shrinks a
  * prepared growth back, forgets a prepared shrink or free) and consumes
- * the handle, as vmm_arena_commit; fails only as it does.
+ * the handle, as vmm_arena_commit: with no other call on the allocation
+ * since the prepare, the arena is then exactly as before the prepare;
+ * fails only as vmm_arena_commit does (STALE: nothing is done).
  *
  * # Safety
  * As for vmm_arena_commit.

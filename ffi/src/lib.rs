@@ -661,7 +661,7 @@ mod fuzz_replay {
             super::fuzz_c_abi::STATUSES.iter().map(|c| c.load(std::sync::atomic::Ordering::Relaxed)).collect();
         println!(
             "replayed {} C ABI inputs: {} calls checked, by status (OK, INVALID_ARGUMENT, OUT_OF_MEMORY, \
-             OUT_OF_ADDRESS_SPACE, UNKNOWN_ALLOCATION, PINNED, UNSUPPORTED, DRIVER, INTERNAL, ASLEEP): {by_status:?}",
+             OUT_OF_ADDRESS_SPACE, UNKNOWN_ALLOCATION, PINNED, UNSUPPORTED, DRIVER, INTERNAL, ASLEEP, STALE): {by_status:?}",
             files.len(),
             by_status.iter().sum::<u64>()
         );
@@ -676,14 +676,14 @@ mod tests {
 
     #[test]
     fn status_names_match_the_library() {
-        for raw in 0..=9u32 {
+        for raw in 0..=10u32 {
             let name = Status::from_raw(raw).unwrap().name();
             // SAFETY: status names are static NUL-terminated strings.
             let c = unsafe { CStr::from_ptr(vmm_arena_status_name(raw)) };
             assert_eq!(c.to_str().unwrap(), name);
             assert_eq!(vmm_arena_status::from(Status::from_raw(raw).unwrap()) as u32, raw);
         }
-        for raw in [10, 100, u32::MAX] {
+        for raw in [11, 100, u32::MAX] {
             // SAFETY: as above.
             assert_eq!(unsafe { CStr::from_ptr(vmm_arena_status_name(raw)) }, c"UNKNOWN");
         }

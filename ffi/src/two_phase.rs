@@ -2,6 +2,14 @@
 //! for tensor-parallel ranks in separate processes, each with its own
 //! arena, that prepare the same operation, agree through the engine's own
 //! collective, then all commit or all abort.
+//!
+//! What "prepared" promises: after a prepare returned OK, with no other
+//! call on that allocation before the commit or abort, vmm_arena_commit
+//! cannot fail (but for a poisoned arena) and vmm_arena_abort restores
+//! exactly the state before the prepare. Another call that changed the
+//! allocation in between (a resize, a free, a sleep, an export or a share
+//! of the chunks a shrink would drop) invalidates the prepare: commit and
+//! abort then return VMM_ARENA_ERR_STALE and do nothing.
 
 use arena::{Id, Prepared};
 
@@ -83,10 +91,17 @@ pub unsafe extern "C" fn vmm_arena_prepare_alloc(
 }
 
 /// Prepares a resize of an allocation of whole chunks to new_size: a growth
-/// is done now, inside its reservation (beyond it, or of a small
-/// allocation: INVALID_ARGUMENT); a shrink is only checked and done by the
-/// commit. *out_ptr receives its address (unchanged). Then commit or abort
-/// on every rank, as for vmm_arena_prepare_alloc. On failure nothing changed.
+/// is done now, inside its reservation; a shrink is checked now, as the
+/// commit would check it, and done by the commit. *out_ptr receives its
+/// address (unchanged). Then commit or abort on every rank, as for
+/// vmm_arena_prepare_alloc. On failure nothing changed.
+///
+/// Errors, the call's own arguments first: INVALID_ARGUMENT for a small
+/// allocation, an imported one, a new_size of 0 or beyond the reservation,
+/// a shrink below the chunks an export holds, or a shrink that would unmap
+/// chunks shared by vmm_arena_alloc_shared (a driver call, which a commit
+/// must not make: use vmm_arena_resize); then UNKNOWN_ALLOCATION, ASLEEP,
+/// and what a growth meets (OUT_OF_MEMORY, DRIVER).
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; the out-parameters are NULL or writable.
@@ -113,8 +128,9 @@ pub unsafe extern "C" fn vmm_arena_prepare_resize(
     })
 }
 
-/// Prepares a free of an allocation of whole chunks: checks the id; the
-/// commit frees it.
+/// Prepares a free of an allocation of whole chunks: checks the id
+/// (INVALID_ARGUMENT for a small or an imported allocation); the commit
+/// frees it.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; `out_prepared` is NULL or writable.
@@ -149,11 +165,14 @@ unsafe fn take(prepared: *mut vmm_arena_prepared) -> Result<Prepared, arena::Err
 
 /// Commits a prepared operation and consumes the handle (on any status but
 /// an INVALID_ARGUMENT for a NULL arena or prepared, which leave it with the
-/// caller). Nothing in it can fail for memory or a driver call: it fails
-/// only when the allocation was changed behind its back (freed, put to
-/// sleep), when a shrink unmaps chunks another allocation shares
-/// (vmm_arena_alloc_shared), for a prepared handle of another arena
-/// (INVALID_ARGUMENT), or when the arena is poisoned.
+/// caller). Nothing in it can fail for memory or a driver call: with no
+/// other call on the allocation since the prepare it returns OK (but for a
+/// poisoned arena: INTERNAL). VMM_ARENA_ERR_STALE when another call changed
+/// the allocation since (resized, freed or put it to sleep; exported or
+/// shared the chunks a shrink would drop): nothing is done, checked under
+/// the same lock as the work. Calls that change neither its size nor its
+/// awake state (pin, set_tag, a move by compaction) leave the prepare
+/// valid. INVALID_ARGUMENT for a prepared handle of another arena.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; `prepared` is NULL or a live handle,
@@ -175,7 +194,9 @@ pub unsafe extern "C" fn vmm_arena_commit(
 
 /// Aborts a prepared operation (frees a prepared allocation, shrinks a
 /// prepared growth back, forgets a prepared shrink or free) and consumes
-/// the handle, as vmm_arena_commit; fails only as it does.
+/// the handle, as vmm_arena_commit: with no other call on the allocation
+/// since the prepare, the arena is then exactly as before the prepare;
+/// fails only as vmm_arena_commit does (STALE: nothing is done).
 ///
 /// # Safety
 /// As for vmm_arena_commit.

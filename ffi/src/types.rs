@@ -95,6 +95,10 @@ pub enum vmm_arena_status {
     /// The allocation is asleep (vmm_arena_sleep) and the call needs its
     /// memory: resize and pin of a sleeping allocation.
     VMM_ARENA_ERR_ASLEEP = 9,
+    /// A prepared two-phase operation whose allocation another call changed
+    /// since the prepare (resized, freed, put to sleep): the commit or abort
+    /// did nothing (see vmm_arena_commit).
+    VMM_ARENA_ERR_STALE = 10,
 }
 
 use vmm_arena_status::*;
@@ -112,6 +116,7 @@ impl From<Status> for vmm_arena_status {
             Status::Driver => VMM_ARENA_ERR_DRIVER,
             Status::Internal => VMM_ARENA_ERR_INTERNAL,
             Status::Asleep => VMM_ARENA_ERR_ASLEEP,
+            Status::Stale => VMM_ARENA_ERR_STALE,
         }
     }
 }
@@ -248,7 +253,7 @@ pub struct vmm_arena_compact_report {
 pub type vmm_arena_move_fn =
     Option<unsafe extern "C" fn(user: *mut c_void, id: vmm_arena_id, old_ptr: u64, new_ptr: u64, size: u64)>;
 
-pub(crate) static STATUS_NAMES: [&CStr; 10] = [
+pub(crate) static STATUS_NAMES: [&CStr; 11] = [
     c"VMM_ARENA_OK",
     c"VMM_ARENA_ERR_INVALID_ARGUMENT",
     c"VMM_ARENA_ERR_OUT_OF_MEMORY",
@@ -259,6 +264,7 @@ pub(crate) static STATUS_NAMES: [&CStr; 10] = [
     c"VMM_ARENA_ERR_DRIVER",
     c"VMM_ARENA_ERR_INTERNAL",
     c"VMM_ARENA_ERR_ASLEEP",
+    c"VMM_ARENA_ERR_STALE",
 ];
 
 /// The C view of the arena's stats (`struct_size` filled in).

@@ -151,7 +151,7 @@ fn last_error() -> String {
 
 /// The calls an input made (not the checks' own), by the status they
 /// returned (for the replay test's report).
-pub static STATUSES: [std::sync::atomic::AtomicU64; 10] = [const { std::sync::atomic::AtomicU64::new(0) }; 10];
+pub static STATUSES: [std::sync::atomic::AtomicU64; 11] = [const { std::sync::atomic::AtomicU64::new(0) }; 11];
 
 fn tally(status: u32) {
     if let Some(c) = STATUSES.get(status as usize) {

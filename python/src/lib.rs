@@ -46,6 +46,7 @@ fn to_py(e: Error) -> PyErr {
         Status::UnknownAllocation => py_err("UnknownAllocation", m),
         Status::Pinned => py_err("Pinned", m),
         Status::Asleep => py_err("Asleep", m),
+        Status::Stale => py_err("Stale", m),
         Status::Unsupported => py_err("Unsupported", m),
         Status::Driver => py_err("DriverError", m),
         _ => py_err("InternalError", m),

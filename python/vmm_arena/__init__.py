@@ -49,6 +49,7 @@ from .errors import (  # noqa: F401
     OutOfAddressSpace,
     OutOfMemory,
     Pinned,
+    Stale,
     Unsupported,
     UnknownAllocation,
     VmmArenaError,
@@ -57,7 +58,7 @@ from ._vmm_arena import Arena as _Arena
 
 __all__ = [
     "ALL_TAGS", "Allocation", "Arena", "Asleep", "Buffer", "DriverError", "InternalError",
-    "InvalidArgument", "InvalidType", "OutOfAddressSpace", "OutOfMemory", "Pinned", "Stats", "Unsupported",
+    "InvalidArgument", "InvalidType", "OutOfAddressSpace", "OutOfMemory", "Pinned", "Stale", "Stats", "Unsupported",
     "UnknownAllocation", "VmmArenaError",
 ]
 

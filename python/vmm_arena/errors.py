@@ -7,7 +7,7 @@ these very classes.
 
 __all__ = [
     "VmmArenaError", "InvalidArgument", "InvalidType", "OutOfMemory", "OutOfAddressSpace",
-    "UnknownAllocation", "Pinned", "Asleep", "Unsupported", "DriverError", "InternalError",
+    "UnknownAllocation", "Pinned", "Asleep", "Stale", "Unsupported", "DriverError", "InternalError",
 ]
 
 
@@ -44,6 +44,10 @@ class Asleep(VmmArenaError):
     """The allocation sleeps: wake its tag first."""
 
 
+class Stale(VmmArenaError):
+    """A prepared two-phase operation whose allocation changed since the prepare; nothing was done."""
+
+
 class Unsupported(VmmArenaError):
     """Not supported by this backend."""
 
@@ -58,6 +62,6 @@ class InternalError(VmmArenaError):
 
 # Pickled and printed under the package's name, where users import them from.
 for _cls in (VmmArenaError, InvalidArgument, InvalidType, OutOfMemory, OutOfAddressSpace, UnknownAllocation,
-             Pinned, Asleep, Unsupported, DriverError, InternalError):
+             Pinned, Asleep, Stale, Unsupported, DriverError, InternalError):
     _cls.__module__ = "vmm_arena"
 del _cls

@@ -116,7 +116,14 @@ impl Arena {
     /// [`Arena::alloc_shared`]) stays with it, and this allocation's page
     /// of it is retired (unmapped when retired memory is released).
     pub fn free(&self, id: Id) -> Result<()> {
+        self.free_checked(id, |_| Ok(()))
+    }
+
+    /// [`Arena::free`] after `precondition` holds, checked under the same
+    /// lock as the free; when it fails, nothing is done.
+    pub(super) fn free_checked(&self, id: Id, precondition: impl Fn(&super::Inner) -> Result<()>) -> Result<()> {
         self.run(Touch::Nothing, |inner, _ctx, _| {
+            precondition(inner)?;
             #[cfg(unix)]
             if let Some(r) = super::export::free_shared(inner, _ctx, id) {
                 return r;

@@ -162,8 +162,22 @@ impl Arena {
     /// The body of [`Arena::resize`] (`stream` None) and of
     /// [`Arena::resize_on_stream`].
     pub(super) fn resize_ordered(&self, id: Id, new_size: u64, stream: Option<u64>) -> Result<u64> {
+        self.resize_checked(id, new_size, stream, |_| Ok(()))
+    }
+
+    /// [`Arena::resize_ordered`] after `precondition` holds, checked under
+    /// the same lock as the resize (a two-phase commit's "unchanged since
+    /// the prepare"); when it fails, nothing is done.
+    pub(super) fn resize_checked(
+        &self,
+        id: Id,
+        new_size: u64,
+        stream: Option<u64>,
+        precondition: impl Fn(&Inner) -> Result<()>,
+    ) -> Result<u64> {
         let np = pages_for(new_size, self.chunk, "new_size")?;
         self.run(Touch::Nothing, |inner, ctx, events| {
+            precondition(inner)?;
             #[cfg(unix)]
             inner.shares.check_resize(&inner.st, id, np)?;
             let target = inner.st.resolve(id)?;

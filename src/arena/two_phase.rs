@@ -5,12 +5,23 @@
 //! and every rank then *commits* or *aborts*. No coordinator of ours takes
 //! part; all or nothing holds across processes because:
 //! - a prepare does everything that can fail (an allocation or a growth
-//!   makes its chunks and mappings; a shrink or free only checks the id),
-//!   and fails with the arena as it was;
+//!   makes its chunks and mappings; a shrink or free runs every check its
+//!   commit would run), and fails with the arena as it was;
 //! - a commit then does nothing that can fail for memory or a driver call
 //!   (an allocation or growth is already done; a shrink or free is
 //!   bookkeeping), and an abort undoes a prepare with bookkeeping only
 //!   (the free of the new allocation, the shrink back of the growth).
+//!
+//! The guarantee: after a successful prepare, with no other call on that
+//! allocation in between, commit cannot fail (but for a poisoned arena) and
+//! abort restores exactly the state before the prepare. Another call that
+//! changed the allocation since (a resize, a free, a sleep, an export or an
+//! `alloc_shared` that a shrink would have to unmap) invalidates the
+//! prepare: commit and abort then return [`Error::Stale`] and do nothing,
+//! checked under the same lock as the work, so a stale operation never
+//! acts on a state it was not prepared for. What the prepare left is
+//! recorded as the allocation's size and awake state: calls that change
+//! neither (pin, set_tag, a move by compaction) leave the prepare valid.
 //!
 //! So that ranks stay identical after an abort, a prepare moves nothing:
 //! an allocation is placed in whole chunks without moving others
@@ -29,8 +40,8 @@
 use crate::error::{Error, Result};
 use crate::Id;
 
-use super::alloc::Placing;
-use super::Arena;
+use super::alloc::{Placing, Target};
+use super::{pages_for, Arena, Inner};
 
 /// An operation prepared on one arena ([`Arena::prepare_alloc`],
 /// [`Arena::prepare_resize`], [`Arena::prepare_free`]); give it back to
@@ -44,25 +55,84 @@ pub struct Prepared {
     op: Op,
 }
 
+/// Each operation with the size its allocation had when the prepare
+/// returned (what commit and abort check it still has).
 #[derive(Clone, Copy, Debug)]
 enum Op {
-    /// Allocated; the abort frees it.
-    Alloc { id: Id },
-    /// Grown from `old` bytes; the abort shrinks it back.
-    Grow { id: Id, old: u64 },
-    /// Checked; the commit shrinks it to `size` bytes.
-    Shrink { id: Id, size: u64 },
-    /// Checked; the commit frees it.
-    Free { id: Id },
+    /// Allocated with `size` bytes; the abort frees it.
+    Alloc { id: Id, size: u64 },
+    /// Grown from `old` to `new` bytes; the abort shrinks it back.
+    Grow { id: Id, old: u64, new: u64 },
+    /// Checked at `from` bytes; the commit shrinks it to `size` bytes.
+    Shrink { id: Id, from: u64, size: u64 },
+    /// Checked at `size` bytes; the commit frees it.
+    Free { id: Id, size: u64 },
 }
 
 impl Prepared {
     /// The allocation it acts on (the new one, for an allocation).
     pub fn id(&self) -> Id {
         match self.op {
-            Op::Alloc { id } | Op::Grow { id, .. } | Op::Shrink { id, .. } | Op::Free { id } => id,
+            Op::Alloc { id, .. } | Op::Grow { id, .. } | Op::Shrink { id, .. } | Op::Free { id, .. } => id,
         }
     }
+}
+
+fn whole_chunks_only() -> Error {
+    Error::invalid("two-phase operations act on allocations of whole chunks (prepare_alloc's)")
+}
+
+/// The slot of an allocation a two-phase operation may act on: whole
+/// chunks of this arena (not a small object, not an import).
+fn chunk_slot(inner: &Inner, id: Id) -> Result<u32> {
+    if id.is_small() {
+        return Err(whole_chunks_only());
+    }
+    #[cfg(unix)]
+    if let Some(r) = inner.shares.import_of(&inner.st, id) {
+        r?;
+        return Err(Error::invalid("two-phase operations do not act on imported allocations"));
+    }
+    match inner.st.resolve(id)? {
+        Target::Chunks(slot) => Ok(slot),
+        Target::Small(_) => Err(whole_chunks_only()),
+    }
+}
+
+/// Whether shrinking `slot` to `pages` would unmap chunks another
+/// allocation maps too (`alloc_shared`): a growable allocation unmaps its
+/// page of them at once, with driver calls a commit must not make.
+fn shrink_unmaps_shared(inner: &Inner, slot: u32, pages: u64) -> bool {
+    let a = inner.st.alloc(slot);
+    a.growable && pages < a.backed && (a.start + pages..a.start + a.backed).any(|p| inner.st.page_shared(p))
+}
+
+/// `Ok` when the allocation is as the prepare left it (`size` bytes,
+/// awake) and shrinking it to `to_bytes` (when given) needs no driver call
+/// and no export forbids it; else `Stale`.
+fn unchanged(inner: &Inner, chunk: u64, id: Id, size: u64, to_bytes: Option<u64>) -> Result<()> {
+    let stale =
+        |why: String| Error::Stale(format!("allocation {:#x} {why} since its prepare; nothing was done", id.get()));
+    let slot = match inner.st.resolve(id) {
+        Ok(Target::Chunks(slot)) => slot,
+        _ => return Err(stale("was freed".into())),
+    };
+    let a = inner.st.alloc(slot);
+    if a.sleep.is_some() {
+        return Err(stale("was put to sleep".into()));
+    }
+    if a.size != size {
+        return Err(stale(format!("was resized from {size} to {} bytes", a.size)));
+    }
+    if let Some(to) = to_bytes {
+        let pages = pages_for(to, chunk, "size")?;
+        #[cfg(unix)]
+        inner.shares.check_resize(&inner.st, id, pages).map_err(|e| stale(format!("was exported ({e})")))?;
+        if shrink_unmaps_shared(inner, slot, pages) {
+            return Err(stale("had chunks shared with alloc_shared".into()));
+        }
+    }
+    Ok(())
 }
 
 impl Arena {
@@ -72,73 +142,107 @@ impl Arena {
     /// changed (`OutOfAddressSpace` when only compaction would make room).
     pub fn prepare_alloc(&self, size: u64, max_size: u64, growable: bool) -> Result<(Prepared, u64)> {
         let (id, ptr) = self.alloc_whole(size, max_size, growable, Placing::WholeNoMoves)?;
-        Ok((Prepared { arena: self.sh.key, op: Op::Alloc { id } }, ptr))
+        Ok((Prepared { arena: self.sh.key, op: Op::Alloc { id, size } }, ptr))
     }
 
     /// Prepares a resize of an allocation of whole chunks. A growth is done
-    /// now, inside its reservation (beyond it, or of a small allocation:
-    /// `InvalidArgument`); a shrink is only checked, and done by the commit.
-    /// Returns the allocation's address (it does not move). On error
-    /// nothing changed.
+    /// now, inside its reservation; a shrink is checked now, as the commit
+    /// would check it, and done by the commit. Returns the allocation's
+    /// address (it does not move). On error nothing changed.
+    ///
+    /// Errors, the call's own arguments first: `InvalidArgument` for a
+    /// small allocation, an import, a `new_size` of 0 or beyond the
+    /// reservation (allocate with `prepare_alloc(growable)` and a larger
+    /// `max_size`), a shrink below an export's chunks or one that would
+    /// unmap chunks shared by `alloc_shared` (driver calls: use `resize`);
+    /// `UnknownAllocation`; `Asleep`; then what the growth meets
+    /// (`OutOfMemory`, `Driver`).
     pub fn prepare_resize(&self, id: Id, new_size: u64) -> Result<(Prepared, u64)> {
         if id.is_small() {
-            return Err(Error::invalid("two-phase operations act on allocations of whole chunks (prepare_alloc's)"));
+            return Err(whole_chunks_only());
         }
-        let info = self.query(id)?;
-        if info.asleep {
-            return Err(Error::Asleep(id.get()));
+        let np = pages_for(new_size, self.chunk, "new_size")?;
+        let (size, ptr) = {
+            let inner = self.lock()?;
+            let slot = chunk_slot(&inner, id)?;
+            let a = inner.st.alloc(slot);
+            if np > a.reserved {
+                return Err(Error::invalid(format!(
+                    "a two-phase growth stays inside the reservation: {new_size} bytes exceed its {} \
+                     (allocate with prepare_alloc(growable) and a larger max_size)",
+                    a.reserved * self.chunk
+                )));
+            }
+            #[cfg(unix)]
+            inner.shares.check_resize(&inner.st, id, np)?;
+            if a.sleep.is_some() {
+                return Err(Error::Asleep(id.get()));
+            }
+            if new_size <= a.size && shrink_unmaps_shared(&inner, slot, np) {
+                return Err(Error::invalid(
+                    "a two-phase shrink cannot unmap chunks shared with alloc_shared (driver calls a commit \
+                     must not make); shrink it with resize",
+                ));
+            }
+            (a.size, inner.st.addr(a.start))
+        };
+        if new_size <= size {
+            let op = Op::Shrink { id, from: size, size: new_size };
+            return Ok((Prepared { arena: self.sh.key, op }, ptr));
         }
-        if new_size <= info.size {
-            let op = Op::Shrink { id, size: new_size };
-            return Ok((Prepared { arena: self.sh.key, op }, info.ptr));
-        }
-        if new_size > info.reserved_bytes {
-            return Err(Error::invalid(format!(
-                "a two-phase growth stays inside the reservation: {new_size} bytes exceed its {} \
-                 (allocate with prepare_alloc(growable) and a larger max_size)",
-                info.reserved_bytes
-            )));
-        }
-        let ptr = self.resize(id, new_size)?;
-        if ptr != info.ptr {
+        let chunk = self.chunk;
+        // Grown only if nothing changed it since the checks above.
+        let grown = self.resize_checked(id, new_size, None, |inner| unchanged(inner, chunk, id, size, None))?;
+        if grown != ptr {
             // Cannot happen inside the reservation; if it did, ranks would
             // disagree on the address, so say so rather than go on.
             return Err(Error::Internal(format!("a growth inside its reservation moved {:#x}", id.get())));
         }
-        Ok((Prepared { arena: self.sh.key, op: Op::Grow { id, old: info.size } }, ptr))
+        Ok((Prepared { arena: self.sh.key, op: Op::Grow { id, old: size, new: new_size } }, ptr))
     }
 
-    /// Prepares a free: checks the id; the commit frees it.
+    /// Prepares a free: checks the id (an allocation of whole chunks of
+    /// this arena, not an import); the commit frees it.
     pub fn prepare_free(&self, id: Id) -> Result<Prepared> {
-        if id.is_small() {
-            return Err(Error::invalid("two-phase operations act on allocations of whole chunks (prepare_alloc's)"));
-        }
-        self.query(id)?;
-        Ok(Prepared { arena: self.sh.key, op: Op::Free { id } })
+        let inner = self.lock()?;
+        let slot = chunk_slot(&inner, id)?;
+        let size = inner.st.alloc(slot).size;
+        Ok(Prepared { arena: self.sh.key, op: Op::Free { id, size } })
     }
 
-    /// Commits a prepared operation. Fails only when the allocation was
-    /// changed behind its back (freed, put to sleep), when a shrink unmaps
-    /// chunks another allocation shares (`alloc_shared`), or when the arena
-    /// is poisoned; `InvalidArgument` for another arena's [`Prepared`].
+    /// Commits a prepared operation. With no other call on its allocation
+    /// since the prepare, it cannot fail (but for a poisoned arena:
+    /// `Internal`). `Stale` when another call changed the allocation since
+    /// (resized, freed, put to sleep it, or exported or shared the chunks a
+    /// shrink would drop): nothing is done. `InvalidArgument` for another
+    /// arena's [`Prepared`].
     pub fn commit(&self, p: Prepared) -> Result<()> {
         self.check_owner(&p)?;
+        let chunk = self.chunk;
         match p.op {
-            Op::Alloc { .. } | Op::Grow { .. } => Ok(()),
-            Op::Shrink { id, size } => self.resize(id, size).map(drop),
-            Op::Free { id } => self.free(id),
+            Op::Alloc { id, size } | Op::Grow { id, new: size, .. } => unchanged(&*self.lock()?, chunk, id, size, None),
+            Op::Shrink { id, from, size } => {
+                self.resize_checked(id, size, None, |inner| unchanged(inner, chunk, id, from, Some(size))).map(drop)
+            }
+            Op::Free { id, size } => self.free_checked(id, |inner| unchanged(inner, chunk, id, size, None)),
         }
     }
 
     /// Aborts a prepared operation: frees a prepared allocation, shrinks a
-    /// prepared growth back, forgets a prepared shrink or free. Fails only
-    /// as [`Arena::commit`] does.
+    /// prepared growth back, forgets a prepared shrink or free; with no
+    /// other call on its allocation since the prepare, the arena is then
+    /// exactly as before the prepare. Fails only as [`Arena::commit`] does.
     pub fn abort(&self, p: Prepared) -> Result<()> {
         self.check_owner(&p)?;
+        let chunk = self.chunk;
         match p.op {
-            Op::Alloc { id } => self.free(id),
-            Op::Grow { id, old } => self.resize(id, old).map(drop),
-            Op::Shrink { .. } | Op::Free { .. } => Ok(()),
+            Op::Alloc { id, size } => self.free_checked(id, |inner| unchanged(inner, chunk, id, size, None)),
+            Op::Grow { id, old, new } => {
+                self.resize_checked(id, old, None, |inner| unchanged(inner, chunk, id, new, Some(old))).map(drop)
+            }
+            Op::Shrink { id, from: size, .. } | Op::Free { id, size } => {
+                unchanged(&*self.lock()?, chunk, id, size, None)
+            }
         }
     }
 
