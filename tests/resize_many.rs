@@ -181,3 +181,29 @@ fn placement_prefers_a_hole_whose_chunks_are_still_mapped() {
     assert_eq!(calls(&a, &s0), (0, 0, 0, 0, 0), "adopted: no driver call");
     check(&a);
 }
+
+/// A sleeping small allocation named after a request that runs out of
+/// memory (or address space, or meets a pinned neighbour): ASLEEP, since
+/// every request's state is checked before any request's work.
+#[test]
+fn a_sleeping_small_allocation_is_asleep_before_any_request_runs() {
+    let a = arena(8, 64);
+    let (big, _) = a.alloc_growable(C, 16 * C).unwrap();
+    let (small, _) = a.alloc_tagged(100, 1).unwrap();
+    a.sleep(1, 0).unwrap();
+    assert!(a.query(small).unwrap().asleep);
+    // Alone, the growth is out of memory.
+    assert!(matches!(a.resize_many(&[(big, 12 * C)]), Err(Error::OutOfMemory(_))));
+    for batch in [[(big, 12 * C), (small, 200)], [(small, 200), (big, 12 * C)]] {
+        let r = a.resize_many(&batch);
+        assert!(matches!(r, Err(Error::Asleep(_))), "{batch:?}: {r:?}");
+    }
+    // Pinned: a pinned allocation boxed in by another pinned one.
+    let (k, _) = a.alloc(C).unwrap();
+    let (blocker, _) = a.alloc(C).unwrap();
+    a.pin(k).unwrap();
+    a.pin(blocker).unwrap();
+    let r = a.resize_many(&[(k, 3 * C), (small, 200)]);
+    assert!(matches!(r, Err(Error::Asleep(_))), "{r:?}");
+    check(&a);
+}

@@ -19,7 +19,7 @@ use std::collections::HashSet;
 use crate::error::{Error, Result};
 use crate::Id;
 
-use super::alloc::{resize_target, small_ptr, Target};
+use super::alloc::{resize_target, small_asleep, small_ptr, Target};
 use super::dry_run::DryRun;
 use super::state::{Plan, Quiet, State};
 use super::txn::{Counters, Txn};
@@ -66,11 +66,16 @@ impl Arena {
             }
             let st = &mut inner.st;
             let targets: Vec<Target> = ids.iter().map(|&id| st.resolve(id)).collect::<Result<_>>()?;
+            // Every request's state before any request's work: a sleeping
+            // allocation, small ones included, is ASLEEP whatever an earlier
+            // request would meet.
             for (t, &id) in targets.iter().zip(&ids) {
-                if let Target::Chunks(slot) = *t {
-                    if st.alloc(slot).sleep.is_some() {
-                        return Err(Error::Asleep(id.get()));
-                    }
+                let asleep = match *t {
+                    Target::Chunks(slot) => st.alloc(slot).sleep.is_some(),
+                    Target::Small(ss) => small_asleep(st, ss),
+                };
+                if asleep {
+                    return Err(Error::Asleep(id.get()));
                 }
             }
             if let Some(ptrs) = in_place_together(st, ctx, &targets, requests, &pages)? {
