@@ -203,6 +203,15 @@ fn recv_batch(sock: BorrowedFd<'_>, h: &mut [u8; HEADER], fds: &mut Vec<OwnedFd>
     if n == 0 {
         return Err(Error::invalid("recv_export: the peer closed the socket"));
     }
+    // A record-keeping socket (SOCK_SEQPACKET) delivers one message whole:
+    // longer than the header (the kernel cut it) or shorter is not what
+    // `send_export` sent. A stream may split the header; read on below.
+    if msg.msg_flags & libc::MSG_TRUNC != 0 {
+        return Err(Error::invalid(format!("recv_export: a message longer than the {HEADER}-byte header")));
+    }
+    if (n as usize) < HEADER && keeps_records(sock) {
+        return Err(Error::invalid(format!("recv_export: a message of {n} bytes, not the {HEADER}-byte header")));
+    }
     let mut have = n as usize;
     while have < HEADER {
         // SAFETY: reads into the rest of `h`, in bounds.
@@ -220,4 +229,21 @@ fn recv_batch(sock: BorrowedFd<'_>, h: &mut [u8; HEADER], fds: &mut Vec<OwnedFd>
         have += m as usize;
     }
     Ok(got)
+}
+
+/// Whether `sock` keeps message boundaries (SOCK_SEQPACKET or SOCK_DGRAM).
+fn keeps_records(sock: BorrowedFd<'_>) -> bool {
+    let mut ty: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `ty` and `len` are live, writable and sized as passed.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_TYPE,
+            (&mut ty as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    r == 0 && (ty == libc::SOCK_SEQPACKET || ty == libc::SOCK_DGRAM)
 }

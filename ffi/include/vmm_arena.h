@@ -445,7 +445,9 @@ typedef uint64_t vmm_arena_group_id;
  * each other's records: whoever fills the struct in sets struct_size to
  * the sizeof it knows; a reader uses the fields that fit in struct_size
  * (at least VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE) and ignores bytes past its
- * own sizeof; a writer writes only the fields that fit. Fields a short
+ * own sizeof; a writer writes only the fields that fit. Only whole fields
+ * count: a struct_size that ends inside a field leaves that field unread
+ * (and unwritten). Fields a short
  * record lacks read as unspecified (handle_type 0, device -1, backend 0).
  * reserved must be zero.
  */

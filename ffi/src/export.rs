@@ -51,7 +51,9 @@ pub const VMM_ARENA_IMPORT_READ_ONLY: u32 = 1u32;
 /// each other's records: whoever fills the struct in sets struct_size to
 /// the sizeof it knows; a reader uses the fields that fit in struct_size
 /// (at least VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE) and ignores bytes past its
-/// own sizeof; a writer writes only the fields that fit. Fields a short
+/// own sizeof; a writer writes only the fields that fit. Only whole fields
+/// count: a struct_size that ends inside a field leaves that field unread
+/// (and unwritten). Fields a short
 /// record lacks read as unspecified (handle_type 0, device -1, backend 0).
 /// reserved must be zero.
 #[repr(C)]
@@ -80,6 +82,39 @@ pub struct vmm_arena_export_layout {
     pub flags: u32,
     /// zero
     pub reserved: [u64; 4],
+}
+
+/// Where each field of vmm_arena_export_layout ends (each element of
+/// `reserved` its own field), in order.
+const FIELD_ENDS: [usize; 13] = {
+    use std::mem::offset_of;
+    type L = vmm_arena_export_layout;
+    [
+        offset_of!(L, version),
+        offset_of!(L, chunk_bytes),
+        offset_of!(L, chunk_count),
+        offset_of!(L, size),
+        offset_of!(L, handle_type),
+        offset_of!(L, device),
+        offset_of!(L, backend),
+        offset_of!(L, flags),
+        offset_of!(L, reserved),
+        offset_of!(L, reserved) + 8,
+        offset_of!(L, reserved) + 16,
+        offset_of!(L, reserved) + 24,
+        std::mem::size_of::<L>(),
+    ]
+};
+const _: () = assert!(offset_of_reserved_end() == std::mem::size_of::<vmm_arena_export_layout>());
+const fn offset_of_reserved_end() -> usize {
+    std::mem::offset_of!(vmm_arena_export_layout, reserved) + 32
+}
+
+/// The bytes of the whole fields that fit in `struct_size` (capped at this
+/// library's sizeof): a struct_size that ends inside a field does not
+/// count that field, for the reader or the writer.
+fn whole_fields(struct_size: u32) -> usize {
+    FIELD_ENDS.iter().copied().take_while(|&end| end <= struct_size as usize).last().unwrap_or(0)
 }
 
 fn to_c(l: &ExportLayout, struct_size: u32) -> vmm_arena_export_layout {
@@ -126,8 +161,7 @@ unsafe fn read_layout(layout: *const vmm_arena_export_layout) -> Result<ExportLa
             "layout->struct_size is {size}, below VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE ({VMM_ARENA_EXPORT_LAYOUT_MIN_SIZE})"
         )));
     }
-    let ours = std::mem::size_of::<vmm_arena_export_layout>();
-    let n = (size as usize).min(ours);
+    let n = whole_fields(size);
     let mut l = vmm_arena_export_layout {
         struct_size: size,
         version: 0,
@@ -141,7 +175,8 @@ unsafe fn read_layout(layout: *const vmm_arena_export_layout) -> Result<ExportLa
         reserved: [0; 4],
     };
     // SAFETY: the caller's struct has `size >= n` readable bytes; `l` has
-    // `ours >= n` bytes, every bit pattern of its integer fields is valid.
+    // at least `n` bytes (`whole_fields` caps it at its sizeof), and every
+    // bit pattern of its integer fields is valid.
     unsafe {
         std::ptr::copy_nonoverlapping(layout.cast::<u8>(), (&mut l as *mut vmm_arena_export_layout).cast::<u8>(), n)
     };
@@ -228,9 +263,9 @@ pub unsafe extern "C" fn vmm_arena_export_layout_get(
             )));
         }
         let c = to_c(&e.export.layout(), size);
-        let n = (size as usize).min(std::mem::size_of::<vmm_arena_export_layout>());
+        let n = whole_fields(size);
         // SAFETY: the caller's struct has `size >= n` writable bytes; `c` has
-        // at least `n` bytes.
+        // at least `n` bytes (`whole_fields` caps it at its sizeof).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 (&c as *const vmm_arena_export_layout).cast::<u8>(),

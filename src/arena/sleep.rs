@@ -60,8 +60,8 @@ impl Arena {
         })
     }
 
-    /// Puts every awake allocation with tag `tag` ([`ALL_TAGS`]: every tag)
-    /// to sleep, giving its physical memory back to the driver; ids, sizes,
+    /// Puts every awake allocation with tag `tag` ([`ALL_TAGS`]: every tag;
+    /// an allocation tagged `ALL_TAGS` is selected by every tag) to sleep, giving its physical memory back to the driver; ids, sizes,
     /// addresses and reservations stay.
     ///
     /// In order: waits for the device; with [`SLEEP_BACKUP`] in `flags`,
@@ -115,9 +115,12 @@ impl Arena {
 }
 
 /// Whether `a` is a caller's allocation of whole chunks, or a slab of small
-/// ones, that `tag` selects.
+/// ones, that `tag` selects: its own tag, or any when either is
+/// [`ALL_TAGS`] (an allocation tagged `ALL_TAGS` sleeps and wakes with
+/// every tag).
 fn tagged(a: &Alloc, tag: u32) -> bool {
-    (a.owner.counts_live() || matches!(a.owner, Owner::Slab(_))) && (tag == ALL_TAGS || a.tag == tag)
+    (a.owner.counts_live() || matches!(a.owner, Owner::Slab(_)))
+        && (tag == ALL_TAGS || a.tag == tag || a.tag == ALL_TAGS)
 }
 
 /// [`Arena::sleep`]: the reversible part (synchronize, backups, unmaps) on a

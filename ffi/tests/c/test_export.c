@@ -469,9 +469,96 @@ static void test_two_processes(void) {
   vmm_arena_destroy(ex);
 }
 
+/* Only whole fields of a layout record count: a struct_size ending inside
+ * handle_type (33) reads as the 32-byte record (handle_type unread, so a
+ * CUDA type in byte 32 is not seen), and the writer leaves the partial
+ * field's bytes alone. */
+static void test_partial_fields(void) {
+  vmm_arena *ex = make(VMM_ARENA_FLAG_EXPORTABLE);
+  vmm_arena *im = make(0);
+  vmm_arena_id x = 0, y = 0;
+  uint64_t xp = 0, yp = 0;
+  OK(vmm_arena_alloc(ex, 2 * K, &x, &xp));
+  vmm_arena_export *e = NULL;
+  OK(vmm_arena_export_open(ex, x, &e));
+  vmm_arena_export_layout good = layout_of(e), l;
+  int32_t fds[4];
+  CHECK(fds_of(e, fds, 4) == 2);
+  l = good;
+  l.struct_size = 32;
+  l.handle_type = VMM_ARENA_EXPORT_HANDLE_CUDA_POSIX_FD;
+  OK(vmm_arena_import(im, &l, fds, 2, 0, &y, &yp));
+  OK(vmm_arena_free(im, y));
+  l.struct_size = 33;
+  OK(vmm_arena_import(im, &l, fds, 2, 0, &y, &yp));
+  OK(vmm_arena_free(im, y));
+  /* A whole handle_type is read: the CUDA type is refused on the host. */
+  l.struct_size = 36;
+  EXPECT(vmm_arena_import(im, &l, fds, 2, 0, &y, &yp), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  for (uint32_t size = 33; size < 36; size++) {
+    unsigned char raw[sizeof(vmm_arena_export_layout)];
+    memset(raw, 0xAB, sizeof raw);
+    memcpy(raw, &size, sizeof size);
+    OK(vmm_arena_export_layout_get(e, (vmm_arena_export_layout *)(void *)raw));
+    for (size_t i = 32; i < sizeof raw; i++)
+      CHECK(raw[i] == 0xAB);
+  }
+  for (int i = 0; i < 2; i++)
+    close(fds[i]);
+  vmm_arena_export_close(e);
+  vmm_arena_destroy(im);
+  vmm_arena_destroy(ex);
+}
+
+/* A SOCK_SEQPACKET record longer than the header (a valid header and 44
+ * bytes more) is something other than what vmm_arena_export_send sends:
+ * INVALID_ARGUMENT, nothing imported, the descriptors closed. */
+static void test_seqpacket_record_too_long(void) {
+  vmm_arena *ex = make(VMM_ARENA_FLAG_EXPORTABLE);
+  vmm_arena *im = make(0);
+  vmm_arena_id x = 0, y = 0;
+  uint64_t xp = 0, yp = 0;
+  OK(vmm_arena_alloc(ex, 2 * K, &x, &xp));
+  vmm_arena_export *e = NULL;
+  OK(vmm_arena_export_open(ex, x, &e));
+  int a[2], b[2];
+  CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, a) == 0);
+  CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, b) == 0);
+  OK(vmm_arena_export_send(e, a[0]));
+  unsigned char rec[200];
+  memset(rec, 0x5A, sizeof rec);
+  int32_t fds[8];
+  size_t nfds = 0;
+  ssize_t n = recv_msg(a[1], rec, sizeof rec, fds, &nfds);
+  CHECK(n == 56 && nfds == 2);
+  /* As sent, the record imports. */
+  send_msg(b[0], rec, 56, fds, nfds);
+  OK(vmm_arena_import_recv(im, b[1], 0, &y, &yp));
+  OK(vmm_arena_free(im, y));
+  y = 0;
+  yp = 0;
+  send_msg(b[0], rec, 100, fds, nfds);
+  EXPECT(vmm_arena_import_recv(im, b[1], 0, &y, &yp), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(y == 0 && yp == 0);
+  uint64_t imports = 1;
+  OK(vmm_arena_sharing_stats(im, &imports, NULL, NULL));
+  CHECK(imports == 0);
+  for (size_t i = 0; i < nfds; i++)
+    close(fds[i]);
+  for (int i = 0; i < 2; i++) {
+    close(a[i]);
+    close(b[i]);
+  }
+  vmm_arena_export_close(e);
+  vmm_arena_destroy(im);
+  vmm_arena_destroy(ex);
+}
+
 int main(void) {
   test_in_one_process();
   test_refusals();
+  test_partial_fields();
+  test_seqpacket_record_too_long();
   unsigned long ef = export_faults(), imf = import_faults();
   printf("C ABI export/import fault matrix size: %lu (export %lu, import %lu)\n", ef + imf, ef, imf);
   test_two_processes();

@@ -140,7 +140,32 @@ static void bad_arguments(void) {
   vmm_arena_destroy(a);
 }
 
+/* VMM_ARENA_ALL_TAGS as a tag is selected by every sleep and wake: a
+ * small and a whole-chunk allocation of it sleep with tag 5 and wake with
+ * tag 6, while an allocation of tag 7 stays awake throughout. */
+static void all_tags_as_a_tag_is_selected_by_every_tag(void) {
+  vmm_arena *a = make();
+  vmm_arena_id small, whole, other;
+  uint64_t p;
+  OK(vmm_arena_alloc_tagged(a, 100, VMM_ARENA_ALL_TAGS, &small, &p));
+  OK(vmm_arena_alloc_tagged(a, 2 * K, VMM_ARENA_ALL_TAGS, &whole, &p));
+  OK(vmm_arena_alloc_tagged(a, K, 7, &other, &p));
+  OK(vmm_arena_sleep(a, 5, 0));
+  /* Pin needs the allocation awake: ASLEEP tells a sleeper. */
+  EXPECT(vmm_arena_pin(a, small), VMM_ARENA_ERR_ASLEEP);
+  EXPECT(vmm_arena_pin(a, whole), VMM_ARENA_ERR_ASLEEP);
+  OK(vmm_arena_pin(a, other));
+  OK(vmm_arena_unpin(a, other));
+  CHECK(stats(a).mapped_bytes == K);
+  OK(vmm_arena_wake(a, 6));
+  OK(vmm_arena_pin(a, small));
+  OK(vmm_arena_pin(a, whole));
+  CHECK(stats(a).mapped_bytes == 4 * K);
+  vmm_arena_destroy(a);
+}
+
 int main(void) {
+  all_tags_as_a_tag_is_selected_by_every_tag();
   two_tags_side_by_side();
   set_tag_moves_a_small_allocation();
   bad_arguments();
