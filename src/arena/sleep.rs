@@ -61,8 +61,9 @@ impl Arena {
     }
 
     /// Puts every awake allocation with tag `tag` ([`ALL_TAGS`]: every tag;
-    /// an allocation tagged `ALL_TAGS` is selected by every tag) to sleep, giving its physical memory back to the driver; ids, sizes,
-    /// addresses and reservations stay.
+    /// an allocation tagged `ALL_TAGS` is selected by every tag) to sleep,
+    /// giving its physical memory back to the driver; ids, sizes, addresses
+    /// and reservations stay.
     ///
     /// In order: waits for the device; with [`SLEEP_BACKUP`] in `flags`,
     /// copies each one's `size` bytes into a host buffer the driver lends
