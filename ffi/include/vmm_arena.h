@@ -613,6 +613,12 @@ enum vmm_arena_status vmm_arena_alloc_shared(struct vmm_arena *arena,
 /**
  * Frees an allocation; its id is never valid again.
  *
+ * The free is immediate, not ordered after device work: the next
+ * allocation may get the same address and chunks at once, while kernels
+ * queued earlier may still read or write them. Synchronize first, or use
+ * vmm_arena_free_on_stream, which keeps the memory until the work queued
+ * on that stream before the free has completed.
+ *
  * # Safety
  * `arena` is NULL or a live handle.
  */

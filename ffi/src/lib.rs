@@ -253,6 +253,12 @@ pub unsafe extern "C" fn vmm_arena_alloc_shared(
 
 /// Frees an allocation; its id is never valid again.
 ///
+/// The free is immediate, not ordered after device work: the next
+/// allocation may get the same address and chunks at once, while kernels
+/// queued earlier may still read or write them. Synchronize first, or use
+/// vmm_arena_free_on_stream, which keeps the memory until the work queued
+/// on that stream before the free has completed.
+///
 /// # Safety
 /// `arena` is NULL or a live handle.
 #[no_mangle]

@@ -115,6 +115,12 @@ impl Arena {
     /// call; a chunk another allocation still maps (see
     /// [`Arena::alloc_shared`]) stays with it, and this allocation's page
     /// of it is retired (unmapped when retired memory is released).
+    ///
+    /// The free is immediate, not ordered after device work: the next
+    /// allocation may get the same address and chunks while kernels queued
+    /// earlier still use them. Synchronize first, or use
+    /// [`Arena::free_on_stream`], which keeps the memory until the stream's
+    /// earlier work completes.
     pub fn free(&self, id: Id) -> Result<()> {
         self.free_checked(id, |_| Ok(()))
     }
