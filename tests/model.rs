@@ -50,6 +50,11 @@
 //!   calls made without the lock (as another thread could read them):
 //!   `peak_physical_bytes` never goes down, the watermark and the capacity
 //!   hold;
+//! - two-phase operations (prepare, then commit or abort) interleaved with
+//!   every other operation: a prepare's outcome as predicted; after a
+//!   successful prepare and no other call on its allocation, commit and
+//!   abort succeed whatever driver call fails; after one, `Stale` with
+//!   nothing changed;
 //! - sharing (`alloc_shared`): reference counts in the model, a shared
 //!   chunk counted once, the bytes checked through every holder after
 //!   every operation (moves and compaction included), sleep and wake
@@ -143,6 +148,12 @@ fn plain_op(c: u64) -> impl Strategy<Value = Op> {
         2 => prop::collection::vec((any::<usize>(), prop_oneof![size(c, 16), 1..=c / 2]), 1..5)
             .prop_map(Op::ResizeMany),
         1 => (0..4u64, 0..4u64).prop_map(|(precreate, ahead)| Op::Maintain { precreate, ahead }),
+        // Fixed-size prepares reserve more only now and then (refused).
+        2 => (size(c, 6), 0..=6u64, any::<bool>())
+            .prop_map(move |(s, extra, g)| Op::PrepareAlloc(s, if g || extra == 6 { s + extra * c } else { s }, g)),
+        3 => (any::<usize>(), size(c, 12)).prop_map(|(i, s)| Op::PrepareResize(i, s)),
+        1 => any::<usize>().prop_map(Op::PrepareFree),
+        4 => (any::<usize>(), any::<bool>()).prop_map(|(i, commit)| Op::Settle(i, commit)),
     ]
 }
 
@@ -217,7 +228,7 @@ fn outcomes_are_reached() {
     // they run in the same process, which only adds to them).
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = (config(), prop::collection::vec(op(C), 40..80));
-    for _ in 0..64 {
+    for _ in 0..128 {
         let (cfg, ops) = strategy.new_tree(&mut runner).unwrap().current();
         run(Backend::Mock, cfg, ops);
     }
@@ -255,6 +266,18 @@ fn outcomes_are_reached() {
         "set_tag small moved",
         "alloc small tagged",
         "set_tag small refused",
+        "prepare_alloc ok",
+        "prepare_resize grew",
+        "prepare_resize shrink checked",
+        "prepare_resize refused",
+        "commit alloc",
+        "abort alloc",
+        "commit growth",
+        "abort growth",
+        "commit shrink",
+        "commit free",
+        "abort free",
+        "two-phase stale",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 0, "the search never reached: {what}");
     }

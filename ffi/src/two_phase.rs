@@ -75,9 +75,6 @@ pub unsafe extern "C" fn vmm_arena_prepare_alloc(
             return Err(invalid(format!("unknown prepare flags {:#x}", flags & !VMM_ARENA_PREPARE_GROWABLE)));
         }
         let growable = flags & VMM_ARENA_PREPARE_GROWABLE != 0;
-        if !growable && max_size != size {
-            return Err(invalid("max_size must equal size without VMM_ARENA_PREPARE_GROWABLE"));
-        }
         let (p, ptr) = h.live()?.prepare_alloc(size, max_size, growable)?;
         let id = p.id().get();
         // SAFETY: checked out-parameters, writable per this function's contract.

@@ -59,8 +59,9 @@ fn size(b: &mut Bytes<'_>, max_pages: u64) -> u64 {
 fn op(b: &mut Bytes<'_>, faults: bool) -> Op {
     // `below(45)` and `below(41)` read one byte, modulo: the same byte read
     // here, with 0xF8..=0xFF taken for alloc_shared, 0xF0..=0xF7 for
-    // resize_on_stream, 0xE8..=0xEB for quiesce_on_stream and 0xEC..=0xEF
-    // for unquiesce.
+    // resize_on_stream, 0xE8..=0xEB for quiesce_on_stream, 0xEC..=0xEF
+    // for unquiesce, 0xE4..=0xE7 for resize_many, 0xE0..=0xE3 for
+    // maintain and 0xDC..=0xDF for two-phase operations.
     let sel = b.u8();
     if sel >= 0xF8 {
         let (src, first, pages, extra) = (b.u16() as usize, b.below(8), b.below(8), b.below(7));
@@ -89,6 +90,20 @@ fn op(b: &mut Bytes<'_>, faults: bool) -> Op {
             })
             .collect();
         return Op::ResizeMany(picks);
+    }
+    if sel >= 0xDC {
+        // The low bits: which two-phase call.
+        return match sel & 3 {
+            0 => {
+                let s = size(b, 6);
+                let growable = b.bool();
+                let max = if growable || b.below(8) == 0 { s + b.below(7) * C } else { s };
+                Op::PrepareAlloc(s, max, growable)
+            }
+            1 => Op::PrepareResize(b.u16() as usize, size(b, 12)),
+            2 => Op::PrepareFree(b.u16() as usize),
+            _ => Op::Settle(b.u16() as usize, b.bool()),
+        };
     }
     if sel >= 0xE0 {
         // The low bits: the map-ahead target; then the precreate target.

@@ -139,8 +139,15 @@ impl Arena {
     /// Prepares an allocation of `size` bytes in whole chunks (however
     /// small), reserving `max_size` (growable when `growable`), moving no
     /// other allocation; returns it and its address. On error nothing
-    /// changed (`OutOfAddressSpace` when only compaction would make room).
+    /// changed (`OutOfAddressSpace` when only compaction would make room;
+    /// `InvalidArgument` for a `max_size` other than `size` when not
+    /// `growable`).
     pub fn prepare_alloc(&self, size: u64, max_size: u64, growable: bool) -> Result<(Prepared, u64)> {
+        if !growable && max_size != size {
+            return Err(Error::invalid(format!(
+                "max_size {max_size} must equal size {size} for an allocation that is not growable"
+            )));
+        }
         let (id, ptr) = self.alloc_whole(size, max_size, growable, Placing::WholeNoMoves)?;
         Ok((Prepared { arena: self.sh.key, op: Op::Alloc { id, size } }, ptr))
     }

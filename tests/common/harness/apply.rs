@@ -21,6 +21,7 @@ impl Harness {
                         | Op::BadId(_)
                         | Op::SetTag(..)
                         | Op::Unquiesce(_)
+                        | Op::PrepareFree(_)
                         | Op::Faulty(..)
                 ) {
                     return self.apply(inner);
@@ -30,6 +31,18 @@ impl Harness {
                 self.fault = None;
             }
             &Op::Alloc(size) => self.alloc(size, size, false, None),
+            &Op::PrepareAlloc(size, max, growable) => self.prepare_alloc(size, max, growable),
+            &Op::PrepareResize(i, size) => {
+                if let Some(id) = self.nth(i) {
+                    self.prepare_resize(id, size);
+                }
+            }
+            &Op::PrepareFree(i) => {
+                if let Some(id) = self.nth(i) {
+                    self.prepare_free(id);
+                }
+            }
+            &Op::Settle(i, commit) => self.settle(i, commit),
             &Op::AllocTagged(size, tag) => self.alloc(size, size, false, Some(tag)),
             &Op::AllocGrowable(size, max) => self.alloc(size, max, true, None),
             &Op::AllocShared { src, first, pages, extra } => self.alloc_shared(src, first, pages, extra),

@@ -221,6 +221,8 @@ impl Harness {
                 | "release_retired"
                 | "sleep"
                 | "set_tag" // a small allocation's new slab needs address space
+                | "prepare_alloc"
+                | "prepare_resize"
                 | "teardown"
         );
         let mut kept = Vec::new();

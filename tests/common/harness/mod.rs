@@ -54,6 +54,9 @@
 //!   allocation maps stays and is mapped again as it is now; sleepers that
 //!   shared share again, each byte from the one that slept last with a
 //!   backup covering it);
+//! - two-phase operations (`two_phase.rs`): after a successful prepare and
+//!   no other call on its allocation, commit and abort succeed (whatever
+//!   driver call fails); after one, they return `Stale` and change nothing;
 //! - an operation whose injected failure fired returns that failure and
 //!   leaves the arena exactly as it was (`trim`: what was released stays
 //!   released; a give-back that failed after the operation's own change is
@@ -85,6 +88,7 @@ mod model;
 mod op;
 mod resize;
 mod sleep;
+mod two_phase;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -161,6 +165,8 @@ pub struct Harness {
     stream_shrinks: u64,
     /// The `quiesces` the arena must count: 0 but on a GPU.
     quiesces: u64,
+    /// Prepared two-phase operations not yet committed or aborted.
+    pending: Vec<two_phase::Pending>,
 }
 
 impl Harness {
@@ -215,6 +221,7 @@ impl Harness {
             absorbed_now: false,
             stream_shrinks: 0,
             quiesces: 0,
+            pending: Vec::new(),
         };
         h.check("initial", &[]);
         h
@@ -270,6 +277,9 @@ impl Harness {
     /// Frees everything, releases and trims: the arena and the driver hold
     /// nothing, and dropping the arena leaves the driver empty.
     pub fn teardown(mut self) {
+        // Dropped, a prepared operation stays as made (an allocation or a
+        // growth) or never happens (a shrink or a free).
+        self.pending.clear();
         let ids: Vec<Id> = self.live.keys().copied().collect();
         for id in ids {
             self.arena.free(id).unwrap();

@@ -63,6 +63,14 @@ pub enum Op {
         precreate: u64,
         ahead: u64,
     },
+    /// `prepare_alloc(size, max, growable)`: whole chunks, moving nothing.
+    PrepareAlloc(u64, u64, bool),
+    /// `prepare_resize` of the `n`th live allocation.
+    PrepareResize(usize, u64),
+    /// `prepare_free` of the `n`th live allocation.
+    PrepareFree(usize),
+    /// `commit` (true) or `abort` of the `n`th pending prepared operation.
+    Settle(usize, bool),
     /// The `n`th driver call of the operation fails with the fault.
     Faulty(u64, FaultKind, Box<Op>),
 }
