@@ -59,6 +59,10 @@ pub use sleep::*;
 pub use types::*;
 // The fuzz target calls these through the crate's root, as the ones here.
 pub use tags::{vmm_arena_alloc_growable_tagged, vmm_arena_alloc_tagged};
+pub use two_phase::{
+    vmm_arena_abort, vmm_arena_commit, vmm_arena_prepare_alloc, vmm_arena_prepare_free, vmm_arena_prepare_resize,
+    vmm_arena_prepared, VMM_ARENA_PREPARE_GROWABLE,
+};
 use vmm_arena_status::*;
 
 // ---------------------------------------------------------------------------

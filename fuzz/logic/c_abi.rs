@@ -66,6 +66,8 @@ mod batch;
 mod call;
 #[path = "c_abi/snapshot.rs"]
 mod snapshot;
+#[path = "c_abi/two_phase.rs"]
+mod two_phase;
 use snapshot::{json_u64, live_ranges, ranges, stats_u64, strip_driver};
 
 // The handle is opaque to C callers: a pointer to it is FFI-safe in practice.
@@ -90,6 +92,7 @@ const UNSUPPORTED: u32 = 6;
 const DRIVER: u32 = 7;
 const INTERNAL: u32 = 8;
 const ASLEEP: u32 = 9;
+const STALE: u32 = 10;
 
 /// Calls per input at most.
 pub const MAX_CALLS: usize = 128;
@@ -234,6 +237,8 @@ struct Harness {
     peak: u64,
     /// Room for the next snapshot: the last one's length and a KiB.
     snapshot_room: std::cell::Cell<usize>,
+    /// Prepared two-phase operations not yet committed or aborted.
+    pending: Vec<two_phase::Pending>,
 }
 
 fn size_of_stats() -> u32 {
@@ -631,6 +636,7 @@ fn run_with(data: &[u8], may_panic: bool) {
         retain: cfg.retain_bytes,
         peak: 0,
         snapshot_room: std::cell::Cell::new(4096),
+        pending: Vec::new(),
     };
     if b.below(4) != 0 {
         let user: *mut Recorder = &mut *h.rec;
@@ -658,6 +664,21 @@ fn run_with(data: &[u8], may_panic: bool) {
     if h.faulty {
         // SAFETY: live handle.
         expect("clear", st(unsafe { vmm_arena_testing_fail_nth(a, 0, 0, 0) }), &[OK]);
+    }
+    // Pending prepared handles are consumed (an abort: OK, or STALE when
+    // another call changed the allocation since).
+    for p in std::mem::take(&mut h.pending) {
+        // SAFETY: live arena; a pending handle of it, given up here.
+        let s = st(unsafe { ffi::vmm_arena_abort(a, p.handle) });
+        expect("abort at the end", s, &[OK, STALE]);
+        if s == OK && p.frees == Some(false) {
+            h.live.remove(&p.id);
+        }
+        if s == OK {
+            if let Some((to, false)) = p.shrinks {
+                h.live.get_mut(&p.id).expect("live").size = to;
+            }
+        }
     }
     for id in h.live.keys().copied().collect::<Vec<_>>() {
         // SAFETY: live handle.

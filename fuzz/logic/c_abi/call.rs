@@ -17,7 +17,7 @@ impl Harness {
         // and 0xE8..=0xED quiesce_on_stream (added later: older inputs
         // decode as they did, except where such a byte picks a call).
         // Likewise 0xE4..=0xE7 resize_many (of 1 to 4: the low bits) and
-        // 0xE0..=0xE3 maintain.
+        // 0xE0..=0xE3 maintain, 0xDC..=0xDF the two-phase calls.
         let sel = b.u8();
         let kind = match sel {
             0xF8.. => 29,
@@ -26,12 +26,16 @@ impl Harness {
             0xE8.. => 31,
             0xE4.. => 33,
             0xE0.. => 34,
+            0xDC.. => 35,
             _ => sel as u64 % 29,
         };
         let mut trim = false;
         // maintain is best effort: a failure keeps the rounds completed
         // before it (the header), so only live allocations must be as before.
         let mut maintain = false;
+        // A commit or abort of an unchanged allocation must return OK even
+        // when a planned failure fired in it (the two-phase guarantee).
+        let mut settle_guarantee = false;
         let what: &str;
         let status: u32;
         let mut allowed: Vec<u32>;
@@ -392,7 +396,10 @@ impl Harness {
                     let backup = flags & ffi::VMM_ARENA_SLEEP_BACKUP != 0;
                     for l in self.live.values_mut() {
                         // Small allocations sleep with their slab (one tag's).
-                        if tag == ffi::VMM_ARENA_ALL_TAGS || l.sleep_tag == tag {
+                        if tag == ffi::VMM_ARENA_ALL_TAGS
+                            || l.sleep_tag == tag
+                            || l.sleep_tag == ffi::VMM_ARENA_ALL_TAGS
+                        {
                             if !l.asleep && !backup {
                                 l.tag = None; // contents lost
                             }
@@ -411,7 +418,12 @@ impl Harness {
                 let tag = pick_tag(b);
                 // SAFETY: live handle.
                 status = st(unsafe { ffi::vmm_arena_wake(a, tag) });
-                let selected = |l: &Live| l.asleep && (tag == ffi::VMM_ARENA_ALL_TAGS || l.sleep_tag == tag);
+                let selected = |l: &Live| {
+                    l.asleep
+                        && (tag == ffi::VMM_ARENA_ALL_TAGS
+                            || l.sleep_tag == tag
+                            || l.sleep_tag == ffi::VMM_ARENA_ALL_TAGS)
+                };
                 // Nothing to wake cannot run out of memory.
                 allowed = if self.live.values().any(selected) { vec![OK, OOM] } else { vec![OK] };
                 if status == OK {
@@ -483,6 +495,12 @@ impl Harness {
                 what = "resize_many";
                 (status, allowed) = self.resize_many(b, 1 + (sel & 3) as usize);
             }
+            35 => {
+                let may_fault;
+                (what, status, allowed, may_fault) = self.two_phase(b, sel & 3);
+                // A commit or abort makes no driver call that can fail it.
+                settle_guarantee = !may_fault;
+            }
             34 => {
                 what = "maintain";
                 maintain = true;
@@ -508,7 +526,9 @@ impl Harness {
         let fired = self.faulty && self.calls().1 > injected0;
         if fired {
             self.planned = false;
-            allowed.extend_from_slice(fault_ok);
+            if !settle_guarantee {
+                allowed.extend_from_slice(fault_ok);
+            }
             if status != OK {
                 if let Some((stats, snap)) = &before {
                     let now = self.stats();

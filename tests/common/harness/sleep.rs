@@ -24,7 +24,7 @@ impl Harness {
             .live
             .iter()
             // Small allocations sleep with their slab, which holds one tag's.
-            .filter(|(_, m)| !m.asleep && (tag == ALL_TAGS || m.tag == tag))
+            .filter(|(_, m)| !m.asleep && (tag == ALL_TAGS || m.tag == tag || m.tag == ALL_TAGS))
             .map(|(&id, _)| id)
             .collect();
         // A page shared with any other live allocation (awake, or asleep in
@@ -89,7 +89,7 @@ impl Harness {
         let selected: Vec<Id> = self
             .live
             .iter()
-            .filter(|(_, m)| m.asleep && (tag == ALL_TAGS || m.tag == tag))
+            .filter(|(_, m)| m.asleep && (tag == ALL_TAGS || m.tag == tag || m.tag == ALL_TAGS))
             .map(|(&id, _)| id)
             .collect();
         // New chunks needed: one per model chunk no awake allocation maps
@@ -103,7 +103,11 @@ impl Harness {
             }
         }
         // And a chunk for each sleeping slab of the tag.
-        let slabs = self.snap.slabs().filter(|r| r.asleep && (tag == ALL_TAGS || r.tag == tag as u64)).count();
+        let slabs = self
+            .snap
+            .slabs()
+            .filter(|r| r.asleep && (tag == ALL_TAGS || r.tag == tag as u64 || r.tag == ALL_TAGS as u64))
+            .count();
         let needed = (dead.len() + slabs) as u64;
         let obtainable = self.obtainable();
         // Chunks of slabs holding only retired objects come back only when
