@@ -142,5 +142,7 @@ int range_accessible(uint64_t va, uint64_t size, int need);
 /* Leak counts for the exit report and cuDevicePrimaryCtxRelease. */
 int live_events(void);
 int live_host_allocs(void);
+/* DMA-BUFs the caller has not closed yet. */
+int live_dmabufs(void);
 
 #endif

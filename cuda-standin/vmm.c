@@ -18,6 +18,17 @@
 
 #include "standin.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+
+static int dmabuf_reaches(unsigned long long handle);
+static int unmaps_dmabuf_memory(uint64_t va, uint64_t size);
+
+#define DMABUF_RULE                                                                                           \
+  "vmm-arena's DMA-BUF contract: memory an open DMA-BUF reaches stays mapped where it was until the DMA-BUF " \
+  "is closed (else another allocation's bytes become reachable through it)"
+
+
 #define GRAN_RULE "cuMemGetAllocationGranularity: sizes and addresses are multiples of the granularity"
 
 struct alloc *find_alloc(unsigned long long handle) {
@@ -212,6 +223,8 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   } else if (a->released) {
     r = violation(CUDA_ERROR_INVALID_VALUE, call, "cuMemRelease: each handle is released once (double release)",
                   "handle %#llx was already released", h);
+  } else if (dmabuf_reaches(h)) {
+    r = violation(CUDA_ERROR_NOT_PERMITTED, call, DMABUF_RULE, "handle %#llx is released", h);
   } else {
     a->released = 1;
     drop_alloc_if_unused(a);
@@ -246,6 +259,10 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     r = reject(CUDA_ERROR_OUT_OF_MEMORY, call, "stand-in limit", "%d mappings", S.nmaps);
   }
   if (r) goto out;
+  if (dmabuf_reaches(h)) {
+    r = violation(CUDA_ERROR_NOT_PERMITTED, call, DMABUF_RULE, "handle %#llx is mapped again at %#llx", h, ptr);
+    goto out;
+  }
   for (int i = 0; i < S.nmaps; i++)
     if (overlaps(S.maps[i].va, S.maps[i].size, ptr, size)) {
       r = reject(CUDA_ERROR_ALREADY_MAPPED, call, "cuMemMap: the range is not already mapped",
@@ -334,6 +351,8 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     r = reject(CUDA_ERROR_INVALID_VALUE, call, "cuMemUnmap, strict reading (CUDA_STANDIN_STRICT_UNMAP=1): one "
                "call unmaps one mapping, \"the entire contiguous address range that was mapped to\"",
                "%#llx+%#zx spans %d mappings", ptr, size, n);
+  } else if (unmaps_dmabuf_memory(ptr, size)) {
+    r = violation(CUDA_ERROR_NOT_PERMITTED, call, DMABUF_RULE, "%#llx+%#zx is unmapped", ptr, size);
   } else if (work_touches(ptr, size)) {
     r = violation(CUDA_ERROR_INVALID_VALUE, call, "stream order: memory is unmapped only once no queued device "
                   "work uses it (wait for it: cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize)",
@@ -425,14 +444,113 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *o
   return r;
 }
 
+/* ---- DMA-BUFs ------------------------------------------------------------ */
+
+/* DMA-BUFs handed out by cuMemGetHandleForAddressRange. The caller's
+ * descriptor is one end of a socket pair; the stand-in keeps the other, and
+ * its hang-up (POLLHUP) says the caller closed every copy of it. While one
+ * is open, the physical allocations its range mapped stay reachable through
+ * it (on a GPU, by any device that registered it), so vmm-arena's contract
+ * is that they stay mapped where they were: unmapping, releasing or mapping
+ * one of them elsewhere while it is open is a violation here. */
+#define MAX_DMABUFS 256
+#define MAX_DMABUF_ALLOCS 64
+struct dmabuf {
+  int keep; /* our end; -1 for a free slot */
+  int nallocs;
+  unsigned long long handles[MAX_DMABUF_ALLOCS];
+};
+static struct dmabuf dmabufs[MAX_DMABUFS];
+static int dmabufs_ready;
+
+static void dmabufs_init(void) {
+  if (!dmabufs_ready) {
+    for (int i = 0; i < MAX_DMABUFS; i++) dmabufs[i].keep = -1;
+    dmabufs_ready = 1;
+  }
+}
+
+/* Forgets the DMA-BUFs whose caller's end is closed. */
+static void dmabufs_reap(void) {
+  dmabufs_init();
+  for (int i = 0; i < MAX_DMABUFS; i++) {
+    if (dmabufs[i].keep < 0) continue;
+    struct pollfd p = {dmabufs[i].keep, 0, 0};
+    if (poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR))) {
+      close(dmabufs[i].keep);
+      dmabufs[i].keep = -1;
+    }
+  }
+}
+
+/* Whether an open DMA-BUF reaches the allocation of this handle. */
+static int dmabuf_reaches(unsigned long long handle) {
+  dmabufs_reap();
+  for (int i = 0; i < MAX_DMABUFS; i++)
+    for (int j = 0; dmabufs[i].keep >= 0 && j < dmabufs[i].nallocs; j++)
+      if (dmabufs[i].handles[j] == handle) return 1;
+  return 0;
+}
+
+int live_dmabufs(void) {
+  dmabufs_reap();
+  int n = 0;
+  for (int i = 0; i < MAX_DMABUFS; i++) n += dmabufs[i].keep >= 0;
+  return n;
+}
+
 CUresult cuMemGetHandleForAddressRange(void *out, CUdeviceptr ptr, size_t size, int type, unsigned long long flags) {
   const char *call = "cuMemGetHandleForAddressRange";
   CUresult r = enter_ctx(call);
   if (r) return r;
-  (void)out, (void)ptr, (void)size, (void)type, (void)flags;
-  /* A device without dma-buf support answers CUDA_ERROR_NOT_SUPPORTED
-   * (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0 here). */
-  r = CUDA_ERROR_NOT_SUPPORTED;
+  uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+  dmabufs_reap();
+  int slot = -1;
+  for (int i = 0; i < MAX_DMABUFS && slot < 0; i++)
+    if (dmabufs[i].keep < 0) slot = i;
+  if (!out) {
+    r = reject(CUDA_ERROR_INVALID_VALUE, call, "cuMemGetHandleForAddressRange: handle is a valid pointer", "NULL");
+  } else if (type != 1) {
+    r = reject(CUDA_ERROR_INVALID_VALUE, call, "handleType: CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD (1)", "%d", type);
+  } else if (flags != 0) {
+    r = reject(CUDA_ERROR_INVALID_VALUE, call, "flags: 0 (or a mapping type this stand-in does not model)", "%llu",
+               flags);
+  } else if (size == 0 || ptr % page || size % page) {
+    r = reject(CUDA_ERROR_INVALID_VALUE, call, "dptr and size aligned to the host page size", "%#llx+%#zx", ptr,
+               size);
+  } else if (!range_accessible(ptr, size, 1)) {
+    r = reject(CUDA_ERROR_INVALID_VALUE, call, "the range is mapped memory of this context", "%#llx+%#zx", ptr,
+               size);
+  } else if (slot < 0) {
+    r = reject(CUDA_ERROR_OUT_OF_MEMORY, call, "stand-in limit", "%d open DMA-BUFs", MAX_DMABUFS);
+  }
+  if (r) goto out;
+  struct dmabuf d = {-1, 0, {0}};
+  for (int i = 0; i < S.nmaps; i++) {
+    if (!overlaps(S.maps[i].va, S.maps[i].size, ptr, size)) continue;
+    if (d.nallocs == MAX_DMABUF_ALLOCS) {
+      r = reject(CUDA_ERROR_OUT_OF_MEMORY, call, "stand-in limit", "a DMA-BUF over more than %d allocations",
+                 MAX_DMABUF_ALLOCS);
+      goto out;
+    }
+    d.handles[d.nallocs++] = S.maps[i].alloc->handle;
+  }
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    r = reject(CUDA_ERROR_OUT_OF_MEMORY, call, "host socketpair", "%s", strerror(errno));
+    goto out;
+  }
+  d.keep = sv[0];
+  dmabufs[slot] = d;
+  *(int *)out = sv[1];
+out:
   leave();
   return r;
+}
+
+/* Whether [va, va+size) maps an allocation an open DMA-BUF reaches. */
+static int unmaps_dmabuf_memory(uint64_t va, uint64_t size) {
+  for (int i = 0; i < S.nmaps; i++)
+    if (overlaps(S.maps[i].va, S.maps[i].size, va, size) && dmabuf_reaches(S.maps[i].alloc->handle)) return 1;
+  return 0;
 }

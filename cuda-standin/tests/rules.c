@@ -11,6 +11,7 @@
 
 #include "../standin.h"
 
+CUresult cuMemGetHandleForAddressRange(void *, CUdeviceptr, size_t, int, unsigned long long);
 CUresult cuInit(unsigned);
 CUresult cuDeviceGet(CUdevice *, int);
 CUresult cuDevicePrimaryCtxRetain(void **, CUdevice);
@@ -119,6 +120,27 @@ int main(void) {
   }
   expect("event destroy", cuEventDestroy_v2(ev), CUDA_SUCCESS, 0);
   expect("events are not used after destroy", cuEventQuery(ev), CUDA_ERROR_INVALID_HANDLE, 1);
+
+  /* DMA-BUFs: a range of mapped memory; while one is open, the memory it
+   * reaches stays mapped where it is (vmm-arena's contract). */
+  int dbuf = -1;
+  expect("DMA-BUF: the range is mapped", cuMemGetHandleForAddressRange(&dbuf, va + 2 * G, G, 1, 0),
+         CUDA_ERROR_INVALID_VALUE, 0);
+  expect("DMA-BUF: handle type DMA_BUF_FD", cuMemGetHandleForAddressRange(&dbuf, va, G, 2, 0),
+         CUDA_ERROR_INVALID_VALUE, 0);
+  expect("DMA-BUF: page-aligned", cuMemGetHandleForAddressRange(&dbuf, va + 1, G, 1, 0), CUDA_ERROR_INVALID_VALUE,
+         0);
+  expect("DMA-BUF of a", cuMemGetHandleForAddressRange(&dbuf, va, G, 1, 0), CUDA_SUCCESS, 0);
+  if (dbuf < 0) {
+    printf("FAIL the DMA-BUF descriptor was not written\n");
+    failures++;
+  }
+  expect("DMA-BUF contract: no unmap of the memory it reaches", cuMemUnmap(va, G), CUDA_ERROR_NOT_PERMITTED, 1);
+  expect("DMA-BUF contract: no release of the memory it reaches", cuMemRelease(a), CUDA_ERROR_NOT_PERMITTED, 1);
+  expect("DMA-BUF contract: not mapped elsewhere", cuMemMap(va + 2 * G, G, 0, a, 0), CUDA_ERROR_NOT_PERMITTED, 1);
+  close(dbuf);
+  expect("closed, its memory may be mapped elsewhere", cuMemMap(va + 2 * G, G, 0, a, 0), CUDA_SUCCESS, 0);
+  expect("and unmapped", cuMemUnmap(va + 2 * G, G), CUDA_SUCCESS, 0);
 
   expect("cuMemUnmap: no sub-range of a mapping", cuMemUnmap(va, G / 2), CUDA_ERROR_INVALID_VALUE, 0);
   expect("cuMemUnmap: only mapped ranges", cuMemUnmap(va + 2 * G, G), CUDA_ERROR_INVALID_VALUE, 0);

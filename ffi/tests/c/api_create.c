@@ -32,7 +32,9 @@ void test_meta(void) {
   CHECK(vmm_arena_status_name(VMM_ARENA_ERR_PINNED) == vmm_arena_status_name(VMM_ARENA_ERR_PINNED));
   /* 9 is VMM_ARENA_ERR_ASLEEP since sleep and wake (the next contract). */
   CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)9), "VMM_ARENA_ERR_ASLEEP") == 0);
-  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)10), "UNKNOWN") == 0);
+  /* 10 is this project's VMM_ARENA_ERR_STALE (two-phase operations). */
+  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)10), "VMM_ARENA_ERR_STALE") == 0);
+  CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)11), "UNKNOWN") == 0);
   CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)1000), "UNKNOWN") == 0);
   CHECK(strcmp(vmm_arena_status_name((vmm_arena_status)0xFFFFFFFFu), "UNKNOWN") == 0);
   CHECK(VMM_ARENA_BACKEND_HOST == 0 && VMM_ARENA_BACKEND_CUDA == 1);

@@ -184,6 +184,41 @@ int main(void) {
   CHECK(ptr_of(a, x) == px);
   expect_bytes(px, 1 * MIB, 1);
 
+  /* DMA-BUF (cuMemGetHandleForAddressRange; on cuda-standin a descriptor
+   * whose memory must stay mapped where it is while it is open, which the
+   * stand-in enforces): a free while it is open keeps the chunks mapped;
+   * trim, compaction and sleep leave them; a shrink below them is refused;
+   * once it is closed, the next operation gives them back to the driver.
+   * A device without DMA-BUF support answers UNSUPPORTED. */
+  vmm_arena_id d;
+  uint64_t pd;
+  OK(vmm_arena_alloc(a, 4 * MIB, &d, &pd));
+  fill(pd, 4 * MIB, 5);
+  vmm_arena_dmabuf *buf = NULL;
+  vmm_arena_status ds = vmm_arena_dmabuf_open(a, d, &buf);
+  if (ds == VMM_ARENA_ERR_UNSUPPORTED) {
+    printf("DMA-BUF not supported by this driver: %s\n", vmm_arena_last_error());
+    OK(vmm_arena_free(a, d));
+  } else {
+    OK(ds);
+    int32_t dfd = -1;
+    uint64_t dbytes = 0;
+    OK(vmm_arena_dmabuf_fd(buf, &dfd, &dbytes));
+    CHECK(dfd >= 0 && dbytes == 4 * MIB);
+    EXPECT(vmm_arena_resize(a, d, 2 * MIB, &pd), VMM_ARENA_ERR_INVALID_ARGUMENT);
+    uint64_t mapped_open = stats_of(a).mapped_bytes;
+    OK(vmm_arena_free(a, d));
+    OK(vmm_arena_trim(a, 0, NULL));
+    OK(vmm_arena_compact(a, NULL));
+    OK(vmm_arena_sleep(a, VMM_ARENA_ALL_TAGS, VMM_ARENA_SLEEP_BACKUP));
+    OK(vmm_arena_wake(a, VMM_ARENA_ALL_TAGS));
+    CHECK(stats_of(a).mapped_bytes == mapped_open); /* still held: mapped where they were */
+    vmm_arena_dmabuf_close(buf);
+    OK(vmm_arena_trim(a, 0, NULL)); /* the first operation after the close releases them */
+    CHECK(stats_of(a).mapped_bytes == mapped_open - 4 * MIB);
+  }
+  expect_bytes(ptr_of(a, x), 1 * MIB, 1);
+
   /* Trim gives pooled chunks back; the stats agree with what is live. */
   uint64_t released = 0;
   OK(vmm_arena_trim(a, 0, &released));
