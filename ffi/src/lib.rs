@@ -58,6 +58,7 @@ pub use compact::*;
 pub use sleep::*;
 pub use types::*;
 // The fuzz target calls these through the crate's root, as the ones here.
+pub use dmabuf::{vmm_arena_dmabuf, vmm_arena_dmabuf_close, vmm_arena_dmabuf_fd, vmm_arena_dmabuf_open};
 pub use tags::{vmm_arena_alloc_growable_tagged, vmm_arena_alloc_tagged};
 pub use two_phase::{
     vmm_arena_abort, vmm_arena_commit, vmm_arena_prepare_alloc, vmm_arena_prepare_free, vmm_arena_prepare_resize,

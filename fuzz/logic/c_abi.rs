@@ -64,6 +64,8 @@ use bytes::Bytes;
 mod batch;
 #[path = "c_abi/call.rs"]
 mod call;
+#[path = "c_abi/dmabuf.rs"]
+mod dmabuf;
 #[path = "c_abi/snapshot.rs"]
 mod snapshot;
 #[path = "c_abi/two_phase.rs"]
@@ -239,6 +241,8 @@ struct Harness {
     snapshot_room: std::cell::Cell<usize>,
     /// Prepared two-phase operations not yet committed or aborted.
     pending: Vec<two_phase::Pending>,
+    /// Open DMA-BUF handles.
+    dmabufs: Vec<dmabuf::OpenDmaBuf>,
 }
 
 fn size_of_stats() -> u32 {
@@ -637,6 +641,7 @@ fn run_with(data: &[u8], may_panic: bool) {
         peak: 0,
         snapshot_room: std::cell::Cell::new(4096),
         pending: Vec::new(),
+        dmabufs: Vec::new(),
     };
     if b.below(4) != 0 {
         let user: *mut Recorder = &mut *h.rec;
@@ -664,6 +669,12 @@ fn run_with(data: &[u8], may_panic: bool) {
     if h.faulty {
         // SAFETY: live handle.
         expect("clear", st(unsafe { vmm_arena_testing_fail_nth(a, 0, 0, 0) }), &[OK]);
+    }
+    // Open DMA-BUFs are closed first: dropping the arena with one open is
+    // the caller's error.
+    for d in std::mem::take(&mut h.dmabufs) {
+        // SAFETY: a live DMA-BUF handle, given up here.
+        unsafe { ffi::vmm_arena_dmabuf_close(d.handle) };
     }
     // Pending prepared handles are consumed (an abort: OK, or STALE when
     // another call changed the allocation since).

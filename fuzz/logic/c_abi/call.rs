@@ -17,7 +17,8 @@ impl Harness {
         // and 0xE8..=0xED quiesce_on_stream (added later: older inputs
         // decode as they did, except where such a byte picks a call).
         // Likewise 0xE4..=0xE7 resize_many (of 1 to 4: the low bits) and
-        // 0xE0..=0xE3 maintain, 0xDC..=0xDF the two-phase calls.
+        // 0xE0..=0xE3 maintain, 0xDC..=0xDF the two-phase calls and
+        // 0xD8..=0xDB DMA-BUF open and close.
         let sel = b.u8();
         let kind = match sel {
             0xF8.. => 29,
@@ -27,6 +28,7 @@ impl Harness {
             0xE4.. => 33,
             0xE0.. => 34,
             0xDC.. => 35,
+            0xD8.. => 36,
             _ => sel as u64 % 29,
         };
         let mut trim = false;
@@ -394,7 +396,8 @@ impl Harness {
                 allowed = if flags & !ffi::VMM_ARENA_SLEEP_BACKUP != 0 { vec![INVALID] } else { vec![OK] };
                 if status == OK {
                     let backup = flags & ffi::VMM_ARENA_SLEEP_BACKUP != 0;
-                    for l in self.live.values_mut() {
+                    let held: Vec<u64> = self.dmabufs.iter().map(|d| d.id).collect();
+                    for l in self.live.values_mut().filter(|l| !held.contains(&l.id)) {
                         // Small allocations sleep with their slab (one tag's).
                         if tag == ffi::VMM_ARENA_ALL_TAGS
                             || l.sleep_tag == tag
@@ -500,6 +503,9 @@ impl Harness {
                 (what, status, allowed, may_fault) = self.two_phase(b, sel & 3);
                 // A commit or abort makes no driver call that can fail it.
                 settle_guarantee = !may_fault;
+            }
+            36 => {
+                (what, status, allowed) = self.dmabuf(b, sel & 3);
             }
             34 => {
                 what = "maintain";
