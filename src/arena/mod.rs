@@ -38,6 +38,7 @@ mod dry_run;
 #[cfg(unix)]
 mod export;
 mod group_undo;
+mod holds;
 mod moves;
 mod page_table;
 mod pool;
@@ -559,6 +560,13 @@ impl Arena {
         };
         enforce_watermark(&mut inner, &ctx);
         inner.st.note_peak();
+        // Debug builds (the tests) audit who holds each chunk after every
+        // operation (`holds.rs`).
+        #[cfg(debug_assertions)]
+        {
+            let audit = holds::audit(&inner);
+            debug_assert!(audit.is_ok(), "chunk holds after an operation: {audit:?}");
+        }
         // The flag stays set for a busy worker to see before it sleeps.
         if inner.st.prefetch_dirty && inner.worker_waiting {
             let wanted = inner.st.prefetch != (0, 0) || !inner.st.admit_ahead.is_off() || !inner.st.pending.is_empty();
