@@ -936,7 +936,11 @@ enum vmm_arena_status vmm_arena_wake(struct vmm_arena *arena, uint32_t tag);
 
 /**
  * Moves unpinned allocations by remapping to close address-space holes.
- * report may be NULL.
+ * report may be NULL. On failure the arena is exactly as it was; the plan
+ * depends on the arena's books alone, so tensor-parallel ranks with
+ * VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT keep the same offsets if a rank
+ * whose compaction failed calls it again (every rank compacts; a failed
+ * one retries, or the engine stops).
  *
  * # Safety
  * `arena` is NULL or a live handle; `report` is NULL or writable.

@@ -4,7 +4,11 @@
 use super::*;
 
 /// Moves unpinned allocations by remapping to close address-space holes.
-/// report may be NULL.
+/// report may be NULL. On failure the arena is exactly as it was; the plan
+/// depends on the arena's books alone, so tensor-parallel ranks with
+/// VMM_ARENA_FLAG_DETERMINISTIC_PLACEMENT keep the same offsets if a rank
+/// whose compaction failed calls it again (every rank compacts; a failed
+/// one retries, or the engine stops).
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; `report` is NULL or writable.
