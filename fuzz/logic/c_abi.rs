@@ -243,6 +243,9 @@ struct Harness {
     pending: Vec<two_phase::Pending>,
     /// Open DMA-BUF handles.
     dmabufs: Vec<dmabuf::OpenDmaBuf>,
+    /// Allocations that had a DMA-BUF: exported until freed (never asleep,
+    /// never a source of alloc_shared).
+    exported: std::collections::BTreeSet<u64>,
 }
 
 fn size_of_stats() -> u32 {
@@ -642,6 +645,7 @@ fn run_with(data: &[u8], may_panic: bool) {
         snapshot_room: std::cell::Cell::new(4096),
         pending: Vec::new(),
         dmabufs: Vec::new(),
+        exported: Default::default(),
     };
     if b.below(4) != 0 {
         let user: *mut Recorder = &mut *h.rec;

@@ -93,6 +93,7 @@ impl Harness {
                 allowed = if self.live.contains_key(&id) { vec![OK] } else { vec![UNKNOWN] };
                 if status == OK {
                     self.live.remove(&id);
+                    self.exported.remove(&id);
                     self.freed.push(id);
                 }
             }
@@ -396,8 +397,8 @@ impl Harness {
                 allowed = if flags & !ffi::VMM_ARENA_SLEEP_BACKUP != 0 { vec![INVALID] } else { vec![OK] };
                 if status == OK {
                     let backup = flags & ffi::VMM_ARENA_SLEEP_BACKUP != 0;
-                    let held: Vec<u64> = self.dmabufs.iter().map(|d| d.id).collect();
-                    for l in self.live.values_mut().filter(|l| !held.contains(&l.id)) {
+                    let exported = &self.exported;
+                    for l in self.live.values_mut().filter(|l| !exported.contains(&l.id)) {
                         // Small allocations sleep with their slab (one tag's).
                         if tag == ffi::VMM_ARENA_ALL_TAGS
                             || l.sleep_tag == tag
@@ -478,6 +479,7 @@ impl Harness {
                     _ if bad_args => vec![INVALID],
                     None => vec![UNKNOWN],
                     Some(l) if !chunked || off.checked_add(bytes).map_or(true, |e| e > l.size) => vec![INVALID],
+                    Some(_) if self.exported.contains(&src) => vec![INVALID],
                     Some(l) if l.asleep => vec![ASLEEP],
                     Some(_) => vec![OK, OOAS],
                 };

@@ -4,8 +4,9 @@
 //! the DMA-BUF stand-in; the plain host backend answers UNSUPPORTED),
 //! `vmm_arena_dmabuf_fd`, and `vmm_arena_dmabuf_close` of an open one.
 //!
-//! While one is open its allocation stays awake (sleep passes it by) and
-//! never moves; a free keeps its chunks mapped (counted in mapped_bytes,
+//! From the first one on, its allocation is exported until freed: sleep
+//! passes it by and alloc_shared refuses it as a source. While one is open
+//! it never moves; a free keeps its chunks mapped (counted in mapped_bytes,
 //! which the step's `check` holds to the driver's chunks) until the last
 //! one closes; the teardown closes them all before it frees.
 
@@ -50,6 +51,7 @@ impl Harness {
         };
         if status == OK {
             self.dmabufs.push(OpenDmaBuf { handle: h, id });
+            self.exported.insert(id);
         } else {
             assert_eq!(h, 0xA5A5 as *mut _, "dmabuf_open: out-parameter written on failure");
         }

@@ -148,6 +148,7 @@ impl Harness {
                 if status == OK {
                     if frees == Some(commit) {
                         self.live.remove(&id);
+                        self.exported.remove(&id);
                         self.freed.push(id);
                     } else if let Some(to) = shrink_to {
                         let l = self.live.get_mut(&id).expect("live");
