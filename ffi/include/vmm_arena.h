@@ -438,6 +438,72 @@ typedef void (*vmm_arena_move_fn)(void *user,
 typedef uint64_t vmm_arena_group_id;
 
 /**
+ * A model's KV cache shape: per token, every layer's key row and value
+ * row of kv_heads × head_dim elements of dtype_bytes bytes each.
+ */
+typedef struct vmm_arena_kv_geometry {
+  /**
+   * transformer layers
+   */
+  uint32_t layers;
+  /**
+   * key/value heads per layer (grouped-query attention's KV heads)
+   */
+  uint32_t kv_heads;
+  /**
+   * elements per head
+   */
+  uint32_t head_dim;
+  /**
+   * bytes per element (2 for fp16/bf16, 1 for fp8)
+   */
+  uint32_t dtype_bytes;
+} vmm_arena_kv_geometry;
+
+/**
+ * The block-in-chunk layout of a geometry in chunks of chunk_bytes. Inside
+ * each chunk: layer 0's keys for block_tokens tokens
+ * (`[block_tokens][kv_heads][head_dim]`, slab_bytes), then layer 0's
+ * values, then layer 1's keys, and so on; unused_bytes at the end hold
+ * nothing. Layer l's keys start at offset 2 × l × slab_bytes of every
+ * chunk and its values slab_bytes later, so one layer's keys of every
+ * request form one strided array `[chunks][block_tokens][kv_heads][head_dim]`
+ * from the arena's base with a block stride of chunk_bytes: the shape
+ * paged attention kernels take, indexed by vmm_arena_block_table's chunk
+ * numbers. struct_size must be sizeof(vmm_arena_kv_layout).
+ */
+typedef struct vmm_arena_kv_layout {
+  /**
+   * sizeof(vmm_arena_kv_layout), set by the caller
+   */
+  uint32_t struct_size;
+  /**
+   * zero
+   */
+  uint32_t reserved0;
+  /**
+   * the chunk size: the block stride in bytes
+   */
+  uint64_t chunk_bytes;
+  /**
+   * tokens per chunk: the kernels' block size
+   */
+  uint64_t block_tokens;
+  /**
+   * bytes of one layer's keys (or values) in a chunk
+   */
+  uint64_t slab_bytes;
+  /**
+   * bytes of a chunk that hold keys and values (2 × layers × slab_bytes)
+   */
+  uint64_t used_bytes;
+  /**
+   * bytes at the end of each chunk that hold nothing
+   */
+  uint64_t unused_bytes;
+} vmm_arena_kv_layout;
+
+/**
  * What an importer needs besides the descriptors: send it with them (a
  * plain struct of integers, 80 bytes; vmm_arena_export_send does both).
  *
@@ -1283,6 +1349,75 @@ enum vmm_arena_status vmm_arena_group_snapshot_json(struct vmm_arena_group *grou
                                                     char *buf,
                                                     size_t cap,
                                                     size_t *out_len);
+
+/**
+ * The block-in-chunk layout of `geometry` in chunks of chunk_bytes (an
+ * arena's chunk_bytes), with block_tokens tokens a chunk (0: as many as
+ * fit; a kernel may need a power of two). out->struct_size must be set by
+ * the caller.
+ *
+ * INVALID_ARGUMENT for a NULL argument, a zero in the geometry, a zero
+ * chunk, a chunk too small for one token of every layer, block_tokens
+ * that do not fit, or a wrong struct_size.
+ *
+ * # Safety
+ * `geometry` is NULL or readable; `out` is NULL or points to at least
+ * `out->struct_size` writable bytes starting with a `uint32_t struct_size`.
+ */
+enum vmm_arena_status vmm_arena_kv_layout_get(const struct vmm_arena_kv_geometry *geometry,
+                                              uint64_t chunk_bytes,
+                                              uint64_t block_tokens,
+                                              struct vmm_arena_kv_layout *out);
+
+/**
+ * *out_offset receives the offset, from the start of a request's
+ * allocation, of the key row (value 0) or value row (value 1) of `token`
+ * (counted from the allocation's first token) in `layer`, in the layout
+ * vmm_arena_kv_layout_get gives for the same geometry, chunk_bytes and
+ * block_tokens: the row of kv_heads × head_dim elements a kernel writes
+ * for that token. INVALID_ARGUMENT as there, for a layer out of range, a
+ * value other than 0 or 1, or an offset beyond 2^64.
+ *
+ * # Safety
+ * `geometry` is NULL or readable; `out_offset` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_kv_token_offset(const struct vmm_arena_kv_geometry *geometry,
+                                                uint64_t chunk_bytes,
+                                                uint64_t block_tokens,
+                                                uint32_t layer,
+                                                uint32_t value,
+                                                uint64_t token,
+                                                uint64_t *out_offset);
+
+/**
+ * The block table of allocation `id`: its chunk numbers in order, counted
+ * from the arena's base (chunk n starts at base + n × chunk_bytes; the
+ * base is vmm_arena_snapshot_json's "base"), each at most INT32_MAX, the
+ * int32 entries paged attention kernels take. If cap is at least their
+ * count, writes them into blocks; else (blocks may then be NULL) writes
+ * nothing. Either way *out_count receives the count, and the status is OK.
+ *
+ * The entries are consecutive (an allocation's chunks are contiguous in
+ * the address space); growth appends entries, and a move changes them all
+ * (the move callback says when: fetch the table again then). After a move
+ * the old entries stay readable until retired memory is released, so a
+ * kernel launched before the move still reads the right bytes.
+ *
+ * INVALID_ARGUMENT for an allocation that does not start on a chunk (a
+ * small one, at most half a chunk: allocate a KV cache in whole chunks,
+ * or growable), an import, or a chunk number beyond INT32_MAX;
+ * UNKNOWN_ALLOCATION; ASLEEP is not an error (a sleeping allocation keeps
+ * its addresses).
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `blocks` is NULL or has `cap` writable
+ * int32_t; `out_count` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_block_table(struct vmm_arena *arena,
+                                            vmm_arena_id id,
+                                            int32_t *blocks,
+                                            size_t cap,
+                                            size_t *out_count);
 
 /**
  * Exports allocation `id`: *out receives a new export holding one file

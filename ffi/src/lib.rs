@@ -38,6 +38,7 @@ mod compact;
 
 mod dmabuf;
 mod group;
+mod layout;
 
 // After `group`: cbindgen emits items in declaration order, and the
 // committed header lists the group functions before the export ones.

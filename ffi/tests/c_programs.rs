@@ -304,6 +304,14 @@ fn c_export_lifetime_test() {
     assert!(out.contains("C ABI DMA-BUF fault matrix size:"), "{out}");
 }
 
+/// The block-in-chunk KV layout: layouts, token offsets, block tables
+/// across growth and a move (`test_layout.c`).
+#[test]
+fn kv_layout_from_c() {
+    let exe = compile("test_layout", Lang::C, &[source("c/test_layout.c")], &our_include(), Link::Shared);
+    run_and_expect_pass(&exe);
+}
+
 /// Tags at allocation time, small allocations included (`test_tags.c`).
 #[test]
 fn tags_from_c() {
