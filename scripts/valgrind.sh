@@ -53,6 +53,8 @@ programs=(
     test_group:c:ffi/tests/c/test_group.c
     test_export:c:ffi/tests/c/test_export.c
     test_batch_bytes:c:ffi/tests/c/test_batch_bytes.c
+    test_layout:c:ffi/tests/c/test_layout.c
+    test_tags:c:ffi/tests/c/test_tags.c
     test_wrapper:cpp:ffi/tests/cpp/test_wrapper.cpp
     test_torch_throw:cpp:ffi/tests/cpp/test_torch_throw.cpp
     contract_program:cpp:ffi/tests/cpp/contract_program.cpp

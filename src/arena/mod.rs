@@ -38,6 +38,7 @@ mod dry_run;
 #[cfg(unix)]
 mod export;
 mod group_undo;
+#[cfg(debug_assertions)]
 mod holds;
 mod moves;
 mod page_table;

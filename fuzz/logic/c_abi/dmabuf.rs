@@ -14,10 +14,9 @@ use std::ptr::null_mut;
 
 use super::{ffi, st, Bytes, Harness, ASLEEP, DRIVER, INVALID, OK, OOM, UNKNOWN, UNSUPPORTED};
 
-/// An open DMA-BUF handle and the allocation it was made of.
+/// An open DMA-BUF handle.
 pub(super) struct OpenDmaBuf {
     pub(super) handle: *mut ffi::vmm_arena_dmabuf,
-    pub(super) id: u64,
 }
 
 impl Harness {
@@ -50,7 +49,7 @@ impl Harness {
             Some(_) => vec![OK, INVALID, OOM, DRIVER],
         };
         if status == OK {
-            self.dmabufs.push(OpenDmaBuf { handle: h, id });
+            self.dmabufs.push(OpenDmaBuf { handle: h });
             self.exported.insert(id);
         } else {
             assert_eq!(h, 0xA5A5 as *mut _, "dmabuf_open: out-parameter written on failure");
