@@ -19,7 +19,14 @@ DTYPE = torch.float32
 BLOCK = 16  # tokens a block
 
 
-def arena(**kw):
+BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA backend needs a GPU (the views are then CUDA tensors)"))]
+
+
+def arena(backend="host", **kw):
+    if backend == "cuda":
+        # The device's chunk granularity (2 MiB) is the smallest chunk there.
+        return va.Arena(backend="cuda", capacity_bytes=256 << 20, reserve_bytes=1 << 30, **kw)
     return va.Arena(backend="host", capacity_bytes=64 * K, reserve_bytes=512 * K, chunk_bytes=K, **kw)
 
 
@@ -80,8 +87,8 @@ def paged_attention(q, views, layer, table_row, tokens):
         n = min(BLOCK, tokens - j * BLOCK)
         if n <= 0:
             break
-        kb = k_cache[block, :n].repeat_interleave(GROUP, dim=1).double()
-        vb = v_cache[block, :n].repeat_interleave(GROUP, dim=1).double()
+        kb = k_cache[block, :n].cpu().repeat_interleave(GROUP, dim=1).double()
+        vb = v_cache[block, :n].cpu().repeat_interleave(GROUP, dim=1).double()
         sc = torch.einsum("hd,thd->ht", q.double(), kb) / HEAD_DIM**0.5
         m_new = torch.maximum(m, sc.max(dim=1).values)
         p = (sc - m_new[:, None]).exp()
@@ -127,8 +134,10 @@ def test_layout_arithmetic_is_the_librarys():
         ChunkLayout(32.0, 8, 128, 2, 2 << 20)
 
 
-def test_views_read_what_the_rust_offsets_wrote():
-    a = arena()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_views_read_what_the_rust_offsets_wrote(backend):
+    a = arena(backend)
+    K = a.chunk_bytes
     lay = layout(a)
     assert lay.chunk_bytes == K and lay.block_tokens == BLOCK
     req = a.alloc_growable(lay.bytes_for_tokens(40), max_size=8 * K)
@@ -138,26 +147,29 @@ def test_views_read_what_the_rust_offsets_wrote():
     assert table.blocks == [(req.ptr - a.va_range[0]) // K + i for i in range(3)]
     views = kv_views(a, lay, DTYPE)
     assert len(views) == LAYERS
-    k0 = views[0][0]
-    assert k0.shape == (a.va_range[1] // K, BLOCK, KV_HEADS, HEAD_DIM)
-    assert k0.stride() == (K // 4, KV_HEADS * HEAD_DIM, HEAD_DIM, 1)
+    shape, stride = tuple(views[0][0].shape), views[0][0].stride()
+    assert shape == (a.va_range[1] // K, BLOCK, KV_HEADS, HEAD_DIM)
+    assert stride == (K // 4, KV_HEADS * HEAD_DIM, HEAD_DIM, 1)
     for layer, (k, v) in enumerate(kv):
         for t in range(40):
             block, within = table.blocks[t // BLOCK], t % BLOCK
             # (Never a whole view in an assert: its repr would read unmapped chunks.)
-            got_k, got_v = views[layer][0][block, within].clone(), views[layer][1][block, within].clone()
+            got_k = views[layer][0][block, within].cpu().clone()
+            got_v = views[layer][1][block, within].cpu().clone()
             assert torch.equal(got_k, k[t]) and torch.equal(got_v, v[t]), (layer, t)
     # And the other way: a write through a view lands at the Rust offset.
     views[2][1][table.blocks[1], 3] = torch.arange(KV_HEADS * HEAD_DIM, dtype=DTYPE).view(KV_HEADS, HEAD_DIM)
     row = req.read(lay.token_offset(2, True, BLOCK + 3), lay.row_bytes)
     assert row == torch.arange(KV_HEADS * HEAD_DIM, dtype=DTYPE).numpy().tobytes()
-    del views, k0
+    del views
     gc.collect()
     a.close()
 
 
-def test_paged_attention_over_the_views_equals_a_dense_one():
-    a = arena()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_attention_over_the_views_equals_a_dense_one(backend):
+    a = arena(backend)
+    K = a.chunk_bytes
     lay = layout(a)
     lengths = [37, 16, 50, 1]
     reqs, tables, data = [], [], []
@@ -180,8 +192,10 @@ def test_paged_attention_over_the_views_equals_a_dense_one():
     a.close()
 
 
-def test_growth_in_place_appends_blocks_and_keeps_the_data():
-    a = arena()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_growth_in_place_appends_blocks_and_keeps_the_data(backend):
+    a = arena(backend)
+    K = a.chunk_bytes
     lay = layout(a)
     req = a.alloc_growable(lay.bytes_for_tokens(20), max_size=8 * K)
     kv = random_kv(70, seed=3)
@@ -201,8 +215,10 @@ def test_growth_in_place_appends_blocks_and_keeps_the_data():
     a.close()
 
 
-def test_a_move_and_compaction_keep_the_table_right():
-    a = arena()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_move_and_compaction_keep_the_table_right(backend):
+    a = arena(backend)
+    K = a.chunk_bytes
     lay = layout(a)
     base = a.va_range[0]
     filler = a.alloc(4 * K)
