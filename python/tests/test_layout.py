@@ -11,7 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import vmm_arena as va  # noqa: E402
-from vmm_arena.layout import BlockTable, ChunkLayout, block_table_tensor, kv_views, layout_for_arena  # noqa: E402
+from vmm_arena.layout import (  # noqa: E402
+    BlockTable, BlockTables, ChunkLayout, block_table_tensor, kv_views, layout_for_arena,
+)
 
 K = 64 << 10
 LAYERS, KV_HEADS, HEAD_DIM, GROUP = 3, 2, 8, 2  # 4 query heads share 2 KV heads
@@ -270,6 +272,41 @@ def test_a_move_and_compaction_keep_the_table_right(backend):
     a.set_move_callback(None)
     del views
     gc.collect()
+    a.close()
+
+
+def test_block_tables_collect_what_moves_and_growth_changed():
+    a = arena()
+    lay = layout(a)
+    base = a.va_range[0]
+    filler = a.alloc(4 * K)
+    reqs = [a.alloc_growable(lay.bytes_for_tokens(n), max_size=4 * K) for n in (40, 30)]
+    tables = BlockTables()
+    for r in reqs:
+        tables.add(a, r)
+    assert len(tables) == 2 and reqs[0] in tables and tables.add(a, reqs[0]) is tables[reqs[0]]
+    a.set_move_callback(tables.on_move)
+
+    before = {r.id: r.ptr for r in reqs}
+    filler.free()
+    a.compact()
+    changed = tables.take_changed()
+    moved = {r.id for r in reqs if r.ptr != before[r.id]}
+    assert moved, "compaction moved a request"
+    assert changed == {i: (0, len(tables[i])) for i in moved}, "every entry of each moved table, no other"
+    for r in reqs:
+        t = tables[r]
+        assert t.blocks == [(r.ptr - base) // K + i for i in range(len(t))]
+    assert tables.take_changed() == {}, "taken once"
+    grown = reqs[1]
+    n = len(tables[grown])
+    p = grown.ptr
+    assert grown.resize(lay.bytes_for_tokens(60)) == p  # in place
+    assert tables.refresh(a, grown) == (n, 4)
+    assert tables.take_changed() == {grown.id: (n, 4)}
+    tables.remove(grown)
+    assert grown not in tables and len(tables) == 1
+    a.set_move_callback(None)
     a.close()
 
 

@@ -23,7 +23,9 @@ indexed by block tables of chunk numbers from the arena's base.
 
 The views cover the arena's range and pin nothing: after a resize
 (`table.refresh(arena)`) or a move (`table.on_move`, from the arena's move
-callback) rebuild the block table, not the views. Only chunks of live
+callback) rebuild the block table, not the views. `BlockTables` keeps the
+tables of many requests and collects which entries changed, for the
+engine to upload to the device. Only chunks of live
 allocations are memory: read the views only through block tables (touching
 other chunks faults, as a kernel reading a stale block would), and not
 while the allocation sleeps. The arena refuses `close()` while the views
@@ -33,7 +35,9 @@ are alive.
 from ._vmm_arena import ArenaRange, BlockTable, ChunkLayout  # noqa: F401
 from .errors import InvalidArgument
 
-__all__ = ["ArenaRange", "BlockTable", "ChunkLayout", "block_table_tensor", "kv_views", "layout_for_arena"]
+__all__ = [
+    "ArenaRange", "BlockTable", "BlockTables", "ChunkLayout", "block_table_tensor", "kv_views", "layout_for_arena",
+]
 
 
 def _itemsize(dtype):
@@ -99,3 +103,63 @@ def block_table_tensor(tables, device=None, pad=0):
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
     return out if device is None else out.to(device)
+
+
+class BlockTables:
+    """The block tables of many allocations of one arena, kept right across
+    moves: install `arena.set_move_callback(tables.on_move)` (or call
+    `on_move` from your own callback), and after a resize call
+    `tables.refresh(arena, allocation)`. `take_changed()` returns and
+    forgets {allocation id: (start, stop)}, the entries changed since the
+    last call (the rows to upload again; entries past the table's length
+    were removed)."""
+
+    def __init__(self):
+        self._tables = {}
+        self._changed = {}
+
+    def add(self, arena, allocation):
+        """Makes (or returns) the table of `allocation`."""
+        table = BlockTable(arena, allocation)
+        self._tables.setdefault(table.id, table)
+        return self._tables[table.id]
+
+    def remove(self, allocation):
+        """Forgets the table of `allocation` (an Allocation or an id)."""
+        key = allocation if isinstance(allocation, int) else allocation.id
+        self._tables.pop(key, None)
+        self._changed.pop(key, None)
+
+    def __getitem__(self, allocation):
+        return self._tables[allocation if isinstance(allocation, int) else allocation.id]
+
+    def __contains__(self, allocation):
+        return (allocation if isinstance(allocation, int) else allocation.id) in self._tables
+
+    def __len__(self):
+        return len(self._tables)
+
+    def _note(self, key, span):
+        if span[0] == span[1]:
+            return
+        old = self._changed.get(key)
+        self._changed[key] = span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
+
+    def on_move(self, id, old_ptr, new_ptr, size):
+        """The arena's move callback: updates the moved allocation's table."""
+        table = self._tables.get(id)
+        if table is not None:
+            self._note(id, table.on_move(id, old_ptr, new_ptr, size))
+
+    def refresh(self, arena, allocation):
+        """Re-reads `allocation`'s address and size (after a resize);
+        returns the entries that changed."""
+        table = self[allocation]
+        span = table.refresh(arena)
+        self._note(table.id, span)
+        return span
+
+    def take_changed(self):
+        """{allocation id: (start, stop)} changed since the last call."""
+        changed, self._changed = self._changed, {}
+        return changed
