@@ -410,7 +410,7 @@ cmd_run() {
         skip torch_rl_cycle "python3 lacks vmm_arena (pip install ./python) or torch"
     else
         run_step torch_rl_cycle 300 "$WORK/torch-rl-cycle.log" \
-            python3 "$BUNDLE/torch_rl_cycle.py" --lib "$BUNDLE/lib/libvmm_arena.so"
+            python3 "$BUNDLE/torch_rl_cycle.py"
     fi
 
     # 5. The fuzz corpus replay.

@@ -5,7 +5,10 @@ weights under tag "weights" (CPU backup), its KV cache under "kv_cache"
 arena held, resume, check the model's outputs are bit-identical to before
 the pause; time pause and resume. Prints one JSON line.
 
-  python3 torch_rl_cycle.py --lib path/to/libvmm_arena.so
+  python3 torch_rl_cycle.py
+
+The allocator hooks are in the installed package's extension module;
+`--lib` is accepted and ignored (older gpu-check bundles pass it).
 
 Skipped (exit 0, a message) where PyTorch, CUDA or vmm_arena is missing.
 """
@@ -17,8 +20,8 @@ import time
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", required=True)
-    args = ap.parse_args()
+    ap.add_argument("--lib", help="ignored: the hooks come with the installed package")
+    ap.parse_args()
     try:
         import torch
         import vmm_arena.torch as vt
@@ -28,7 +31,7 @@ def main():
     if not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return 0
-    vt.use(args.lib)
+    vt.use()
     torch.manual_seed(0)
     with vt.region("weights", enable_cpu_backup=True):
         layer = torch.nn.TransformerEncoderLayer(d_model=1024, nhead=16, dim_feedforward=4096, batch_first=True)

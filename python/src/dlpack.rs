@@ -3,7 +3,11 @@
 //! destructors that release a view exactly once.
 
 use std::ffi::{c_void, CStr};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::PyCapsule;
 
 use super::Shared;
 
@@ -53,12 +57,12 @@ pub(crate) struct DLManagedTensorVersioned {
 /// The release of a versioned view (DLPack 1.0).
 ///
 /// # Safety
-/// `t` came from `Buffer::__dlpack__` and is released once.
+/// `t` came from [`capsule`] and is released once.
 pub(crate) unsafe extern "C" fn versioned_deleter(t: *mut DLManagedTensorVersioned) {
     if t.is_null() {
         return;
     }
-    // SAFETY: made by Box::into_raw in __dlpack__, released once.
+    // SAFETY: made by Box::into_raw in `capsule`, released once.
     let t = unsafe { Box::from_raw(t) };
     // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it, released
     // with its tensor, once.
@@ -73,22 +77,31 @@ pub(crate) unsafe extern "C" fn versioned_capsule_destructor(capsule: *mut pyo3:
     unsafe { release_untaken_capsule(capsule, DLTENSOR_VERSIONED, versioned_deleter) }
 }
 
-/// What one view keeps alive: its shape and the buffer's pin.
+/// What a view is of.
+pub(crate) enum Viewed {
+    /// A growable buffer (its id): the view pins it.
+    Buffer(u64),
+    /// The arena's whole reserved range (`Arena.range_view`): pins nothing,
+    /// counted so that `close` waits for it.
+    Range,
+}
+
+/// What one view keeps alive: its shape, the arena, and the buffer's pin.
 pub(crate) struct ViewCtx {
     pub(crate) shape: [i64; 1],
     pub(crate) shared: Arc<Shared>,
-    pub(crate) id: u64,
+    pub(crate) viewed: Viewed,
 }
 
 /// The consumer's release of a view: unpins the buffer when it was the last.
 ///
 /// # Safety
-/// `t` came from `Buffer::__dlpack__` and is released once.
+/// `t` came from [`capsule`] and is released once.
 pub(crate) unsafe extern "C" fn view_deleter(t: *mut DLManagedTensor) {
     if t.is_null() {
         return;
     }
-    // SAFETY: made by Box::into_raw in __dlpack__, released once (the
+    // SAFETY: made by Box::into_raw in `capsule`, released once (the
     // consumer's contract).
     let t = unsafe { Box::from_raw(t) };
     // SAFETY: manager_ctx is the Box<ViewCtx> made alongside it, released
@@ -96,18 +109,23 @@ pub(crate) unsafe extern "C" fn view_deleter(t: *mut DLManagedTensor) {
     unsafe { release_view_ctx(t.manager_ctx) };
 }
 
-/// Drops one view's context: the buffer's view count goes down by one
-/// (unpinned when it was the last). A panic stays on this side of the C
+/// Drops one view's context: the buffer's (or the range's) view count goes
+/// down by one (a buffer is unpinned when it was its last). A panic stays on this side of the C
 /// boundary.
 ///
 /// # Safety
-/// `ctx` is the `Box<ViewCtx>` that `Buffer::__dlpack__` made for the view,
+/// `ctx` is the `Box<ViewCtx>` that [`capsule`] made for the view,
 /// released once.
 pub(crate) unsafe fn release_view_ctx(ctx: *mut c_void) {
     // SAFETY: the caller's contract.
     let ctx = unsafe { Box::from_raw(ctx.cast::<ViewCtx>()) };
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = ctx.shared.change(ctx.id, |p| p.views = p.views.saturating_sub(1));
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match ctx.viewed {
+        Viewed::Buffer(id) => {
+            let _ = ctx.shared.change(id, |p| p.views = p.views.saturating_sub(1));
+        }
+        Viewed::Range => {
+            let _ = ctx.shared.range_views.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        }
     }));
 }
 
@@ -127,7 +145,7 @@ pub(crate) unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyOb
 ///
 /// # Safety
 /// `capsule` is a capsule being destroyed by Python, made by
-/// `Buffer::__dlpack__` with a `T` that `deleter` releases under `name`.
+/// [`capsule`] with a `T` that `deleter` releases under `name`.
 pub(crate) unsafe fn release_untaken_capsule<T>(
     capsule: *mut pyo3::ffi::PyObject,
     name: &CStr,
@@ -143,4 +161,68 @@ pub(crate) unsafe fn release_untaken_capsule<T>(
             pyo3::ffi::PyErr_Clear();
         }
     }
+}
+
+/// A DLPack capsule viewing `ctx.shape[0]` bytes at `data` on `device` as a
+/// 1-D uint8 array, no copy; DLPack 1.0 (a writable view) when `versioned`.
+/// `ctx` is released by the consumer's deleter, or by the capsule's
+/// destructor when no consumer takes it, or here on failure: the view count
+/// the caller raised for it always comes down once.
+pub(crate) fn capsule(
+    py: Python<'_>,
+    data: u64,
+    device: DLDevice,
+    ctx: ViewCtx,
+    versioned: bool,
+) -> PyResult<Bound<'_, PyAny>> {
+    let ctx = Box::into_raw(Box::new(ctx));
+    // SAFETY: ctx is a live Box until the deleter frees it.
+    let shape = unsafe { (*ctx).shape.as_mut_ptr() };
+    let tensor = DLTensor {
+        data: data as *mut c_void,
+        device,
+        ndim: 1,
+        dtype: DLDataType { code: 1, bits: 8, lanes: 1 }, // kDLUInt, 8 bits
+        shape,
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    };
+    let cap = if versioned {
+        let t = Box::into_raw(Box::new(DLManagedTensorVersioned {
+            version: [1, 0],
+            manager_ctx: ctx.cast(),
+            deleter: Some(versioned_deleter),
+            flags: 0,
+            dl_tensor: tensor,
+        }));
+        // SAFETY: a valid pointer, a static name and a destructor that
+        // releases the tensor unless a consumer took it.
+        let cap = unsafe {
+            pyo3::ffi::PyCapsule_New(t.cast(), DLTENSOR_VERSIONED.as_ptr(), Some(versioned_capsule_destructor))
+        };
+        if cap.is_null() {
+            // SAFETY: not handed to anyone.
+            unsafe { versioned_deleter(t) };
+            return Err(PyErr::fetch(py));
+        }
+        cap
+    } else {
+        let t = Box::into_raw(Box::new(DLManagedTensor {
+            dl_tensor: tensor,
+            manager_ctx: ctx.cast(),
+            deleter: Some(view_deleter),
+        }));
+        // SAFETY: as above, legacy name.
+        let cap = unsafe { pyo3::ffi::PyCapsule_New(t.cast(), DLTENSOR.as_ptr(), Some(capsule_destructor)) };
+        if cap.is_null() {
+            // SAFETY: not handed to anyone.
+            unsafe { view_deleter(t) };
+            return Err(PyErr::fetch(py));
+        }
+        cap
+    };
+    // SAFETY: a new reference just made.
+    let cap = unsafe { Bound::from_owned_ptr(py, cap) };
+    let _: &Bound<'_, PyCapsule> = cap.downcast()?;
+    Ok(cap)
 }

@@ -12,16 +12,16 @@
 //! - a DLPack view pins its buffer until the consumer releases it, so a
 //!   view is never left at an old address (see `Buffer::__dlpack__`).
 
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyDict, PyType};
+use pyo3::types::{PyDict, PyType};
 
 use vmm_arena::{Arena as RArena, ArenaConfig, Backend, Error, Id, Status, ALL_TAGS, SLEEP_BACKUP};
 
 mod dlpack;
 use dlpack::*;
+mod layout;
 mod torch_hooks;
 
 /// An exception of `vmm_arena.errors` (defined in Python, so that it pickles
@@ -107,6 +107,8 @@ struct Shared {
     ids: Mutex<std::collections::HashSet<u64>>,
     /// Set by `close`: no new allocation after it.
     closed: std::sync::atomic::AtomicBool,
+    /// DLPack views of the whole range (`Arena.range_view`) alive.
+    range_views: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -245,6 +247,7 @@ impl Arena {
                 pins: Mutex::new(Default::default()),
                 ids: Mutex::new(Default::default()),
                 closed: Default::default(),
+                range_views: Default::default(),
             }),
         })
     }
@@ -407,6 +410,13 @@ impl Arena {
         if let Some(id) = ids.iter().find(|id| self.shared.views(**id) > 0) {
             return Err(py_err("Pinned", format!("{id:#x} has DLPack views alive: release them before closing")));
         }
+        let range_views = self.shared.range_views.load(std::sync::atomic::Ordering::Acquire);
+        if range_views > 0 {
+            return Err(py_err(
+                "Pinned",
+                format!("{range_views} DLPack views of the arena's range are alive: release them before closing"),
+            ));
+        }
         self.shared.closed.store(true, std::sync::atomic::Ordering::Release);
         for raw in ids {
             let Some(id) = Id::from_raw(raw) else { continue };
@@ -518,6 +528,13 @@ impl Arena {
     fn unquiesce(&self, py: Python<'_>, a: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = id_of(a, &self.shared)?;
         py.allow_threads(|| self.shared.arena.unquiesce(id)).map_err(to_py)
+    }
+
+    /// The arena's whole reserved range as a DLPack-viewable object
+    /// (`vmm_arena.layout` cuts per-layer KV views from it; see
+    /// `ArenaRange`).
+    fn range_view(&self) -> PyResult<layout::ArenaRange> {
+        layout::ArenaRange::of(self)
     }
 
     /// The stats as a dict of ints, every field of the Rust `Stats` (the
@@ -747,71 +764,17 @@ impl Buffer {
                 return Err(e);
             }
         };
-        let (device_type, device_id) =
-            if a.shared.arena.backend_name() == "cuda" { (KDLCUDA, device_of(&a.shared)) } else { (KDLCPU, 0) };
-        let ctx = Box::into_raw(Box::new(ViewCtx { shape: [len], shared: a.shared.clone(), id: a.id }));
-        // SAFETY: ctx is a live Box until the deleter frees it.
-        let shape = unsafe { (*ctx).shape.as_mut_ptr() };
-        let tensor = DLTensor {
-            data: ptr as *mut c_void,
-            device: DLDevice { device_type, device_id },
-            ndim: 1,
-            dtype: DLDataType { code: 1, bits: 8, lanes: 1 }, // kDLUInt, 8 bits
-            shape,
-            strides: std::ptr::null_mut(),
-            byte_offset: 0,
-        };
         // DLPack 1.0 (writable views) when the consumer asks for it.
         let versioned =
             max_version.as_ref().and_then(|v| v.extract::<(u32, u32)>(py).ok()).is_some_and(|(major, _)| major >= 1);
-        let cap = if versioned {
-            let t = Box::into_raw(Box::new(DLManagedTensorVersioned {
-                version: [1, 0],
-                manager_ctx: ctx.cast(),
-                deleter: Some(versioned_deleter),
-                flags: 0,
-                dl_tensor: tensor,
-            }));
-            // SAFETY: a valid pointer, a static name and a destructor that
-            // releases the tensor unless a consumer took it.
-            let cap = unsafe {
-                pyo3::ffi::PyCapsule_New(t.cast(), DLTENSOR_VERSIONED.as_ptr(), Some(versioned_capsule_destructor))
-            };
-            if cap.is_null() {
-                // SAFETY: not handed to anyone.
-                unsafe { versioned_deleter(t) };
-                return Err(PyErr::fetch(py));
-            }
-            cap
-        } else {
-            let t = Box::into_raw(Box::new(DLManagedTensor {
-                dl_tensor: tensor,
-                manager_ctx: ctx.cast(),
-                deleter: Some(view_deleter),
-            }));
-            // SAFETY: as above, legacy name.
-            let cap = unsafe { pyo3::ffi::PyCapsule_New(t.cast(), DLTENSOR.as_ptr(), Some(capsule_destructor)) };
-            if cap.is_null() {
-                // SAFETY: not handed to anyone.
-                unsafe { view_deleter(t) };
-                return Err(PyErr::fetch(py));
-            }
-            cap
-        };
-        // SAFETY: a new reference just made.
-        let cap = unsafe { Bound::from_owned_ptr(py, cap) };
-        let _: &Bound<'_, PyCapsule> = cap.downcast()?;
-        Ok(cap)
+        let ctx = ViewCtx { shape: [len], shared: a.shared.clone(), viewed: Viewed::Buffer(a.id) };
+        capsule(py, ptr, dl_device_of(&a.shared), ctx, versioned)
     }
 
     /// (device type, device id): kDLCPU (1) on the host backend, kDLCUDA (2) on CUDA.
     fn __dlpack_device__(slf: PyRef<'_, Self>) -> (i32, i32) {
-        let a = slf.as_super();
-        if a.shared.arena.backend_name() == "cuda" {
-            (KDLCUDA, device_of(&a.shared))
-        } else {
-            (KDLCPU, 0)
-        }
+        let d = dl_device_of(&slf.as_super().shared);
+        (d.device_type, d.device_id)
     }
 
     /// DLPack views alive now.
@@ -822,8 +785,14 @@ impl Buffer {
     }
 }
 
-fn device_of(shared: &Shared) -> i32 {
-    shared.device
+/// Where the arena's memory lives, as DLPack says it: the CUDA device, or
+/// the CPU on the host backends.
+fn dl_device_of(shared: &Shared) -> DLDevice {
+    if shared.arena.backend_name() == "cuda" {
+        DLDevice { device_type: KDLCUDA, device_id: shared.device }
+    } else {
+        DLDevice { device_type: KDLCPU, device_id: 0 }
+    }
 }
 
 /// Whether the caller pinned, or views pin, an allocation (for tests).
@@ -838,6 +807,7 @@ fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Allocation>()?;
     m.add_class::<Buffer>()?;
     m.add_function(wrap_pyfunction!(_pinned_by_views, m)?)?;
+    layout::add_classes(m)?;
     use torch_hooks::*;
     m.add_function(wrap_pyfunction!(_hooks_configure, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_set_tag, m)?)?;

@@ -120,6 +120,10 @@ def test_tms9_the_object_its_aliases_and_properties():
         tms.hook_mode = "preload"
     with pytest.raises(AttributeError):
         tms.hook_mode
+    # Not provided, and said so rather than accepted and ignored.
+    with pytest.raises(NotImplementedError):
+        tms.memory_margin_bytes = 1 << 30
+    assert not hasattr(tms, "get_cpu_backup")
 
 
 # vLLM's CuMemAllocator

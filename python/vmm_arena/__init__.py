@@ -34,6 +34,13 @@ is, growth inside its reservation is in place (take a new view to see the new
 bytes), and growth past the reservation, a shrink and free raise Pinned while
 a view is alive. A sleeping buffer keeps its address: views are valid again
 after wake, and must not be touched while it sleeps.
+
+Modules: vmm_arena.torch (PyTorch's allocator hooks, regions that pause and
+resume), vmm_arena.torch_memory_saver and vmm_arena.vllm (drop-ins with
+those projects' names; docs/python-drop-ins.md), vmm_arena.layout (the
+block-in-chunk KV layout: block tables and per-layer views in the shape
+paged attention kernels take), vmm_arena.transformers. Type stubs ship with
+the package (py.typed).
 """
 
 from dataclasses import dataclass, fields

@@ -67,6 +67,16 @@ class TorchMemorySaver:
         if mode == "preload":
             raise NotImplementedError("vmm_arena has no LD_PRELOAD mode: it hooks PyTorch's allocator only")
 
+    @property
+    def memory_margin_bytes(self):
+        raise AttributeError("memory_margin_bytes is write-only")
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value):
+        raise NotImplementedError(
+            "vmm_arena keeps no margin of free device memory: bound the arena with "
+            "vmm_arena.torch.configure('capacity:...') before the first allocation")
+
 
 torch_memory_saver = TorchMemorySaver()
 memory_saver = torch_memory_saver
