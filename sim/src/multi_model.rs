@@ -10,19 +10,29 @@
 //!   a block on them is needed and unmapped when the last one goes, each
 //!   pool keeping its pre-mapped reserve of 5 to 10 pages;
 //! - `arena`: one vmm-arena per model process, all on one device of the
-//!   shared capacity: one allocation per request (token-major), grown a
-//!   16-token block at a time, freed when the request ends; freed chunks
-//!   stay pooled up to the arena's retain watermark and go back beyond it.
+//!   shared capacity, driven as `kv_serving`'s `arena` row drives it: one
+//!   growable allocation per request, reserved for the model's context and
+//!   grown a 16-token block at a time (the decode batch's growth in one
+//!   `resize_many_on_stream`), freed on the engine's stream when the
+//!   request ends; between steps, retired ranges released and the prefetch
+//!   target (chunks created ahead) brought back with `maintain`; freed
+//!   chunks stay pooled up to the arena's retain watermark.
 //!
 //! Time: the models' steps time-share the GPU (one step at a time, the
 //! models taken in turn), each step charged by the profile's step-time
-//! model (`timing.rs`: prefill compute, the decode's weights and KV read)
-//! with the driver calls its scheduling made, priced by the profile, as
-//! work between steps: hidden up to the step's GPU time, the excess charged
-//! (the same rule for every manager: an engine with asynchronous
-//! scheduling prepares step k+1's memory while step k runs). kvcached's
-//! pre-allocation thread's maps are off that path and not charged. A decode that finds no memory preempts the request admitted
-//! last (recomputed when admitted again, as vLLM V1 does).
+//! model (`timing.rs`: prefill compute, the decode's weights and KV read;
+//! each row's own attention layout, [`crate::step_charge::attn_layout`]:
+//! `static` and `kvcached` are paged, the arena row as `--layout` says)
+//! with its driver calls charged by the rule every replay shares
+//! (`step_charge.rs`): each model's engine schedules asynchronously
+//! ([`crate::step_charge::AsyncEngine`]), so a step's between-steps work is
+//! its schedule's calls plus the frees and between-steps hooks that followed
+//! the model's previous step, hidden up to the step's GPU time, none of it
+//! hidden when a drain (a device synchronize: kvcached's before each unmap)
+//! is among it. kvcached's pre-allocation thread runs between steps, off
+//! the engine's thread: a step needing more pages than its reserve maps the
+//! rest on the engine's thread. A decode that finds no memory preempts the
+//! request admitted last (recomputed when admitted again, as vLLM V1 does).
 //!
 //! Traffic: model `m` replays its own slice of a trace (arrival gaps,
 //! prompt and output lengths), its gaps scaled by `rate_scale`, and
@@ -33,10 +43,12 @@ use std::collections::{HashMap, VecDeque};
 
 use vmm_arena::{Arena, ArenaConfig, Id};
 
+use crate::attention::AttnLayout;
 use crate::counted::Calls;
 use crate::managers::kvcached::{BlockManager, SharedHbm, KVCACHED_GPU_UTILIZATION};
 use crate::managers::kvcached_pool::{ElasticBlockPool, KvcachedPool, KVCACHED_BLOCK_TOKENS};
-use crate::managers::{new_device, Dev};
+use crate::managers::{new_device, Dev, Layout, DEFAULT_PRECREATE, ENGINE_STREAM};
+use crate::step_charge::{attn_layout, AsyncEngine, DriverTally};
 use crate::timing::{Profile, StepWork};
 use crate::trace::Request;
 
@@ -70,6 +82,15 @@ pub struct MmConfig {
     /// Tokens an arena allocation's reservation is sized for (the
     /// engine's `max_model_len`): it grows in place up to it.
     pub max_context: u64,
+    /// The arena row's KV layout (token-major or block-in-chunk: the same
+    /// memory, one allocation per request; attention reads them as their
+    /// layouts say).
+    #[serde(serialize_with = "layout_name")]
+    pub arena_layout: Layout,
+}
+
+fn layout_name<S: serde::Serializer>(l: &Layout, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(l.name())
 }
 
 /// Each model's requests: slices of `trace` `requests_per_model` apart,
@@ -101,10 +122,29 @@ pub trait SharedKv {
     /// request, or more for a running one); false if there is none.
     fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool;
     fn free(&mut self, m: usize, rid: usize);
+    /// Room for every request of `grows` (request, tokens) of model `m` at
+    /// once, all or nothing; false where there is no batch form or it
+    /// failed (the scheduler then grows them one by one).
+    fn reserve_batch(&mut self, _m: usize, _grows: &[(usize, u64)]) -> bool {
+        false
+    }
     /// Physical bytes model `m` holds.
     fn held(&self, m: usize) -> u64;
-    /// Driver calls made on the scheduler's path so far, all models.
+    /// Driver calls made on the engines' threads so far, all models.
     fn path_calls(&self) -> Calls;
+    /// Driver calls made on other threads so far (kvcached's
+    /// pre-allocation thread), all models.
+    fn background_calls(&self) -> Calls {
+        Calls::default()
+    }
+    /// Model `m`'s work between its steps, while the GPU computes.
+    fn between_steps(&mut self, _m: usize) {}
+    /// The GPU finished a step (the stream events recorded in it complete).
+    fn gpu_finished_step(&mut self) {}
+    /// The KV layout attention kernels read.
+    fn attn_layout(&self) -> AttnLayout {
+        attn_layout(self.name(), Layout::TokenMajor)
+    }
 }
 
 /// `static`: a fixed block budget per model.
@@ -170,7 +210,8 @@ impl KvcachedKv {
         let num_blocks = c.kv_bytes / (KVCACHED_BLOCK_TOKENS * c.kv_bytes_per_token);
         let pools = (0..c.models)
             .map(|_| {
-                let mgr = BlockManager::new(num_blocks, per_buffer, c.layers, hbm.clone())?;
+                let mut mgr = BlockManager::new(num_blocks, per_buffer, c.layers, hbm.clone())?;
+                mgr.page_allocator.set_engine_threads(true);
                 Ok(KvcachedPool::new(ElasticBlockPool::new(mgr, num_blocks, false, 0)))
             })
             .collect::<Result<Vec<_>, String>>()?;
@@ -204,6 +245,12 @@ impl SharedKv for KvcachedKv {
     fn path_calls(&self) -> Calls {
         self.pools.iter().fold(Calls::default(), |a, p| a.plus(&p.pool.mgr.page_allocator.foreground_calls()))
     }
+    fn background_calls(&self) -> Calls {
+        self.pools.iter().fold(Calls::default(), |a, p| a.plus(&p.pool.mgr.page_allocator.background_calls()))
+    }
+    fn between_steps(&mut self, m: usize) {
+        self.pools[m].pool.mgr.page_allocator.run_prealloc_thread();
+    }
 }
 
 /// `arena`: an arena per model on one counted device.
@@ -212,7 +259,11 @@ pub struct ArenaKv {
     arenas: Vec<Arena>,
     block_bytes: u64,
     max_bytes: u64,
+    layout: Layout,
     allocs: HashMap<(usize, usize), (Id, u64)>,
+    /// Errors of between-steps upkeep (`release_retired`, `maintain`):
+    /// counted, not fatal (the next step retries).
+    pub upkeep_errors: u64,
 }
 
 impl ArenaKv {
@@ -230,10 +281,22 @@ impl ArenaKv {
                     retain_bytes: c.arena_retain,
                     ..ArenaConfig::default()
                 };
-                Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))
+                let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
+                // kv_serving's arena row: chunks created ahead for
+                // admissions, nothing mapped ahead of the growing tensors.
+                arena.set_prefetch(DEFAULT_PRECREATE, 0).map_err(|e| format!("set_prefetch: {e}"))?;
+                Ok(arena)
             })
             .collect::<Result<Vec<_>, String>>()?;
-        Ok(ArenaKv { dev, arenas, block_bytes, max_bytes, allocs: HashMap::new() })
+        Ok(ArenaKv {
+            dev,
+            arenas,
+            block_bytes,
+            max_bytes,
+            layout: c.arena_layout,
+            allocs: HashMap::new(),
+            upkeep_errors: 0,
+        })
     }
 }
 
@@ -253,7 +316,7 @@ impl SharedKv for ArenaKv {
             },
             Some((_, have)) if have >= size => true,
             Some((id, _)) => {
-                if self.arenas[m].resize(id, size).is_err() {
+                if self.arenas[m].resize_on_stream(id, size, ENGINE_STREAM).is_err() {
                     return false;
                 }
                 self.allocs.insert((m, rid), (id, size));
@@ -261,9 +324,36 @@ impl SharedKv for ArenaKv {
             }
         }
     }
+    fn reserve_batch(&mut self, m: usize, grows: &[(usize, u64)]) -> bool {
+        let mut targets: Vec<(Id, u64)> = Vec::new();
+        let mut grown: Vec<(usize, Id, u64)> = Vec::new();
+        for &(rid, tokens) in grows {
+            let size = tokens.div_ceil(KVCACHED_BLOCK_TOKENS) * self.block_bytes;
+            match self.allocs.get(&(m, rid)) {
+                Some(&(id, have)) if have < size => {
+                    targets.push((id, size));
+                    grown.push((rid, id, size));
+                }
+                Some(_) => {}
+                None => return false,
+            }
+        }
+        if targets.is_empty() {
+            return true;
+        }
+        if self.arenas[m].resize_many_on_stream(&targets, ENGINE_STREAM).is_err() {
+            return false;
+        }
+        for (rid, id, size) in grown {
+            self.allocs.insert((m, rid), (id, size));
+        }
+        true
+    }
     fn free(&mut self, m: usize, rid: usize) {
         if let Some((id, _)) = self.allocs.remove(&(m, rid)) {
-            let _ = self.arenas[m].free(id);
+            if self.arenas[m].free_on_stream(id, ENGINE_STREAM).is_err() {
+                self.upkeep_errors += 1;
+            }
         }
     }
     fn held(&self, m: usize) -> u64 {
@@ -271,6 +361,18 @@ impl SharedKv for ArenaKv {
     }
     fn path_calls(&self) -> Calls {
         self.dev.calls()
+    }
+    fn between_steps(&mut self, m: usize) {
+        let a = &self.arenas[m];
+        if a.release_retired().is_err() || a.maintain().is_err() {
+            self.upkeep_errors += 1;
+        }
+    }
+    fn gpu_finished_step(&mut self) {
+        self.dev.finish_gpu_step();
+    }
+    fn attn_layout(&self) -> AttnLayout {
+        attn_layout(self.name(), self.layout)
     }
 }
 
@@ -294,7 +396,12 @@ pub struct ModelReport {
 pub struct MmReport {
     pub manager: String,
     pub makespan_s: f64,
+    /// Driver time charged to steps (`driver.charged_s`).
     pub driver_s: f64,
+    /// The run's driver time by the shared rule (`step_charge.rs`).
+    pub driver: DriverTally,
+    /// The attention layout the row's steps were priced with.
+    pub attn_layout: AttnLayout,
     pub models: Vec<ModelReport>,
     #[serde(skip)]
     pub timeline: Vec<(f64, Vec<u64>)>,
@@ -328,6 +435,11 @@ fn p99(mut v: Vec<f64>) -> f64 {
 
 /// Runs every model's requests through `kv` on `profile`'s GPU.
 pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile: &Profile) -> MmReport {
+    let mut row_profile = profile.clone();
+    row_profile.attn_layout = kv.attn_layout();
+    let profile = &row_profile;
+    let mut engines = vec![AsyncEngine::default(); c.models];
+    let mut tally = DriverTally::default();
     let mut st: Vec<ModelState> = reqs
         .iter()
         .map(|r| ModelState {
@@ -342,7 +454,6 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
         })
         .collect();
     let mut t = 0.0f64;
-    let mut driver_total = 0.0;
     let mut timeline = Vec::new();
     let mut turn = 0usize;
     loop {
@@ -371,8 +482,14 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
         turn = m + 1;
         let calls_before = kv.path_calls();
         let s = &mut st[m];
-        // Decodes first, in running order; a request that finds no memory
-        // preempts the one admitted last (itself if it is the last).
+        // Decodes first, in running order: the batch's growth at once where
+        // the manager has a batch form; then one by one, a request that
+        // finds no memory preempting the one admitted last (itself if it
+        // is the last).
+        let grows: Vec<(usize, u64)> = s.running.iter().map(|r| (r.rid, reqs[m][r.rid].prompt + r.done)).collect();
+        if !grows.is_empty() {
+            kv.reserve_batch(m, &grows);
+        }
         let mut i = 0;
         while i < s.running.len() {
             let r = &s.running[i];
@@ -417,10 +534,14 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             work.decode_kv_bytes += tokens * c.kv_bytes_per_token;
             admitted.push((rid, done));
         }
-        work.alloc_between_s = profile.driver_s(&kv.path_calls().since(&calls_before));
-        let step = profile.step(&work);
-        driver_total += step.alloc_charged_s;
+        let schedule = kv.path_calls().since(&calls_before);
+        let step = engines[m].charge(profile, &mut work, &schedule, &mut tally);
         t += step.total_s;
+        kv.gpu_finished_step();
+        // After the step: its finished requests freed, then the model's
+        // between-steps work (the next step's between-steps calls).
+        let after_before = kv.path_calls();
+        let background_before = kv.background_calls();
         for r in s.running.iter_mut() {
             r.done += 1;
         }
@@ -441,6 +562,12 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
                 k += 1;
             }
         }
+        kv.between_steps(m);
+        engines[m].after_step(&kv.path_calls().since(&after_before));
+        if s.running.is_empty() && s.waiting.is_empty() {
+            engines[m].went_idle(profile, &mut tally);
+        }
+        tally.add_background(profile, &kv.background_calls().since(&background_before));
         let held: Vec<u64> = (0..c.models).map(|k| kv.held(k)).collect();
         for (k, h) in held.iter().enumerate() {
             st[k].peak = st[k].peak.max(*h);
@@ -477,5 +604,16 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             }
         })
         .collect();
-    MmReport { manager: kv.name().into(), makespan_s: t, driver_s: driver_total, models, timeline }
+    for e in engines.iter_mut() {
+        e.went_idle(profile, &mut tally);
+    }
+    MmReport {
+        manager: kv.name().into(),
+        makespan_s: t,
+        driver_s: tally.charged_s,
+        driver: tally,
+        attn_layout: profile.attn_layout,
+        models,
+        timeline,
+    }
 }

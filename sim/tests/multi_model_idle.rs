@@ -4,6 +4,7 @@
 
 use vmm_sim::idle_footprint::{self, ArenaEngine, IdleConfig, KvcachedEngine};
 use vmm_sim::managers::kvcached::KVCACHED_PAGE_BYTES;
+use vmm_sim::managers::Layout;
 use vmm_sim::multi_model::{self, ArenaKv, KvcachedKv, MmConfig, SharedKv, StaticKv};
 use vmm_sim::timing::Profile;
 use vmm_sim::trace;
@@ -23,6 +24,7 @@ fn mm_config() -> MmConfig {
         phase_s: 5.0,
         arena_retain: 256 << 20,
         max_context: 8192,
+        arena_layout: Layout::TokenMajor,
     }
 }
 

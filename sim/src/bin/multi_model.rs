@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use vmm_sim::managers::Layout;
 use vmm_sim::multi_model::{model_requests, plot, run, ArenaKv, KvcachedKv, MmConfig, MmReport, SharedKv, StaticKv};
 use vmm_sim::timing::Profile;
 use vmm_sim::trace;
@@ -33,6 +34,10 @@ struct Args {
     /// The arena's retain watermark per model, bytes.
     #[arg(long, default_value_t = 512 << 20)]
     arena_retain: u64,
+    /// The arena row's KV layout: token-major or block-in-chunk (the same
+    /// memory; attention reads block-in-chunk as a paged kernel does).
+    #[arg(long, default_value = "token-major")]
+    layout: String,
     /// Managers to run, comma-separated.
     #[arg(long, default_value = "static,kvcached,arena")]
     managers: String,
@@ -67,6 +72,11 @@ fn main() {
         phase_s: a.phase_s,
         arena_retain: a.arena_retain,
         max_context: 32768,
+        arena_layout: match a.layout.as_str() {
+            "token-major" => Layout::TokenMajor,
+            "block-in-chunk" => Layout::BlockInChunk,
+            other => panic!("unknown --layout {other} (token-major, block-in-chunk)"),
+        },
     };
     let tr = if a.trace == "synthetic" {
         trace::synthetic(a.models * a.requests_per_model, 7)
@@ -120,6 +130,19 @@ fn main() {
                 m.peak_held_bytes as f64 / (1u64 << 30) as f64
             );
         }
-        println!("{:<9} makespan {:.1} s, driver time charged {:.3} s", "", r.makespan_s, r.driver_s);
+        let d = &r.driver;
+        println!(
+            "{:<9} makespan {:.1} s; driver time charged {:.3} s, hidden {:.3} s, on the engines' threads {:.3} s, \
+             serial {:.3} s; {} synchronizes, {} drained steps of {}",
+            "",
+            r.makespan_s,
+            d.charged_s,
+            d.hidden_s,
+            d.caller_thread_s,
+            d.serial_s,
+            d.synchronizes,
+            d.drained_steps,
+            d.steps
+        );
     }
 }
