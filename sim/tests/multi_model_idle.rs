@@ -75,9 +75,9 @@ fn idle_footprint_hits_agree_and_each_engine_holds_at_least_its_floor() {
     };
     let reqs = idle_footprint::build_requests(&c);
     let mut k = KvcachedEngine::new(&c).unwrap();
-    let rk = idle_footprint::run(&c, &reqs, &mut k, "kvcached").unwrap();
+    let rk = idle_footprint::run(&c, &reqs, &mut k, "kvcached", &Profile::h200()).unwrap();
     let mut a = ArenaEngine::new(&c).unwrap();
-    let ra = idle_footprint::run(&c, &reqs, &mut a, "arena").unwrap();
+    let ra = idle_footprint::run(&c, &reqs, &mut a, "arena", &Profile::h200()).unwrap();
     assert!(rk.hit_tokens > 0);
     assert_eq!(rk.prompt_tokens, ra.prompt_tokens);
     // Both keep the cap's blocks once idle.
