@@ -604,7 +604,13 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             }
         })
         .collect();
-    for e in engines.iter_mut() {
+    // Idle: the last step has run (its stream-ordered frees complete), and
+    // each model's between-steps work waits for nothing now.
+    kv.gpu_finished_step();
+    for (m, e) in engines.iter_mut().enumerate() {
+        let before = kv.path_calls();
+        kv.between_steps(m);
+        e.after_step(&kv.path_calls().since(&before));
         e.went_idle(profile, &mut tally);
     }
     MmReport {
