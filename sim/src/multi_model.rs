@@ -389,6 +389,8 @@ pub struct ModelReport {
     pub tokens_per_s: f64,
     pub preemptions: u64,
     pub peak_held_bytes: u64,
+    /// Driver time charged to this model's steps.
+    pub driver_charged_s: f64,
 }
 
 /// A run's figures and its memory timeline: (time, bytes held per model).
@@ -421,6 +423,7 @@ struct ModelState {
     finish: Vec<Option<f64>>,
     preemptions: u64,
     peak: u64,
+    driver_charged_s: f64,
     /// Output tokens of preempted requests, recomputed on readmission.
     resumed: HashMap<usize, u64>,
 }
@@ -450,6 +453,7 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             finish: vec![None; r.len()],
             preemptions: 0,
             peak: 0,
+            driver_charged_s: 0.0,
             resumed: HashMap::new(),
         })
         .collect();
@@ -536,6 +540,7 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
         }
         let schedule = kv.path_calls().since(&calls_before);
         let step = engines[m].charge(profile, &mut work, &schedule, &mut tally);
+        s.driver_charged_s += step.alloc_charged_s;
         t += step.total_s;
         kv.gpu_finished_step();
         // After the step: its finished requests freed, then the model's
@@ -601,6 +606,7 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
                 tokens_per_s: out as f64 / (end - start).max(1e-9),
                 preemptions: s.preemptions,
                 peak_held_bytes: s.peak,
+                driver_charged_s: s.driver_charged_s,
             }
         })
         .collect();
