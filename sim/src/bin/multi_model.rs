@@ -31,9 +31,10 @@ struct Args {
     /// Length of a peak phase, seconds.
     #[arg(long, default_value_t = 20.0)]
     phase_s: f64,
-    /// The arena's retain watermark per model, bytes.
-    #[arg(long, default_value_t = 512 << 20)]
-    arena_retain: u64,
+    /// The arena's retain watermark per model, bytes (default: sized from
+    /// the workload, the KV one step admits at most: 8,192 tokens).
+    #[arg(long)]
+    arena_retain: Option<u64>,
     /// The arena row's KV layout: token-major or block-in-chunk (the same
     /// memory; attention reads block-in-chunk as a paged kernel does).
     #[arg(long, default_value = "token-major")]
@@ -47,6 +48,9 @@ struct Args {
     #[arg(long)]
     json: bool,
 }
+
+/// Tokens a step computes at most (vLLM's `max_num_batched_tokens`).
+const STEP_TOKENS: u64 = 8192;
 
 fn main() {
     let a = Args::parse();
@@ -64,13 +68,13 @@ fn main() {
         layers,
         device_bytes,
         kv_bytes,
-        step_tokens: 8192,
+        step_tokens: STEP_TOKENS,
         max_batch: 256,
         requests_per_model: a.requests_per_model,
         rate_scale: a.rate_scale,
         peak: a.peak,
         phase_s: a.phase_s,
-        arena_retain: a.arena_retain,
+        arena_retain: a.arena_retain.unwrap_or(STEP_TOKENS * kv_bytes_per_token),
         max_context: 32768,
         arena_layout: match a.layout.as_str() {
             "token-major" => Layout::TokenMajor,
