@@ -520,7 +520,7 @@ impl IdleEngine for ArenaEngine {
         let first = hit.len() as u64;
         let blocks = q.prompt.div_ceil(KVCACHED_BLOCK_TOKENS) - first;
         let size = blocks * self.block_bytes;
-        let (aid, _) = self.arena.alloc_growable(size, size.max(self.max_bytes)).ok()?;
+        let (aid, _) = self.arena.alloc_growable_on_stream(size, size.max(self.max_bytes), ENGINE_STREAM).ok()?;
         for &b in &hit {
             *self.refs.entry(b).or_default() += 1;
             self.unlru(b);

@@ -11,7 +11,8 @@
 //!   pool keeping its pre-mapped reserve of 5 to 10 pages;
 //! - `arena`: one vmm-arena per model process, all on one device of the
 //!   shared capacity, driven as `kv_serving`'s `arena` row drives it: one
-//!   growable allocation per request, reserved for the model's context and
+//!   growable allocation per request (ordered on the engine's stream),
+//!   reserved for the model's context and
 //!   grown a 16-token block at a time (the decode batch's growth in one
 //!   `resize_many_on_stream`), freed on the engine's stream when the
 //!   request ends; between steps, retired ranges released and the prefetch
@@ -87,6 +88,12 @@ pub struct MmConfig {
     /// layouts say).
     #[serde(serialize_with = "layout_name")]
     pub arena_layout: Layout,
+    /// Sleep of idle models (kvcached's router sleeps a model idle past a
+    /// threshold): a model idle this long gives back the memory it keeps
+    /// for later requests (kvcached's reserved pages, the arena's pool:
+    /// `SharedKv::sleep`), so the others can use it; its next request wakes
+    /// it, paying the maps it needs then. KV only: weights stay. `None`: off.
+    pub sleep_after_s: Option<f64>,
 }
 
 fn layout_name<S: serde::Serializer>(l: &Layout, s: S) -> Result<S::Ok, S::Error> {
@@ -139,6 +146,9 @@ pub trait SharedKv {
     }
     /// Model `m`'s work between its steps, while the GPU computes.
     fn between_steps(&mut self, _m: usize) {}
+    /// Model `m` is idle and goes to sleep: memory kept for later requests
+    /// goes back to the device (nothing by default).
+    fn sleep(&mut self, _m: usize) {}
     /// The GPU finished a step (the stream events recorded in it complete).
     fn gpu_finished_step(&mut self) {}
     /// The KV layout attention kernels read.
@@ -251,6 +261,9 @@ impl SharedKv for KvcachedKv {
     fn between_steps(&mut self, m: usize) {
         self.pools[m].pool.mgr.page_allocator.run_prealloc_thread();
     }
+    fn sleep(&mut self, m: usize) {
+        self.pools[m].pool.mgr.trim();
+    }
 }
 
 /// `arena`: an arena per model on one counted device.
@@ -307,7 +320,7 @@ impl SharedKv for ArenaKv {
     fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool {
         let size = tokens.div_ceil(KVCACHED_BLOCK_TOKENS) * self.block_bytes;
         match self.allocs.get(&(m, rid)).copied() {
-            None => match self.arenas[m].alloc_growable(size, size.max(self.max_bytes)) {
+            None => match self.arenas[m].alloc_growable_on_stream(size, size.max(self.max_bytes), ENGINE_STREAM) {
                 Ok((id, _)) => {
                     self.allocs.insert((m, rid), (id, size));
                     true
@@ -371,6 +384,11 @@ impl SharedKv for ArenaKv {
     fn gpu_finished_step(&mut self) {
         self.dev.finish_gpu_step();
     }
+    fn sleep(&mut self, m: usize) {
+        if self.arenas[m].trim(0).is_err() {
+            self.upkeep_errors += 1;
+        }
+    }
     fn attn_layout(&self) -> AttnLayout {
         attn_layout(self.name(), self.layout)
     }
@@ -391,6 +409,8 @@ pub struct ModelReport {
     pub peak_held_bytes: u64,
     /// Driver time charged to this model's steps.
     pub driver_charged_s: f64,
+    /// Times the model went to sleep (`MmConfig::sleep_after_s`).
+    pub sleeps: u64,
 }
 
 /// A run's figures and its memory timeline: (time, bytes held per model).
@@ -424,6 +444,10 @@ struct ModelState {
     preemptions: u64,
     peak: u64,
     driver_charged_s: f64,
+    /// Since when the model has had nothing to run, and whether it sleeps.
+    idle_since: Option<f64>,
+    asleep: bool,
+    sleeps: u64,
     /// Output tokens of preempted requests, recomputed on readmission.
     resumed: HashMap<usize, u64>,
 }
@@ -454,20 +478,44 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             preemptions: 0,
             peak: 0,
             driver_charged_s: 0.0,
+            idle_since: Some(0.0),
+            asleep: false,
+            sleeps: 0,
             resumed: HashMap::new(),
         })
         .collect();
     let mut t = 0.0f64;
     let mut timeline = Vec::new();
     let mut turn = 0usize;
+    let busy = |s: &ModelState| !s.running.is_empty() || !s.waiting.is_empty();
     loop {
+        // Sleep first: a model idle past the threshold slept before the
+        // arrivals of now (which wake it).
+        for (m, s) in st.iter_mut().enumerate() {
+            if busy(s) {
+                (s.idle_since, s.asleep) = (None, false);
+                continue;
+            }
+            let due = match (c.sleep_after_s, s.idle_since) {
+                (Some(after), Some(since)) => !s.asleep && t - since >= after,
+                _ => false,
+            };
+            if due {
+                // Idle: what sleep does waits for nothing.
+                let before = kv.path_calls();
+                kv.sleep(m);
+                engines[m].after_step(&kv.path_calls().since(&before));
+                engines[m].went_idle(profile, &mut tally);
+                s.asleep = true;
+                s.sleeps += 1;
+            }
+        }
         for (m, s) in st.iter_mut().enumerate() {
             while s.next < reqs[m].len() && reqs[m][s.next].arrival <= t {
                 s.waiting.push_back(s.next);
                 s.next += 1;
             }
         }
-        let busy = |s: &ModelState| !s.running.is_empty() || !s.waiting.is_empty();
         if !st.iter().any(busy) {
             let next = st
                 .iter()
@@ -478,6 +526,8 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             if next.is_infinite() {
                 break;
             }
+            // The GPU idles until then: what it was given has completed.
+            kv.gpu_finished_step();
             t = next;
             continue;
         }
@@ -571,6 +621,7 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
         engines[m].after_step(&kv.path_calls().since(&after_before));
         if s.running.is_empty() && s.waiting.is_empty() {
             engines[m].went_idle(profile, &mut tally);
+            s.idle_since = Some(t);
         }
         tally.add_background(profile, &kv.background_calls().since(&background_before));
         let held: Vec<u64> = (0..c.models).map(|k| kv.held(k)).collect();
@@ -607,6 +658,7 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
                 preemptions: s.preemptions,
                 peak_held_bytes: s.peak,
                 driver_charged_s: s.driver_charged_s,
+                sleeps: s.sleeps,
             }
         })
         .collect();

@@ -25,6 +25,7 @@ fn mm_config() -> MmConfig {
         arena_retain: 256 << 20,
         max_context: 8192,
         arena_layout: Layout::TokenMajor,
+        sleep_after_s: None,
     }
 }
 

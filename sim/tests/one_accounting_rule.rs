@@ -106,6 +106,7 @@ fn mm_config(max_batch: usize) -> MmConfig {
         arena_retain: 0,
         max_context: 8192,
         arena_layout: Layout::TokenMajor,
+        sleep_after_s: None,
     }
 }
 
@@ -198,4 +199,82 @@ fn each_row_is_priced_with_its_own_attention_layout() {
     let bic = MmConfig { arena_layout: Layout::BlockInChunk, ..c.clone() };
     let r = multi_model::run(&bic, &reqs, &mut ArenaKv::new(&bic).unwrap(), &base);
     assert_eq!(r.attn_layout, AttnLayout::Paged);
+}
+
+/// A manager that counts its sleeps and makes `sleep_calls` each time.
+struct Sleeper {
+    inner: FixedCalls,
+    slept: Vec<usize>,
+    sleep_calls: Calls,
+}
+
+impl SharedKv for Sleeper {
+    fn name(&self) -> &'static str {
+        "sleeper"
+    }
+    fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool {
+        self.inner.reserve(m, rid, tokens)
+    }
+    fn free(&mut self, m: usize, rid: usize) {
+        SharedKv::free(&mut self.inner, m, rid)
+    }
+    fn held(&self, _m: usize) -> u64 {
+        0
+    }
+    fn path_calls(&self) -> Calls {
+        self.inner.calls
+    }
+    fn sleep(&mut self, m: usize) {
+        self.slept.push(m);
+        self.inner.calls = self.inner.calls.plus(&self.sleep_calls);
+    }
+}
+
+#[test]
+fn a_model_idle_past_the_threshold_sleeps_once_and_its_sleep_is_charged_to_no_step() {
+    let p = Profile::a100();
+    // Model 0: requests at 0 and 30 s (idle about 30 s between); model 1:
+    // a request every second (never idle 5 s until its last).
+    let reqs = vec![
+        vec![MmRequest { arrival: 0.0, prompt: 32, output: 2 }, MmRequest { arrival: 30.0, prompt: 32, output: 2 }],
+        (0..20).map(|k| MmRequest { arrival: k as f64, prompt: 32, output: 2 }).collect(),
+    ];
+    let c = MmConfig { models: 2, requests_per_model: 20, sleep_after_s: Some(5.0), ..mm_config(4) };
+    let sleep_calls = Calls { unmap: 1, unmap_chunks: 100, synchronize: 1, ..Calls::default() };
+    let mut kv = Sleeper { inner: FixedCalls::new(Calls::default(), Calls::default()), slept: Vec::new(), sleep_calls };
+    let r = multi_model::run(&c, &reqs, &mut kv, &p);
+    // Model 0 sleeps in its 30 s gap; model 1 only after its last request
+    // (at 19 s), while model 0's second request runs.
+    assert_eq!(kv.slept, vec![0, 1]);
+    assert_eq!((r.models[0].sleeps, r.models[1].sleeps), (1, 1));
+    // Priced on the sleeping model's thread, charged to no step.
+    assert_eq!(r.driver.charged_s, 0.0);
+    assert!(close(r.driver.caller_thread_s, 2.0 * (100.0 * p.unmap_s + p.synchronize_s)), "{:?}", r.driver);
+    // Off, nothing sleeps.
+    let mut kv = Sleeper { inner: FixedCalls::new(Calls::default(), Calls::default()), slept: Vec::new(), sleep_calls };
+    multi_model::run(&MmConfig { sleep_after_s: None, ..c }, &reqs, &mut kv, &p);
+    assert!(kv.slept.is_empty());
+}
+
+#[test]
+fn an_arena_model_that_slept_gives_its_pool_back_and_maps_again_on_waking() {
+    let p = Profile::a100();
+    // 1,000 prompt tokens of 128 KiB: 63 blocks of 16 tokens, 63 chunks.
+    let reqs = vec![vec![
+        MmRequest { arrival: 0.0, prompt: 1000, output: 1 },
+        MmRequest { arrival: 30.0, prompt: 1000, output: 1 },
+    ]];
+    let c = MmConfig { arena_retain: 1 << 30, ..mm_config(4) };
+    let creates = |sleep: Option<f64>| {
+        let c = MmConfig { sleep_after_s: sleep, ..c.clone() };
+        let mut kv = ArenaKv::new(&c).unwrap();
+        let r = multi_model::run(&c, &reqs, &mut kv, &p);
+        (r.driver.calls.create_chunks, r.models[0].sleeps)
+    };
+    let (awake, none) = creates(None);
+    let (slept, once) = creates(Some(5.0));
+    assert_eq!((none, once), (0, 1));
+    // Awake, the second request reuses the first one's pooled chunks; after
+    // sleeping it creates its 63 again (and the prefetch target's 4).
+    assert_eq!(slept - awake, 63 + 4, "{awake} vs {slept}");
 }

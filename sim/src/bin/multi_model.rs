@@ -39,6 +39,10 @@ struct Args {
     /// memory; attention reads block-in-chunk as a paged kernel does).
     #[arg(long, default_value = "token-major")]
     layout: String,
+    /// Put a model to sleep once idle this many seconds (its kept memory
+    /// back to the device until its next request); off by default.
+    #[arg(long)]
+    sleep_after_s: Option<f64>,
     /// Managers to run, comma-separated.
     #[arg(long, default_value = "static,kvcached,arena")]
     managers: String,
@@ -81,6 +85,7 @@ fn main() {
             "block-in-chunk" => Layout::BlockInChunk,
             other => panic!("unknown --layout {other} (token-major, block-in-chunk)"),
         },
+        sleep_after_s: a.sleep_after_s,
     };
     let tr = if a.trace == "synthetic" {
         trace::synthetic(a.models * a.requests_per_model, 7)
