@@ -94,5 +94,14 @@ fn idle_footprint_hits_agree_and_each_engine_holds_at_least_its_floor() {
     assert!(ra.idle_used_bytes >= raw);
     assert!(ra.idle_used_bytes < raw + c.max_cached_blocks() * (2 << 20));
     assert_eq!(ra.idle_after_trim_bytes, ra.idle_used_bytes);
+    // The arena grows its growable allocations in place: no implicit move.
+    assert_eq!(a.arena.stats().unwrap().moves, 0);
+    // Both engines' driver time is priced: every call on the engine's
+    // thread at least once, kvcached's pre-allocation thread beside it.
+    for r in [&rk, &ra] {
+        assert!(r.driver.caller_thread_s > 0.0 && r.driver.serial_s >= r.driver.caller_thread_s, "{r:?}");
+        assert!(r.driver.charged_s <= r.driver.caller_thread_s + 1e-12, "{r:?}");
+    }
+    assert!(rk.driver.serial_s > rk.driver.caller_thread_s, "kvcached's thread maps off the engine's");
     assert!(rk.idle_after_trim_bytes <= rk.idle_held_bytes);
 }

@@ -145,12 +145,22 @@ fn with_engine_threads_a_burst_past_the_reserve_maps_on_the_callers_thread() {
     assert_eq!(m.page_allocator.num_reserved_pages(), 5);
     assert_eq!(m.page_allocator.background_calls().since(&bg).create, 5);
     assert_eq!(m.page_allocator.foreground_calls().since(&fg).create, 2);
-    // Freeing the 7 pages: 5 fill the reserve to its maximum, 2 are
+    assert_eq!(blocks.len(), 31);
+}
+
+#[test]
+fn under_asynchronous_scheduling_unmap_pages_synchronizes_first() {
+    let mut m = manager(16, 5, 10);
+    m.page_allocator.set_engine_threads(true);
+    let blocks = m.alloc(3 + 7 * 4).expect("room");
+    m.page_allocator.run_prealloc_thread();
+    // Freeing the 7 pages: 5 fill the reserve to its maximum (10), 2 are
     // unmapped in one `unmap_pages`, the device synchronized before it.
     let fg = m.page_allocator.foreground_calls();
     m.free(&blocks[3..]);
     let d = m.page_allocator.foreground_calls().since(&fg);
     assert_eq!((d.unmap, d.release, d.synchronize), (2, 2, 1));
+    assert_eq!(m.page_allocator.num_reserved_pages(), 10);
 }
 
 #[test]
