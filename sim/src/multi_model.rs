@@ -17,7 +17,9 @@
 //!   `resize_many_on_stream`), freed on the engine's stream when the
 //!   request ends; between steps, retired ranges released and the prefetch
 //!   target (chunks created ahead) brought back with `maintain`; freed
-//!   chunks stay pooled up to the arena's retain watermark.
+//!   chunks stay pooled up to the arena's retain watermark;
+//! - `arena-shared`: the same with one arena for all models (one pool, the
+//!   sum of the per-model watermarks; a model holds its allocations).
 //!
 //! Time: the models' steps time-share the GPU (one step at a time, the
 //! models taken in turn), each step charged by the profile's step-time
@@ -266,10 +268,13 @@ impl SharedKv for KvcachedKv {
     }
 }
 
-/// `arena`: an arena per model on one counted device.
+/// `arena`: an arena per model on one counted device; `arena-shared`: one
+/// arena all models allocate from (its pool shared: the sum of the
+/// per-model watermarks).
 pub struct ArenaKv {
     dev: Dev,
     arenas: Vec<Arena>,
+    shared: bool,
     block_bytes: u64,
     max_bytes: u64,
     layout: Layout,
@@ -280,18 +285,30 @@ pub struct ArenaKv {
 }
 
 impl ArenaKv {
+    /// An arena per model.
     pub fn new(c: &MmConfig) -> Result<ArenaKv, String> {
+        Self::build(c, false)
+    }
+
+    /// One arena shared by every model.
+    pub fn new_shared(c: &MmConfig) -> Result<ArenaKv, String> {
+        Self::build(c, true)
+    }
+
+    fn build(c: &MmConfig, shared: bool) -> Result<ArenaKv, String> {
         let dev = new_device(c.kv_bytes)?;
         let block_bytes = KVCACHED_BLOCK_TOKENS * c.kv_bytes_per_token;
         let max_bytes = c.max_context.div_ceil(KVCACHED_BLOCK_TOKENS) * block_bytes;
-        // Room for two full batches of reservations (address space only).
-        let reserve = (c.kv_bytes * 4).max(2 * c.max_batch as u64 * max_bytes);
-        let arenas = (0..c.models)
+        // Room for two full batches of reservations (address space only),
+        // every model's in a shared arena.
+        let (n, users) = if shared { (1, c.models as u64) } else { (c.models, 1) };
+        let reserve = (c.kv_bytes * 4).max(2 * users * c.max_batch as u64 * max_bytes);
+        let arenas = (0..n)
             .map(|_| {
                 let cfg = ArenaConfig {
                     capacity_bytes: c.kv_bytes,
                     reserve_bytes: reserve,
-                    retain_bytes: c.arena_retain,
+                    retain_bytes: c.arena_retain.saturating_mul(users),
                     ..ArenaConfig::default()
                 };
                 let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
@@ -304,6 +321,7 @@ impl ArenaKv {
         Ok(ArenaKv {
             dev,
             arenas,
+            shared,
             block_bytes,
             max_bytes,
             layout: c.arena_layout,
@@ -311,16 +329,25 @@ impl ArenaKv {
             upkeep_errors: 0,
         })
     }
+
+    /// The arena model `m` allocates from.
+    fn arena(&self, m: usize) -> &Arena {
+        &self.arenas[if self.shared { 0 } else { m }]
+    }
 }
 
 impl SharedKv for ArenaKv {
     fn name(&self) -> &'static str {
-        "arena"
+        if self.shared {
+            "arena-shared"
+        } else {
+            "arena"
+        }
     }
     fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool {
         let size = tokens.div_ceil(KVCACHED_BLOCK_TOKENS) * self.block_bytes;
         match self.allocs.get(&(m, rid)).copied() {
-            None => match self.arenas[m].alloc_growable_on_stream(size, size.max(self.max_bytes), ENGINE_STREAM) {
+            None => match self.arena(m).alloc_growable_on_stream(size, size.max(self.max_bytes), ENGINE_STREAM) {
                 Ok((id, _)) => {
                     self.allocs.insert((m, rid), (id, size));
                     true
@@ -329,7 +356,7 @@ impl SharedKv for ArenaKv {
             },
             Some((_, have)) if have >= size => true,
             Some((id, _)) => {
-                if self.arenas[m].resize_on_stream(id, size, ENGINE_STREAM).is_err() {
+                if self.arena(m).resize_on_stream(id, size, ENGINE_STREAM).is_err() {
                     return false;
                 }
                 self.allocs.insert((m, rid), (id, size));
@@ -354,7 +381,7 @@ impl SharedKv for ArenaKv {
         if targets.is_empty() {
             return true;
         }
-        if self.arenas[m].resize_many_on_stream(&targets, ENGINE_STREAM).is_err() {
+        if self.arena(m).resize_many_on_stream(&targets, ENGINE_STREAM).is_err() {
             return false;
         }
         for (rid, id, size) in grown {
@@ -364,19 +391,23 @@ impl SharedKv for ArenaKv {
     }
     fn free(&mut self, m: usize, rid: usize) {
         if let Some((id, _)) = self.allocs.remove(&(m, rid)) {
-            if self.arenas[m].free_on_stream(id, ENGINE_STREAM).is_err() {
+            if self.arena(m).free_on_stream(id, ENGINE_STREAM).is_err() {
                 self.upkeep_errors += 1;
             }
         }
     }
     fn held(&self, m: usize) -> u64 {
-        self.arenas[m].stats().map_or(0, |s| s.mapped_bytes + s.pooled_bytes)
+        if self.shared {
+            // The pool is everyone's: a model holds its allocations.
+            return self.allocs.iter().filter(|((k, _), _)| *k == m).map(|(_, &(_, size))| size).sum();
+        }
+        self.arena(m).stats().map_or(0, |s| s.mapped_bytes + s.pooled_bytes)
     }
     fn path_calls(&self) -> Calls {
         self.dev.calls()
     }
     fn between_steps(&mut self, m: usize) {
-        let a = &self.arenas[m];
+        let a = self.arena(m);
         if a.release_retired().is_err() || a.maintain().is_err() {
             self.upkeep_errors += 1;
         }
@@ -385,7 +416,8 @@ impl SharedKv for ArenaKv {
         self.dev.finish_gpu_step();
     }
     fn sleep(&mut self, m: usize) {
-        if self.arenas[m].trim(0).is_err() {
+        // A shared arena's pool serves the models still awake.
+        if !self.shared && self.arena(m).trim(0).is_err() {
             self.upkeep_errors += 1;
         }
     }

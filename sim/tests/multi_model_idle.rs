@@ -36,8 +36,12 @@ fn every_manager_serves_every_request_of_every_model() {
     let reqs = multi_model::model_requests(&c, &tr.requests);
     assert!(reqs.iter().all(|r| r.len() == c.requests_per_model));
     let profile = Profile::named("a100").unwrap();
-    let mut managers: Vec<Box<dyn SharedKv>> =
-        vec![Box::new(StaticKv::new(&c)), Box::new(KvcachedKv::new(&c).unwrap()), Box::new(ArenaKv::new(&c).unwrap())];
+    let mut managers: Vec<Box<dyn SharedKv>> = vec![
+        Box::new(StaticKv::new(&c)),
+        Box::new(KvcachedKv::new(&c).unwrap()),
+        Box::new(ArenaKv::new(&c).unwrap()),
+        Box::new(ArenaKv::new_shared(&c).unwrap()),
+    ];
     for kv in managers.iter_mut() {
         let r = multi_model::run(&c, &reqs, kv.as_mut(), &profile);
         for m in &r.models {
@@ -53,12 +57,13 @@ fn every_manager_serves_every_request_of_every_model() {
             assert!(held.iter().sum::<u64>() <= c.kv_bytes, "{} at {t}: {held:?}", r.manager);
         }
         // Idle at the end: kvcached keeps at most its reserve, the arena its
-        // watermark.
+        // watermark (a shared arena's pool is no model's: they hold nothing).
         for m in 0..c.models {
             let held = kv.held(m);
             match r.manager.as_str() {
                 "static" => assert_eq!(held, c.kv_bytes / 3 / (2 << 20) * (2 << 20)),
                 "kvcached" => assert!(held <= 11 * KVCACHED_PAGE_BYTES * 2 * c.layers, "{held}"),
+                "arena-shared" => assert_eq!(held, 0),
                 _ => assert!(held <= c.arena_retain, "{held}"),
             }
         }

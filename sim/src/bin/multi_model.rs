@@ -43,7 +43,8 @@ struct Args {
     /// back to the device until its next request); off by default.
     #[arg(long)]
     sleep_after_s: Option<f64>,
-    /// Managers to run, comma-separated.
+    /// Managers to run, comma-separated (`arena-shared`: one arena for
+    /// every model, beside `arena`'s one per model).
     #[arg(long, default_value = "static,kvcached,arena")]
     managers: String,
     /// Write the memory-over-time plot here.
@@ -100,7 +101,8 @@ fn main() {
             "static" => Box::new(StaticKv::new(&c)),
             "kvcached" => Box::new(KvcachedKv::new(&c).unwrap_or_else(|e| panic!("kvcached: {e}"))),
             "arena" => Box::new(ArenaKv::new(&c).unwrap_or_else(|e| panic!("arena: {e}"))),
-            other => panic!("unknown manager {other} (static, kvcached, arena)"),
+            "arena-shared" => Box::new(ArenaKv::new_shared(&c).unwrap_or_else(|e| panic!("arena-shared: {e}"))),
+            other => panic!("unknown manager {other} (static, kvcached, arena, arena-shared)"),
         };
         runs.push(run(&c, &reqs, kv.as_mut(), &profile));
     }
