@@ -16,7 +16,20 @@
 //!   request ends its allocation is shrunk to the blocks still cached, and
 //!   an evicted block shrinks its allocation (eviction is vLLM's LRU, which
 //!   takes a request's blocks tail first), so memory comes back to the
-//!   chunk (2 MiB), not the page of 72 buffers.
+//!   chunk (2 MiB), not the page of 72 buffers. Driven as `kv_serving`'s
+//!   arena row: each allocation growable, reserved for the workload's
+//!   longest request and grown in place (no moves); shrinks and frees
+//!   ordered on the engine's stream; between steps, retired ranges
+//!   released and the prefetch target brought back (`maintain`); freed
+//!   chunks kept pooled up to a watermark sized from the workload
+//!   ([`IdleConfig::auto_arena_retain`]: the KV one step admits at most).
+//!
+//! Time: each step is priced by the step-time model (`timing.rs`, the
+//! profile given Qwen3-4B's shape: [`IdleConfig::profile`]) and its driver
+//! calls charged by the rule every replay shares (`step_charge.rs`, an
+//! engine scheduling asynchronously); the report gives each engine's
+//! driver time charged, on the engine's thread and in all (kvcached's
+//! pre-allocation thread included).
 //!
 //! The scheduler is vLLM's continuous batching reduced to what places
 //! blocks: a closed loop of `concurrency` clients (as `workload.py`'s
@@ -33,9 +46,13 @@ use std::sync::Arc;
 
 use vmm_arena::{Arena, ArenaConfig, Id};
 
+use crate::attention::AttnLayout;
+use crate::counted::Calls;
 use crate::managers::kvcached::{BlockManager, SharedHbm};
 use crate::managers::kvcached_pool::{ElasticBlockPool, KvcachedPool, KVCACHED_BLOCK_TOKENS};
-use crate::managers::{new_device, Dev};
+use crate::managers::{new_device, Dev, Layout, DEFAULT_PRECREATE, ENGINE_STREAM};
+use crate::step_charge::{attn_layout, AsyncEngine, DriverTally};
+use crate::timing::{Profile, StepWork};
 use crate::util::{mix64, Rng};
 
 /// The workload and the model (kvcached's defaults in [`IdleConfig::default`]).
@@ -61,8 +78,9 @@ pub struct IdleConfig {
     pub max_cached_tokens: u64,
     /// Tokens a step may compute (vLLM's `max_num_batched_tokens`).
     pub step_tokens: u64,
-    /// The arena's retain watermark, bytes.
-    pub arena_retain: u64,
+    /// The arena's retain watermark, bytes (`None`:
+    /// [`IdleConfig::auto_arena_retain`]).
+    pub arena_retain: Option<u64>,
 }
 
 impl Default for IdleConfig {
@@ -84,7 +102,7 @@ impl Default for IdleConfig {
             num_blocks: 14_000,
             max_cached_tokens: 16_000,
             step_tokens: 8192,
-            arena_retain: 0,
+            arena_retain: None,
         }
     }
 }
@@ -102,6 +120,40 @@ impl IdleConfig {
 
     pub fn max_cached_blocks(&self) -> u64 {
         self.max_cached_tokens / KVCACHED_BLOCK_TOKENS
+    }
+
+    /// KV bytes of one token, every buffer.
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        2 * self.layers * self.kv_bytes_per_token_per_buffer
+    }
+
+    /// The longest request the workload draws, tokens (prompt and output).
+    pub fn max_request_tokens(&self) -> u64 {
+        self.cold_tokens_max.max(self.hot_tokens + self.suffix_tokens) + self.max_tokens_max
+    }
+
+    /// The arena's watermark sized from the workload: the KV one step
+    /// admits at most (its token budget), whole 2 MiB chunks, so a step's
+    /// admissions reuse what earlier steps freed instead of creating.
+    pub fn auto_arena_retain(&self) -> u64 {
+        (self.step_tokens * self.kv_bytes_per_token()).div_ceil(2 << 20) * (2 << 20)
+    }
+
+    pub fn arena_retain_bytes(&self) -> u64 {
+        self.arena_retain.unwrap_or_else(|| self.auto_arena_retain())
+    }
+
+    /// `base` with Qwen3-4B's shape (Qwen/Qwen3-4B config.json: 36 layers,
+    /// 32 query heads, 8 KV heads of 128; 4.0 B parameters, BF16).
+    pub fn profile(&self, base: &Profile) -> Profile {
+        let mut p = base.clone();
+        p.params = 4.0e9;
+        p.layers = self.layers as u32;
+        p.heads = 32;
+        p.kv_heads = 8;
+        p.head_dim = 128;
+        p.sources.insert("params".into(), "Qwen/Qwen3-4B: 4.0 B parameters (idle_footprint)".into());
+        p
     }
 }
 
@@ -158,6 +210,17 @@ pub trait IdleEngine {
     fn trim(&mut self);
     /// Cached blocks nobody uses.
     fn cached_idle_blocks(&self) -> u64;
+    /// Driver calls so far on the engine's thread, and on other threads.
+    fn caller_calls(&self) -> Calls;
+    fn background_calls(&self) -> Calls {
+        Calls::default()
+    }
+    /// Work between steps, while the GPU computes.
+    fn between_steps(&mut self) {}
+    /// The GPU finished a step.
+    fn gpu_finished_step(&mut self) {}
+    /// The KV layout attention kernels read.
+    fn attn_layout(&self) -> AttnLayout;
 }
 
 /// The run's outcome for one engine.
@@ -173,6 +236,9 @@ pub struct IdleReport {
     pub idle_held_bytes: u64,
     pub idle_after_trim_bytes: u64,
     pub idle_cached_blocks: u64,
+    /// The steps' simulated time, and the driver time by the shared rule.
+    pub makespan_s: f64,
+    pub driver: DriverTally,
     pub extra: Vec<(String, u64)>,
 }
 
@@ -182,21 +248,30 @@ pub fn run(
     reqs: &[IdleRequest],
     engine: &mut dyn IdleEngine,
     name: &str,
+    profile: &Profile,
 ) -> Result<IdleReport, String> {
     let mut r = IdleReport { engine: name.into(), ..IdleReport::default() };
+    let mut profile = c.profile(profile);
+    profile.attn_layout = engine.attn_layout();
+    let kvpt = c.kv_bytes_per_token();
+    let mut clock = AsyncEngine::default();
     let mut waiting: VecDeque<usize> = (0..reqs.len()).collect();
     // Running: (request, decode steps done).
     let mut running: Vec<(usize, u64)> = Vec::new();
     while !waiting.is_empty() || !running.is_empty() {
         r.steps += 1;
+        let calls_before = engine.caller_calls();
+        let mut work = StepWork::default();
         let mut budget = c.step_tokens;
         let mut admitted = 0;
         for (i, done) in running.iter_mut() {
             *done += 1;
             let q = &reqs[*i];
+            let context = q.prompt + *done - 1;
             if !engine.decode(*i as u64, q.prompt + *done) {
                 return Err(format!("request {i} found no block to decode into (pool too small)"));
             }
+            work.add_decode(context, context * kvpt);
             budget = budget.saturating_sub(1);
         }
         while running.len() < c.concurrency {
@@ -211,6 +286,7 @@ pub fn run(
                     r.hit_tokens += hit;
                     r.prompt_tokens += q.prompt;
                     budget = budget.saturating_sub(q.prompt - hit);
+                    work.add_prefill(hit, q.prompt);
                     running.push((i, 0));
                     admitted += 1;
                 }
@@ -218,6 +294,13 @@ pub fn run(
                 None => break,
             }
         }
+        let schedule = engine.caller_calls().since(&calls_before);
+        let st = clock.charge(&profile, &mut work, &schedule, &mut r.driver);
+        r.makespan_s += st.total_s;
+        engine.gpu_finished_step();
+        // After the step: its finished requests freed, then the engine's
+        // between-steps work (the next step's between-steps calls).
+        let (after, background) = (engine.caller_calls(), engine.background_calls());
         running.retain(|&(i, done)| {
             let over = done + 1 >= reqs[i].output;
             if over {
@@ -225,8 +308,18 @@ pub fn run(
             }
             !over
         });
+        engine.between_steps();
+        clock.after_step(&engine.caller_calls().since(&after));
+        r.driver.add_background(&profile, &engine.background_calls().since(&background));
         r.peak_held_bytes = r.peak_held_bytes.max(engine.held().1);
     }
+    // Idle: the last step has run, so its stream-ordered frees complete;
+    // what the engine does now waits for nothing.
+    engine.gpu_finished_step();
+    let after = engine.caller_calls();
+    engine.between_steps();
+    clock.after_step(&engine.caller_calls().since(&after));
+    clock.went_idle(&profile, &mut r.driver);
     (r.idle_used_bytes, r.idle_held_bytes) = engine.held();
     r.idle_cached_blocks = engine.cached_idle_blocks();
     engine.trim();
@@ -241,7 +334,8 @@ pub struct KvcachedEngine {
 
 impl KvcachedEngine {
     pub fn new(c: &IdleConfig) -> Result<KvcachedEngine, String> {
-        let mgr = BlockManager::new(c.num_blocks, c.block_buffer_bytes(), c.layers, SharedHbm::unlimited())?;
+        let mut mgr = BlockManager::new(c.num_blocks, c.block_buffer_bytes(), c.layers, SharedHbm::unlimited())?;
+        mgr.page_allocator.set_engine_threads(true);
         let pool = ElasticBlockPool::new(mgr, c.num_blocks, true, c.max_cached_blocks() as i64);
         Ok(KvcachedEngine { pool: KvcachedPool::new(pool) })
     }
@@ -265,6 +359,18 @@ impl IdleEngine for KvcachedEngine {
     }
     fn cached_idle_blocks(&self) -> u64 {
         self.pool.pool.num_evictable()
+    }
+    fn caller_calls(&self) -> Calls {
+        self.pool.pool.mgr.page_allocator.foreground_calls()
+    }
+    fn background_calls(&self) -> Calls {
+        self.pool.pool.mgr.page_allocator.background_calls()
+    }
+    fn between_steps(&mut self) {
+        self.pool.pool.mgr.page_allocator.run_prealloc_thread();
+    }
+    fn attn_layout(&self) -> AttnLayout {
+        attn_layout("kvcached", Layout::TokenMajor)
     }
 }
 
@@ -290,7 +396,12 @@ pub struct ArenaEngine {
     pub arena: Arena,
     pub dev: Dev,
     block_bytes: u64,
+    /// Each allocation's reservation: the workload's longest request.
+    max_bytes: u64,
     cap: u64,
+    /// Errors of stream-ordered frees and between-steps upkeep: counted
+    /// (the next step retries upkeep).
+    pub upkeep_errors: u64,
     entries: HashMap<u64, Entry>,
     cache: HashMap<u64, (u64, u64)>,
     block_hash: HashMap<(u64, u64), u64>,
@@ -305,13 +416,24 @@ impl ArenaEngine {
     pub fn new(c: &IdleConfig) -> Result<ArenaEngine, String> {
         let capacity = (c.num_blocks * c.block_bytes()).div_ceil(2 << 20) * (2 << 20);
         let dev = new_device(capacity)?;
-        let cfg = ArenaConfig { capacity_bytes: capacity, retain_bytes: c.arena_retain, ..ArenaConfig::default() };
+        let max_bytes = c.max_request_tokens().div_ceil(KVCACHED_BLOCK_TOKENS) * c.block_bytes();
+        // Room for every client's reservation twice over (address space only).
+        let reserve = (capacity * 4).max(2 * c.concurrency as u64 * max_bytes.div_ceil(2 << 20) * (2 << 20));
+        let cfg = ArenaConfig {
+            capacity_bytes: capacity,
+            reserve_bytes: reserve,
+            retain_bytes: c.arena_retain_bytes(),
+            ..ArenaConfig::default()
+        };
         let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
+        arena.set_prefetch(DEFAULT_PRECREATE, 0).map_err(|e| format!("set_prefetch: {e}"))?;
         Ok(ArenaEngine {
             arena,
             dev,
             block_bytes: c.block_bytes(),
+            max_bytes,
             cap: c.max_cached_blocks(),
+            upkeep_errors: 0,
             entries: HashMap::new(),
             cache: HashMap::new(),
             block_hash: HashMap::new(),
@@ -342,11 +464,15 @@ impl ArenaEngine {
             return;
         }
         e.blocks = blocks;
-        if blocks == 0 {
-            let _ = self.arena.free(e.id);
+        let id = e.id;
+        let done = if blocks == 0 {
             self.entries.remove(&req);
+            self.arena.free_on_stream(id, ENGINE_STREAM)
         } else {
-            self.arena.resize(e.id, blocks * self.block_bytes).expect("a shrink or a growth the capacity holds");
+            self.arena.resize_on_stream(id, blocks * self.block_bytes, ENGINE_STREAM).map(|_| ())
+        };
+        if done.is_err() {
+            self.upkeep_errors += 1;
         }
     }
 
@@ -393,7 +519,8 @@ impl IdleEngine for ArenaEngine {
             q.hashes.iter().take(max as usize).map_while(|h| self.cache.get(h).copied()).collect();
         let first = hit.len() as u64;
         let blocks = q.prompt.div_ceil(KVCACHED_BLOCK_TOKENS) - first;
-        let (aid, _) = self.arena.alloc(blocks * self.block_bytes).ok()?;
+        let size = blocks * self.block_bytes;
+        let (aid, _) = self.arena.alloc_growable_on_stream(size, size.max(self.max_bytes), ENGINE_STREAM).ok()?;
         for &b in &hit {
             *self.refs.entry(b).or_default() += 1;
             self.unlru(b);
@@ -419,7 +546,7 @@ impl IdleEngine for ArenaEngine {
         let need = tokens.div_ceil(KVCACHED_BLOCK_TOKENS) - e.first;
         if need > e.blocks {
             let (aid, size) = (e.id, need * self.block_bytes);
-            if self.arena.resize(aid, size).is_err() {
+            if self.arena.resize_on_stream(aid, size, ENGINE_STREAM).is_err() {
                 return false;
             }
             self.entries.get_mut(&id).expect("entry").blocks = need;
@@ -465,5 +592,23 @@ impl IdleEngine for ArenaEngine {
 
     fn cached_idle_blocks(&self) -> u64 {
         self.lru.len() as u64
+    }
+
+    fn caller_calls(&self) -> Calls {
+        self.dev.calls()
+    }
+
+    fn between_steps(&mut self) {
+        if self.arena.release_retired().is_err() || self.arena.maintain().is_err() {
+            self.upkeep_errors += 1;
+        }
+    }
+
+    fn gpu_finished_step(&mut self) {
+        self.dev.finish_gpu_step();
+    }
+
+    fn attn_layout(&self) -> AttnLayout {
+        attn_layout("arena", Layout::TokenMajor)
     }
 }

@@ -16,7 +16,9 @@
 //!   asynchronous scheduling);
 //! - [`trace`]: trace files and the synthetic trace;
 //! - [`replay`]: the continuous-batching scheduler;
-//! - [`timing`]: the step-time model (GPU profiles, driver costs);
+//! - [`timing`]: the step-time model (GPU profiles, driver costs), and
+//!   [`step_charge`], the one way every replay charges a step's driver
+//!   calls to its time;
 //! - [`tp`]: tensor-parallel managers (`kv_serving --tp N`);
 //! - [`scenario`]: the textbook fragmentation failure;
 //! - [`util`]: sizes and a seeded RNG; [`cli_args`]: what the
@@ -46,6 +48,7 @@ pub mod replay;
 pub mod rlhf_cycle;
 pub mod scenario;
 pub mod snapshot_svg;
+pub mod step_charge;
 pub mod stress;
 pub mod sweep;
 pub mod timing;

@@ -10,19 +10,32 @@
 //!   a block on them is needed and unmapped when the last one goes, each
 //!   pool keeping its pre-mapped reserve of 5 to 10 pages;
 //! - `arena`: one vmm-arena per model process, all on one device of the
-//!   shared capacity: one allocation per request (token-major), grown a
-//!   16-token block at a time, freed when the request ends; freed chunks
-//!   stay pooled up to the arena's retain watermark and go back beyond it.
+//!   shared capacity, driven as `kv_serving`'s `arena` row drives it: one
+//!   growable allocation per request (ordered on the engine's stream),
+//!   reserved for the model's context and
+//!   grown a 16-token block at a time (the decode batch's growth in one
+//!   `resize_many_on_stream`), freed on the engine's stream when the
+//!   request ends; between steps, retired ranges released and the prefetch
+//!   target (chunks created ahead) brought back with `maintain`; freed
+//!   chunks stay pooled up to the arena's retain watermark;
+//! - `arena-shared`: the same with one arena for all models (one pool, the
+//!   sum of the per-model watermarks; a model holds its allocations).
 //!
 //! Time: the models' steps time-share the GPU (one step at a time, the
 //! models taken in turn), each step charged by the profile's step-time
-//! model (`timing.rs`: prefill compute, the decode's weights and KV read)
-//! with the driver calls its scheduling made, priced by the profile, as
-//! work between steps: hidden up to the step's GPU time, the excess charged
-//! (the same rule for every manager: an engine with asynchronous
-//! scheduling prepares step k+1's memory while step k runs). kvcached's
-//! pre-allocation thread's maps are off that path and not charged. A decode that finds no memory preempts the request admitted
-//! last (recomputed when admitted again, as vLLM V1 does).
+//! model (`timing.rs`: prefill compute, the decode's weights and KV read;
+//! each row's own attention layout, [`crate::step_charge::attn_layout`]:
+//! `static` and `kvcached` are paged, the arena row as `--layout` says)
+//! with its driver calls charged by the rule every replay shares
+//! (`step_charge.rs`): each model's engine schedules asynchronously
+//! ([`crate::step_charge::AsyncEngine`]), so a step's between-steps work is
+//! its schedule's calls plus the frees and between-steps hooks that followed
+//! the model's previous step, hidden up to the step's GPU time, none of it
+//! hidden when a drain (a device synchronize: kvcached's before each unmap)
+//! is among it. kvcached's pre-allocation thread runs between steps, off
+//! the engine's thread: a step needing more pages than its reserve maps the
+//! rest on the engine's thread. A decode that finds no memory preempts the
+//! request admitted last (recomputed when admitted again, as vLLM V1 does).
 //!
 //! Traffic: model `m` replays its own slice of a trace (arrival gaps,
 //! prompt and output lengths), its gaps scaled by `rate_scale`, and
@@ -33,10 +46,12 @@ use std::collections::{HashMap, VecDeque};
 
 use vmm_arena::{Arena, ArenaConfig, Id};
 
+use crate::attention::AttnLayout;
 use crate::counted::Calls;
 use crate::managers::kvcached::{BlockManager, SharedHbm, KVCACHED_GPU_UTILIZATION};
 use crate::managers::kvcached_pool::{ElasticBlockPool, KvcachedPool, KVCACHED_BLOCK_TOKENS};
-use crate::managers::{new_device, Dev};
+use crate::managers::{new_device, Dev, Layout, DEFAULT_PRECREATE, ENGINE_STREAM};
+use crate::step_charge::{attn_layout, AsyncEngine, DriverTally};
 use crate::timing::{Profile, StepWork};
 use crate::trace::Request;
 
@@ -70,6 +85,21 @@ pub struct MmConfig {
     /// Tokens an arena allocation's reservation is sized for (the
     /// engine's `max_model_len`): it grows in place up to it.
     pub max_context: u64,
+    /// The arena row's KV layout (token-major or block-in-chunk: the same
+    /// memory, one allocation per request; attention reads them as their
+    /// layouts say).
+    #[serde(serialize_with = "layout_name")]
+    pub arena_layout: Layout,
+    /// Sleep of idle models (kvcached's router sleeps a model idle past a
+    /// threshold): a model idle this long gives back the memory it keeps
+    /// for later requests (kvcached's reserved pages, the arena's pool:
+    /// `SharedKv::sleep`), so the others can use it; its next request wakes
+    /// it, paying the maps it needs then. KV only: weights stay. `None`: off.
+    pub sleep_after_s: Option<f64>,
+}
+
+fn layout_name<S: serde::Serializer>(l: &Layout, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(l.name())
 }
 
 /// Each model's requests: slices of `trace` `requests_per_model` apart,
@@ -101,10 +131,32 @@ pub trait SharedKv {
     /// request, or more for a running one); false if there is none.
     fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool;
     fn free(&mut self, m: usize, rid: usize);
+    /// Room for every request of `grows` (request, tokens) of model `m` at
+    /// once, all or nothing; false where there is no batch form or it
+    /// failed (the scheduler then grows them one by one).
+    fn reserve_batch(&mut self, _m: usize, _grows: &[(usize, u64)]) -> bool {
+        false
+    }
     /// Physical bytes model `m` holds.
     fn held(&self, m: usize) -> u64;
-    /// Driver calls made on the scheduler's path so far, all models.
+    /// Driver calls made on the engines' threads so far, all models.
     fn path_calls(&self) -> Calls;
+    /// Driver calls made on other threads so far (kvcached's
+    /// pre-allocation thread), all models.
+    fn background_calls(&self) -> Calls {
+        Calls::default()
+    }
+    /// Model `m`'s work between its steps, while the GPU computes.
+    fn between_steps(&mut self, _m: usize) {}
+    /// Model `m` is idle and goes to sleep: memory kept for later requests
+    /// goes back to the device (nothing by default).
+    fn sleep(&mut self, _m: usize) {}
+    /// The GPU finished a step (the stream events recorded in it complete).
+    fn gpu_finished_step(&mut self) {}
+    /// The KV layout attention kernels read.
+    fn attn_layout(&self) -> AttnLayout {
+        attn_layout(self.name(), Layout::TokenMajor)
+    }
 }
 
 /// `static`: a fixed block budget per model.
@@ -170,7 +222,8 @@ impl KvcachedKv {
         let num_blocks = c.kv_bytes / (KVCACHED_BLOCK_TOKENS * c.kv_bytes_per_token);
         let pools = (0..c.models)
             .map(|_| {
-                let mgr = BlockManager::new(num_blocks, per_buffer, c.layers, hbm.clone())?;
+                let mut mgr = BlockManager::new(num_blocks, per_buffer, c.layers, hbm.clone())?;
+                mgr.page_allocator.set_engine_threads(true);
                 Ok(KvcachedPool::new(ElasticBlockPool::new(mgr, num_blocks, false, 0)))
             })
             .collect::<Result<Vec<_>, String>>()?;
@@ -204,47 +257,97 @@ impl SharedKv for KvcachedKv {
     fn path_calls(&self) -> Calls {
         self.pools.iter().fold(Calls::default(), |a, p| a.plus(&p.pool.mgr.page_allocator.foreground_calls()))
     }
+    fn background_calls(&self) -> Calls {
+        self.pools.iter().fold(Calls::default(), |a, p| a.plus(&p.pool.mgr.page_allocator.background_calls()))
+    }
+    fn between_steps(&mut self, m: usize) {
+        self.pools[m].pool.mgr.page_allocator.run_prealloc_thread();
+    }
+    fn sleep(&mut self, m: usize) {
+        self.pools[m].pool.mgr.trim();
+    }
 }
 
-/// `arena`: an arena per model on one counted device.
+/// `arena`: an arena per model on one counted device; `arena-shared`: one
+/// arena all models allocate from (its pool shared: the sum of the
+/// per-model watermarks).
 pub struct ArenaKv {
     dev: Dev,
     arenas: Vec<Arena>,
+    shared: bool,
     block_bytes: u64,
     max_bytes: u64,
+    layout: Layout,
     allocs: HashMap<(usize, usize), (Id, u64)>,
+    /// Errors of between-steps upkeep (`release_retired`, `maintain`):
+    /// counted, not fatal (the next step retries).
+    pub upkeep_errors: u64,
 }
 
 impl ArenaKv {
+    /// An arena per model.
     pub fn new(c: &MmConfig) -> Result<ArenaKv, String> {
+        Self::build(c, false)
+    }
+
+    /// One arena shared by every model.
+    pub fn new_shared(c: &MmConfig) -> Result<ArenaKv, String> {
+        Self::build(c, true)
+    }
+
+    fn build(c: &MmConfig, shared: bool) -> Result<ArenaKv, String> {
         let dev = new_device(c.kv_bytes)?;
         let block_bytes = KVCACHED_BLOCK_TOKENS * c.kv_bytes_per_token;
         let max_bytes = c.max_context.div_ceil(KVCACHED_BLOCK_TOKENS) * block_bytes;
-        // Room for two full batches of reservations (address space only).
-        let reserve = (c.kv_bytes * 4).max(2 * c.max_batch as u64 * max_bytes);
-        let arenas = (0..c.models)
+        // Room for two full batches of reservations (address space only),
+        // every model's in a shared arena.
+        let (n, users) = if shared { (1, c.models as u64) } else { (c.models, 1) };
+        let reserve = (c.kv_bytes * 4).max(2 * users * c.max_batch as u64 * max_bytes);
+        let arenas = (0..n)
             .map(|_| {
                 let cfg = ArenaConfig {
                     capacity_bytes: c.kv_bytes,
                     reserve_bytes: reserve,
-                    retain_bytes: c.arena_retain,
+                    retain_bytes: c.arena_retain.saturating_mul(users),
                     ..ArenaConfig::default()
                 };
-                Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))
+                let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
+                // kv_serving's arena row: chunks created ahead for
+                // admissions, nothing mapped ahead of the growing tensors.
+                arena.set_prefetch(DEFAULT_PRECREATE, 0).map_err(|e| format!("set_prefetch: {e}"))?;
+                Ok(arena)
             })
             .collect::<Result<Vec<_>, String>>()?;
-        Ok(ArenaKv { dev, arenas, block_bytes, max_bytes, allocs: HashMap::new() })
+        Ok(ArenaKv {
+            dev,
+            arenas,
+            shared,
+            block_bytes,
+            max_bytes,
+            layout: c.arena_layout,
+            allocs: HashMap::new(),
+            upkeep_errors: 0,
+        })
+    }
+
+    /// The arena model `m` allocates from.
+    fn arena(&self, m: usize) -> &Arena {
+        &self.arenas[if self.shared { 0 } else { m }]
     }
 }
 
 impl SharedKv for ArenaKv {
     fn name(&self) -> &'static str {
-        "arena"
+        if self.shared {
+            "arena-shared"
+        } else {
+            "arena"
+        }
     }
     fn reserve(&mut self, m: usize, rid: usize, tokens: u64) -> bool {
         let size = tokens.div_ceil(KVCACHED_BLOCK_TOKENS) * self.block_bytes;
         match self.allocs.get(&(m, rid)).copied() {
-            None => match self.arenas[m].alloc_growable(size, size.max(self.max_bytes)) {
+            None => match self.arena(m).alloc_growable_on_stream(size, size.max(self.max_bytes), ENGINE_STREAM) {
                 Ok((id, _)) => {
                     self.allocs.insert((m, rid), (id, size));
                     true
@@ -253,7 +356,7 @@ impl SharedKv for ArenaKv {
             },
             Some((_, have)) if have >= size => true,
             Some((id, _)) => {
-                if self.arenas[m].resize(id, size).is_err() {
+                if self.arena(m).resize_on_stream(id, size, ENGINE_STREAM).is_err() {
                     return false;
                 }
                 self.allocs.insert((m, rid), (id, size));
@@ -261,16 +364,65 @@ impl SharedKv for ArenaKv {
             }
         }
     }
+    fn reserve_batch(&mut self, m: usize, grows: &[(usize, u64)]) -> bool {
+        let mut targets: Vec<(Id, u64)> = Vec::new();
+        let mut grown: Vec<(usize, Id, u64)> = Vec::new();
+        for &(rid, tokens) in grows {
+            let size = tokens.div_ceil(KVCACHED_BLOCK_TOKENS) * self.block_bytes;
+            match self.allocs.get(&(m, rid)) {
+                Some(&(id, have)) if have < size => {
+                    targets.push((id, size));
+                    grown.push((rid, id, size));
+                }
+                Some(_) => {}
+                None => return false,
+            }
+        }
+        if targets.is_empty() {
+            return true;
+        }
+        if self.arena(m).resize_many_on_stream(&targets, ENGINE_STREAM).is_err() {
+            return false;
+        }
+        for (rid, id, size) in grown {
+            self.allocs.insert((m, rid), (id, size));
+        }
+        true
+    }
     fn free(&mut self, m: usize, rid: usize) {
         if let Some((id, _)) = self.allocs.remove(&(m, rid)) {
-            let _ = self.arenas[m].free(id);
+            if self.arena(m).free_on_stream(id, ENGINE_STREAM).is_err() {
+                self.upkeep_errors += 1;
+            }
         }
     }
     fn held(&self, m: usize) -> u64 {
-        self.arenas[m].stats().map_or(0, |s| s.mapped_bytes + s.pooled_bytes)
+        if self.shared {
+            // The pool is everyone's: a model holds its allocations.
+            return self.allocs.iter().filter(|((k, _), _)| *k == m).map(|(_, &(_, size))| size).sum();
+        }
+        self.arena(m).stats().map_or(0, |s| s.mapped_bytes + s.pooled_bytes)
     }
     fn path_calls(&self) -> Calls {
         self.dev.calls()
+    }
+    fn between_steps(&mut self, m: usize) {
+        let a = self.arena(m);
+        if a.release_retired().is_err() || a.maintain().is_err() {
+            self.upkeep_errors += 1;
+        }
+    }
+    fn gpu_finished_step(&mut self) {
+        self.dev.finish_gpu_step();
+    }
+    fn sleep(&mut self, m: usize) {
+        // A shared arena's pool serves the models still awake.
+        if !self.shared && self.arena(m).trim(0).is_err() {
+            self.upkeep_errors += 1;
+        }
+    }
+    fn attn_layout(&self) -> AttnLayout {
+        attn_layout(self.name(), self.layout)
     }
 }
 
@@ -287,6 +439,10 @@ pub struct ModelReport {
     pub tokens_per_s: f64,
     pub preemptions: u64,
     pub peak_held_bytes: u64,
+    /// Driver time charged to this model's steps.
+    pub driver_charged_s: f64,
+    /// Times the model went to sleep (`MmConfig::sleep_after_s`).
+    pub sleeps: u64,
 }
 
 /// A run's figures and its memory timeline: (time, bytes held per model).
@@ -294,7 +450,12 @@ pub struct ModelReport {
 pub struct MmReport {
     pub manager: String,
     pub makespan_s: f64,
+    /// Driver time charged to steps (`driver.charged_s`).
     pub driver_s: f64,
+    /// The run's driver time by the shared rule (`step_charge.rs`).
+    pub driver: DriverTally,
+    /// The attention layout the row's steps were priced with.
+    pub attn_layout: AttnLayout,
     pub models: Vec<ModelReport>,
     #[serde(skip)]
     pub timeline: Vec<(f64, Vec<u64>)>,
@@ -314,6 +475,11 @@ struct ModelState {
     finish: Vec<Option<f64>>,
     preemptions: u64,
     peak: u64,
+    driver_charged_s: f64,
+    /// Since when the model has had nothing to run, and whether it sleeps.
+    idle_since: Option<f64>,
+    asleep: bool,
+    sleeps: u64,
     /// Output tokens of preempted requests, recomputed on readmission.
     resumed: HashMap<usize, u64>,
 }
@@ -328,6 +494,11 @@ fn p99(mut v: Vec<f64>) -> f64 {
 
 /// Runs every model's requests through `kv` on `profile`'s GPU.
 pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile: &Profile) -> MmReport {
+    let mut row_profile = profile.clone();
+    row_profile.attn_layout = kv.attn_layout();
+    let profile = &row_profile;
+    let mut engines = vec![AsyncEngine::default(); c.models];
+    let mut tally = DriverTally::default();
     let mut st: Vec<ModelState> = reqs
         .iter()
         .map(|r| ModelState {
@@ -338,21 +509,45 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             finish: vec![None; r.len()],
             preemptions: 0,
             peak: 0,
+            driver_charged_s: 0.0,
+            idle_since: Some(0.0),
+            asleep: false,
+            sleeps: 0,
             resumed: HashMap::new(),
         })
         .collect();
     let mut t = 0.0f64;
-    let mut driver_total = 0.0;
     let mut timeline = Vec::new();
     let mut turn = 0usize;
+    let busy = |s: &ModelState| !s.running.is_empty() || !s.waiting.is_empty();
     loop {
+        // Sleep first: a model idle past the threshold slept before the
+        // arrivals of now (which wake it).
+        for (m, s) in st.iter_mut().enumerate() {
+            if busy(s) {
+                (s.idle_since, s.asleep) = (None, false);
+                continue;
+            }
+            let due = match (c.sleep_after_s, s.idle_since) {
+                (Some(after), Some(since)) => !s.asleep && t - since >= after,
+                _ => false,
+            };
+            if due {
+                // Idle: what sleep does waits for nothing.
+                let before = kv.path_calls();
+                kv.sleep(m);
+                engines[m].after_step(&kv.path_calls().since(&before));
+                engines[m].went_idle(profile, &mut tally);
+                s.asleep = true;
+                s.sleeps += 1;
+            }
+        }
         for (m, s) in st.iter_mut().enumerate() {
             while s.next < reqs[m].len() && reqs[m][s.next].arrival <= t {
                 s.waiting.push_back(s.next);
                 s.next += 1;
             }
         }
-        let busy = |s: &ModelState| !s.running.is_empty() || !s.waiting.is_empty();
         if !st.iter().any(busy) {
             let next = st
                 .iter()
@@ -363,6 +558,8 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             if next.is_infinite() {
                 break;
             }
+            // The GPU idles until then: what it was given has completed.
+            kv.gpu_finished_step();
             t = next;
             continue;
         }
@@ -371,8 +568,14 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
         turn = m + 1;
         let calls_before = kv.path_calls();
         let s = &mut st[m];
-        // Decodes first, in running order; a request that finds no memory
-        // preempts the one admitted last (itself if it is the last).
+        // Decodes first, in running order: the batch's growth at once where
+        // the manager has a batch form; then one by one, a request that
+        // finds no memory preempting the one admitted last (itself if it
+        // is the last).
+        let grows: Vec<(usize, u64)> = s.running.iter().map(|r| (r.rid, reqs[m][r.rid].prompt + r.done)).collect();
+        if !grows.is_empty() {
+            kv.reserve_batch(m, &grows);
+        }
         let mut i = 0;
         while i < s.running.len() {
             let r = &s.running[i];
@@ -417,10 +620,15 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             work.decode_kv_bytes += tokens * c.kv_bytes_per_token;
             admitted.push((rid, done));
         }
-        work.alloc_between_s = profile.driver_s(&kv.path_calls().since(&calls_before));
-        let step = profile.step(&work);
-        driver_total += step.alloc_charged_s;
+        let schedule = kv.path_calls().since(&calls_before);
+        let step = engines[m].charge(profile, &mut work, &schedule, &mut tally);
+        s.driver_charged_s += step.alloc_charged_s;
         t += step.total_s;
+        kv.gpu_finished_step();
+        // After the step: its finished requests freed, then the model's
+        // between-steps work (the next step's between-steps calls).
+        let after_before = kv.path_calls();
+        let background_before = kv.background_calls();
         for r in s.running.iter_mut() {
             r.done += 1;
         }
@@ -441,6 +649,13 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
                 k += 1;
             }
         }
+        kv.between_steps(m);
+        engines[m].after_step(&kv.path_calls().since(&after_before));
+        if s.running.is_empty() && s.waiting.is_empty() {
+            engines[m].went_idle(profile, &mut tally);
+            s.idle_since = Some(t);
+        }
+        tally.add_background(profile, &kv.background_calls().since(&background_before));
         let held: Vec<u64> = (0..c.models).map(|k| kv.held(k)).collect();
         for (k, h) in held.iter().enumerate() {
             st[k].peak = st[k].peak.max(*h);
@@ -474,8 +689,27 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
                 tokens_per_s: out as f64 / (end - start).max(1e-9),
                 preemptions: s.preemptions,
                 peak_held_bytes: s.peak,
+                driver_charged_s: s.driver_charged_s,
+                sleeps: s.sleeps,
             }
         })
         .collect();
-    MmReport { manager: kv.name().into(), makespan_s: t, driver_s: driver_total, models, timeline }
+    // Idle: the last step has run (its stream-ordered frees complete), and
+    // each model's between-steps work waits for nothing now.
+    kv.gpu_finished_step();
+    for (m, e) in engines.iter_mut().enumerate() {
+        let before = kv.path_calls();
+        kv.between_steps(m);
+        e.after_step(&kv.path_calls().since(&before));
+        e.went_idle(profile, &mut tally);
+    }
+    MmReport {
+        manager: kv.name().into(),
+        makespan_s: t,
+        driver_s: tally.charged_s,
+        driver: tally,
+        attn_layout: profile.attn_layout,
+        models,
+        timeline,
+    }
 }

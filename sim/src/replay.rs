@@ -77,6 +77,7 @@ use serde::{Deserialize, Serialize};
 
 use super::counted::Calls;
 use super::managers::{Fail, KvManager, StepBudget};
+use super::step_charge::{charge_step, DriverTally, StepCalls};
 use super::timing::{Profile, StepWork};
 use super::trace::{Request, HASH_BLOCK_TOKENS};
 use super::util::mix64;
@@ -374,6 +375,8 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
     let mut copied_before = mgr.bytes_copied();
     // The highest instantaneous live KV of the steps so far (warm steps).
     let mut peak_live_before = 0u64;
+    // The steps' driver time, by the rule every replay shares.
+    let mut driver_tally = DriverTally::default();
 
     // Verifies and frees a sequence's KV; returns mismatching tags.
     let retire = |mgr: &mut dyn KvManager, l: &Live| -> u64 {
@@ -600,9 +603,6 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         }
         let after_critical = mgr.calls();
         let critical = after_critical.since(&calls_before);
-        work.alloc_critical_s = prof.driver_s(&critical);
-        work.critical_syncs = critical.synchronize;
-        work.critical_blocking_waits = critical.event_wait_blocked;
         let copied = mgr.bytes_copied();
         work.copied_bytes = copied - copied_before;
         copied_before = copied;
@@ -639,8 +639,6 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         mgr.waiting_requests(waiting.len());
         mgr.between_steps();
         let between = mgr.calls().since(&after_critical);
-        work.alloc_between_s = prof.driver_s(&between);
-        work.between_drains = between.drains();
         r.critical_calls = r.critical_calls.plus(&critical);
         r.between_calls = r.between_calls.plus(&between);
         r.critical_path_event_waits += critical.event_wait_blocked;
@@ -656,7 +654,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
             mgr.housekeeping();
         }
 
-        let st = prof.step(&work);
+        let st = charge_step(prof, &mut work, &StepCalls { critical, between }, &mut driver_tally);
         step_times.push(st.total_s);
         r.gpu_seconds += st.gpu_s;
         r.critical_path_alloc_s += st.alloc_charged_s;

@@ -4,6 +4,7 @@
 
 use vmm_sim::idle_footprint::{self, ArenaEngine, IdleConfig, KvcachedEngine};
 use vmm_sim::managers::kvcached::KVCACHED_PAGE_BYTES;
+use vmm_sim::managers::Layout;
 use vmm_sim::multi_model::{self, ArenaKv, KvcachedKv, MmConfig, SharedKv, StaticKv};
 use vmm_sim::timing::Profile;
 use vmm_sim::trace;
@@ -23,6 +24,8 @@ fn mm_config() -> MmConfig {
         phase_s: 5.0,
         arena_retain: 256 << 20,
         max_context: 8192,
+        arena_layout: Layout::TokenMajor,
+        sleep_after_s: None,
     }
 }
 
@@ -33,8 +36,12 @@ fn every_manager_serves_every_request_of_every_model() {
     let reqs = multi_model::model_requests(&c, &tr.requests);
     assert!(reqs.iter().all(|r| r.len() == c.requests_per_model));
     let profile = Profile::named("a100").unwrap();
-    let mut managers: Vec<Box<dyn SharedKv>> =
-        vec![Box::new(StaticKv::new(&c)), Box::new(KvcachedKv::new(&c).unwrap()), Box::new(ArenaKv::new(&c).unwrap())];
+    let mut managers: Vec<Box<dyn SharedKv>> = vec![
+        Box::new(StaticKv::new(&c)),
+        Box::new(KvcachedKv::new(&c).unwrap()),
+        Box::new(ArenaKv::new(&c).unwrap()),
+        Box::new(ArenaKv::new_shared(&c).unwrap()),
+    ];
     for kv in managers.iter_mut() {
         let r = multi_model::run(&c, &reqs, kv.as_mut(), &profile);
         for m in &r.models {
@@ -50,12 +57,13 @@ fn every_manager_serves_every_request_of_every_model() {
             assert!(held.iter().sum::<u64>() <= c.kv_bytes, "{} at {t}: {held:?}", r.manager);
         }
         // Idle at the end: kvcached keeps at most its reserve, the arena its
-        // watermark.
+        // watermark (a shared arena's pool is no model's: they hold nothing).
         for m in 0..c.models {
             let held = kv.held(m);
             match r.manager.as_str() {
                 "static" => assert_eq!(held, c.kv_bytes / 3 / (2 << 20) * (2 << 20)),
                 "kvcached" => assert!(held <= 11 * KVCACHED_PAGE_BYTES * 2 * c.layers, "{held}"),
+                "arena-shared" => assert_eq!(held, 0),
                 _ => assert!(held <= c.arena_retain, "{held}"),
             }
         }
@@ -73,9 +81,9 @@ fn idle_footprint_hits_agree_and_each_engine_holds_at_least_its_floor() {
     };
     let reqs = idle_footprint::build_requests(&c);
     let mut k = KvcachedEngine::new(&c).unwrap();
-    let rk = idle_footprint::run(&c, &reqs, &mut k, "kvcached").unwrap();
+    let rk = idle_footprint::run(&c, &reqs, &mut k, "kvcached", &Profile::h200()).unwrap();
     let mut a = ArenaEngine::new(&c).unwrap();
-    let ra = idle_footprint::run(&c, &reqs, &mut a, "arena").unwrap();
+    let ra = idle_footprint::run(&c, &reqs, &mut a, "arena", &Profile::h200()).unwrap();
     assert!(rk.hit_tokens > 0);
     assert_eq!(rk.prompt_tokens, ra.prompt_tokens);
     // Both keep the cap's blocks once idle.
@@ -91,5 +99,14 @@ fn idle_footprint_hits_agree_and_each_engine_holds_at_least_its_floor() {
     assert!(ra.idle_used_bytes >= raw);
     assert!(ra.idle_used_bytes < raw + c.max_cached_blocks() * (2 << 20));
     assert_eq!(ra.idle_after_trim_bytes, ra.idle_used_bytes);
+    // The arena grows its growable allocations in place: no implicit move.
+    assert_eq!(a.arena.stats().unwrap().moves, 0);
+    // Both engines' driver time is priced: every call on the engine's
+    // thread at least once, kvcached's pre-allocation thread beside it.
+    for r in [&rk, &ra] {
+        assert!(r.driver.caller_thread_s > 0.0 && r.driver.serial_s >= r.driver.caller_thread_s, "{r:?}");
+        assert!(r.driver.charged_s <= r.driver.caller_thread_s + 1e-12, "{r:?}");
+    }
+    assert!(rk.driver.serial_s > rk.driver.caller_thread_s, "kvcached's thread maps off the engine's");
     assert!(rk.idle_after_trim_bytes <= rk.idle_held_bytes);
 }

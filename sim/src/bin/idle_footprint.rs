@@ -5,6 +5,7 @@
 use clap::Parser;
 use vmm_sim::idle_footprint::{build_requests, run, ArenaEngine, IdleConfig, IdleReport, KvcachedEngine};
 use vmm_sim::managers::kvcached::KVCACHED_PAGE_BYTES;
+use vmm_sim::timing::Profile;
 
 #[derive(Parser, Debug)]
 #[command(about = "Idle footprint under prefix caching: kvcached and vmm-arena, kvcached's workload")]
@@ -18,9 +19,13 @@ struct Args {
     /// KVCACHED_MAX_CACHED_TOKENS.
     #[arg(long, default_value_t = 16_000)]
     max_cached_tokens: u64,
-    /// The arena's retain watermark, bytes (0: freed chunks go back at once).
-    #[arg(long, default_value_t = 0)]
-    arena_retain: u64,
+    /// The arena's retain watermark, bytes (default: sized from the
+    /// workload, the KV one step admits at most).
+    #[arg(long)]
+    arena_retain: Option<u64>,
+    /// GPU profile the steps are priced on (Qwen3-4B's shape over it).
+    #[arg(long, default_value = "h200")]
+    profile: String,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -41,9 +46,10 @@ fn main() {
         ..IdleConfig::default()
     };
     let reqs = build_requests(&c);
+    let profile = Profile::named(&a.profile).unwrap_or_else(|e| panic!("{e}"));
     let mut reports: Vec<IdleReport> = Vec::new();
     let mut k = KvcachedEngine::new(&c).unwrap_or_else(|e| panic!("kvcached: {e}"));
-    let mut r = run(&c, &reqs, &mut k, "kvcached").unwrap_or_else(|e| panic!("kvcached: {e}"));
+    let mut r = run(&c, &reqs, &mut k, "kvcached", &profile).unwrap_or_else(|e| panic!("kvcached: {e}"));
     let pa = &k.pool.pool.mgr.page_allocator;
     r.extra = vec![
         ("idle_pages_in_use".into(), pa.num_inuse_pages()),
@@ -52,8 +58,14 @@ fn main() {
     ];
     reports.push(r);
     let mut ar = ArenaEngine::new(&c).unwrap_or_else(|e| panic!("arena: {e}"));
-    let mut r = run(&c, &reqs, &mut ar, "arena").unwrap_or_else(|e| panic!("arena: {e}"));
-    r.extra = vec![("evicted_blocks".into(), ar.evicted_blocks)];
+    let mut r = run(&c, &reqs, &mut ar, "arena", &profile).unwrap_or_else(|e| panic!("arena: {e}"));
+    let s = ar.arena.stats().unwrap_or_else(|e| panic!("arena stats: {e}"));
+    r.extra = vec![
+        ("evicted_blocks".into(), ar.evicted_blocks),
+        ("moves".into(), s.moves),
+        ("retain_bytes".into(), c.arena_retain_bytes()),
+        ("upkeep_errors".into(), ar.upkeep_errors),
+    ];
     reports.push(r);
 
     // The packed floors: the cap's blocks in whole kvcached pages (as
@@ -73,6 +85,7 @@ fn main() {
                 "peak_held_bytes": r.peak_held_bytes, "idle_used_bytes": r.idle_used_bytes,
                 "idle_held_bytes": r.idle_held_bytes, "idle_after_trim_bytes": r.idle_after_trim_bytes,
                 "idle_cached_blocks": r.idle_cached_blocks,
+                "makespan_s": r.makespan_s, "driver": r.driver,
                 "idle_used_vs_floor_pages": r.idle_used_bytes as f64 / floor_pages as f64,
                 "idle_used_vs_floor_raw": r.idle_used_bytes as f64 / floor_raw as f64,
                 "extra": r.extra.iter().map(|(k, v)| (k.clone(), *v)).collect::<std::collections::BTreeMap<_, _>>(),
@@ -106,6 +119,20 @@ fn main() {
             gib(r.idle_held_bytes),
             gib(r.idle_after_trim_bytes),
             gib(r.peak_held_bytes)
+        );
+        let d = &r.driver;
+        println!(
+            "    driver time: charged {:.3} s, hidden {:.3} s, on the engine's thread {:.3} s, serial {:.3} s; \
+             {} synchronizes, {} creates, {} drained steps of {}; makespan {:.1} s",
+            d.charged_s,
+            d.hidden_s,
+            d.caller_thread_s,
+            d.serial_s,
+            d.synchronizes,
+            d.calls.create,
+            d.drained_steps,
+            d.steps,
+            r.makespan_s
         );
         for (k, v) in &r.extra {
             println!("    {k}: {v}");

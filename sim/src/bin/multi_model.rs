@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use vmm_sim::managers::Layout;
 use vmm_sim::multi_model::{model_requests, plot, run, ArenaKv, KvcachedKv, MmConfig, MmReport, SharedKv, StaticKv};
 use vmm_sim::timing::Profile;
 use vmm_sim::trace;
@@ -30,10 +31,20 @@ struct Args {
     /// Length of a peak phase, seconds.
     #[arg(long, default_value_t = 20.0)]
     phase_s: f64,
-    /// The arena's retain watermark per model, bytes.
-    #[arg(long, default_value_t = 512 << 20)]
-    arena_retain: u64,
-    /// Managers to run, comma-separated.
+    /// The arena's retain watermark per model, bytes (default: sized from
+    /// the workload, the KV one step admits at most: 8,192 tokens).
+    #[arg(long)]
+    arena_retain: Option<u64>,
+    /// The arena row's KV layout: token-major or block-in-chunk (the same
+    /// memory; attention reads block-in-chunk as a paged kernel does).
+    #[arg(long, default_value = "token-major")]
+    layout: String,
+    /// Put a model to sleep once idle this many seconds (its kept memory
+    /// back to the device until its next request); off by default.
+    #[arg(long)]
+    sleep_after_s: Option<f64>,
+    /// Managers to run, comma-separated (`arena-shared`: one arena for
+    /// every model, beside `arena`'s one per model).
     #[arg(long, default_value = "static,kvcached,arena")]
     managers: String,
     /// Write the memory-over-time plot here.
@@ -42,6 +53,9 @@ struct Args {
     #[arg(long)]
     json: bool,
 }
+
+/// Tokens a step computes at most (vLLM's `max_num_batched_tokens`).
+const STEP_TOKENS: u64 = 8192;
 
 fn main() {
     let a = Args::parse();
@@ -59,14 +73,20 @@ fn main() {
         layers,
         device_bytes,
         kv_bytes,
-        step_tokens: 8192,
+        step_tokens: STEP_TOKENS,
         max_batch: 256,
         requests_per_model: a.requests_per_model,
         rate_scale: a.rate_scale,
         peak: a.peak,
         phase_s: a.phase_s,
-        arena_retain: a.arena_retain,
+        arena_retain: a.arena_retain.unwrap_or(STEP_TOKENS * kv_bytes_per_token),
         max_context: 32768,
+        arena_layout: match a.layout.as_str() {
+            "token-major" => Layout::TokenMajor,
+            "block-in-chunk" => Layout::BlockInChunk,
+            other => panic!("unknown --layout {other} (token-major, block-in-chunk)"),
+        },
+        sleep_after_s: a.sleep_after_s,
     };
     let tr = if a.trace == "synthetic" {
         trace::synthetic(a.models * a.requests_per_model, 7)
@@ -81,7 +101,8 @@ fn main() {
             "static" => Box::new(StaticKv::new(&c)),
             "kvcached" => Box::new(KvcachedKv::new(&c).unwrap_or_else(|e| panic!("kvcached: {e}"))),
             "arena" => Box::new(ArenaKv::new(&c).unwrap_or_else(|e| panic!("arena: {e}"))),
-            other => panic!("unknown manager {other} (static, kvcached, arena)"),
+            "arena-shared" => Box::new(ArenaKv::new_shared(&c).unwrap_or_else(|e| panic!("arena-shared: {e}"))),
+            other => panic!("unknown manager {other} (static, kvcached, arena, arena-shared)"),
         };
         runs.push(run(&c, &reqs, kv.as_mut(), &profile));
     }
@@ -120,6 +141,19 @@ fn main() {
                 m.peak_held_bytes as f64 / (1u64 << 30) as f64
             );
         }
-        println!("{:<9} makespan {:.1} s, driver time charged {:.3} s", "", r.makespan_s, r.driver_s);
+        let d = &r.driver;
+        println!(
+            "{:<9} makespan {:.1} s; driver time charged {:.3} s, hidden {:.3} s, on the engines' threads {:.3} s, \
+             serial {:.3} s; {} synchronizes, {} drained steps of {}",
+            "",
+            r.makespan_s,
+            d.charged_s,
+            d.hidden_s,
+            d.caller_thread_s,
+            d.serial_s,
+            d.synchronizes,
+            d.drained_steps,
+            d.steps
+        );
     }
 }

@@ -30,9 +30,16 @@
 //! of the handle). They are counted in [`Calls`] with the chunks they cover,
 //! so the profiles' per-chunk prices (the ones the arena is charged) apply.
 //!
-//! What the model leaves out: the pre-allocation thread runs at once when
-//! it is triggered (it is asynchronous in kvcached: a burst can find the
-//! reserve empty and wait for it); `group_indices_by_page` groups in the
+//! Two ways to run the pre-allocation thread: at once when it is triggered
+//! (the default, the order `sim/crosscheck` transcribes), or, as in a
+//! serving engine ([`PageAllocator::set_engine_threads`]), asynchronously:
+//! triggered, it runs between the engine's steps
+//! ([`PageAllocator::run_prealloc_thread`]), so a burst that needs more
+//! pages than the reserve holds maps the rest on the caller's thread; and
+//! with asynchronous scheduling, `unmap_pages` synchronizes the device
+//! before it unmaps (a page may still be read by a step in flight).
+//!
+//! What the model leaves out: `group_indices_by_page` groups in the
 //! order blocks first appear (the C++ returns a `std::unordered_map`,
 //! whose iteration order is the hash table's: it decides only which freed
 //! page is parked and where a page re-enters `avail_pages`); resizing
@@ -156,6 +163,11 @@ pub struct PageAllocator {
     min_reserved_pages: u64,
     max_reserved_pages: u64,
     prealloc_needed: bool,
+    /// The pre-allocation thread runs only when the engine lets it
+    /// ([`PageAllocator::run_prealloc_thread`]), not at once.
+    prealloc_async: bool,
+    /// `unmap_pages` synchronizes the device first (asynchronous scheduling).
+    sync_before_unmap: bool,
     hbm: SharedHbm,
     calls: Calls,
     /// The calls the pre-allocation thread made (off the scheduler's path).
@@ -189,10 +201,36 @@ impl PageAllocator {
             min_reserved_pages: pages.min(min),
             max_reserved_pages: pages.min(max),
             prealloc_needed: false,
+            prealloc_async: false,
+            sync_before_unmap: false,
             hbm,
             calls: Calls::default(),
             background_calls: Calls::default(),
             peak_mapped_pages: 0,
+        }
+    }
+
+    /// Runs the pre-allocation thread as a serving engine does: on its own
+    /// thread between the engine's steps, not at once; and, under
+    /// asynchronous scheduling, with the device synchronized before each
+    /// `unmap_pages` (see the module documentation).
+    pub fn set_engine_threads(&mut self, async_scheduling: bool) {
+        self.prealloc_async = true;
+        self.sync_before_unmap = async_scheduling;
+    }
+
+    /// The pre-allocation thread's turn (between the engine's steps): if
+    /// triggered, it maps pages until the minimum is reserved, its calls
+    /// off the caller's thread. Nothing to do where it runs at once.
+    pub fn run_prealloc_thread(&mut self) {
+        self.prealloc_worker();
+    }
+
+    /// Triggers the pre-allocation thread: at once, or at its next turn.
+    fn trigger_prealloc(&mut self) {
+        self.prealloc_needed = true;
+        if !self.prealloc_async {
+            self.prealloc_worker();
         }
     }
 
@@ -208,8 +246,7 @@ impl PageAllocator {
         if let Some(id) = self.reserved_page_list.pop_front() {
             self.num_free_pages -= 1;
             if (self.reserved_page_list.len() as u64) < self.min_reserved_pages {
-                self.prealloc_needed = true;
-                self.prealloc_worker();
+                self.trigger_prealloc();
             }
             return Ok(id);
         }
@@ -222,8 +259,7 @@ impl PageAllocator {
             self.num_free_pages += 1;
             return Err(format!("Failed to map page {id}: {e}"));
         }
-        self.prealloc_needed = true;
-        self.prealloc_worker();
+        self.trigger_prealloc();
         Ok(id)
     }
 
@@ -310,6 +346,9 @@ impl PageAllocator {
     fn unmap_pages(&mut self, ids: &[u64]) {
         let n = ids.len() as u64;
         let chunks = n * self.buffers;
+        if self.sync_before_unmap {
+            self.calls.synchronize += 1;
+        }
         self.hbm.give_back(n * self.page_bundle_bytes());
         self.calls.unmap += n;
         self.calls.unmap_chunks += chunks;
@@ -355,6 +394,11 @@ impl PageAllocator {
 
     pub fn calls(&self) -> Calls {
         self.calls
+    }
+
+    /// The calls the pre-allocation thread made.
+    pub fn background_calls(&self) -> Calls {
+        self.background_calls
     }
 
     /// The calls made on the caller's thread (all but the pre-allocation

@@ -125,3 +125,51 @@ fn capped_cache_evicts_the_page_it_can_empty() {
     // token is always computed).
     assert_eq!(p.admit(3, h1, 48), Some(32));
 }
+
+#[test]
+fn with_engine_threads_a_burst_past_the_reserve_maps_on_the_callers_thread() {
+    // 16 pages, reserve 5 to 10: after start, page 0 holds the null block
+    // and pages 1-5 are reserved.
+    let mut m = manager(16, 5, 10);
+    assert_eq!(m.page_allocator.num_reserved_pages(), 5);
+    m.page_allocator.set_engine_threads(true);
+    let (fg, bg) = (m.page_allocator.foreground_calls(), m.page_allocator.background_calls());
+    // Page 0's 3 free blocks, then 7 pages: 5 from the reserve, 2 mapped
+    // now, on the caller's thread (the thread refills the reserve later).
+    let blocks = m.alloc(3 + 7 * 4).expect("room");
+    assert_eq!(m.page_allocator.foreground_calls().since(&fg).create, 2);
+    assert_eq!(m.page_allocator.background_calls().since(&bg).create, 0);
+    assert_eq!(m.page_allocator.num_reserved_pages(), 0);
+    // Its turn between steps: it maps the minimum back, off the caller's thread.
+    m.page_allocator.run_prealloc_thread();
+    assert_eq!(m.page_allocator.num_reserved_pages(), 5);
+    assert_eq!(m.page_allocator.background_calls().since(&bg).create, 5);
+    assert_eq!(m.page_allocator.foreground_calls().since(&fg).create, 2);
+    assert_eq!(blocks.len(), 31);
+}
+
+#[test]
+fn under_asynchronous_scheduling_unmap_pages_synchronizes_first() {
+    let mut m = manager(16, 5, 10);
+    m.page_allocator.set_engine_threads(true);
+    let blocks = m.alloc(3 + 7 * 4).expect("room");
+    m.page_allocator.run_prealloc_thread();
+    // Freeing the 7 pages: 5 fill the reserve to its maximum (10), 2 are
+    // unmapped in one `unmap_pages`, the device synchronized before it.
+    let fg = m.page_allocator.foreground_calls();
+    m.free(&blocks[3..]);
+    let d = m.page_allocator.foreground_calls().since(&fg);
+    assert_eq!((d.unmap, d.release, d.synchronize), (2, 2, 1));
+    assert_eq!(m.page_allocator.num_reserved_pages(), 10);
+}
+
+#[test]
+fn without_asynchronous_scheduling_unmaps_do_not_synchronize() {
+    let mut m = manager(16, 0, 0);
+    m.page_allocator.set_engine_threads(false);
+    let blocks = m.alloc(3 + 2 * 4).expect("room");
+    let fg = m.page_allocator.foreground_calls();
+    m.free(&blocks[3..]);
+    let d = m.page_allocator.foreground_calls().since(&fg);
+    assert_eq!((d.unmap, d.synchronize), (2, 0));
+}

@@ -46,7 +46,8 @@ mod report;
 use report::{print_table, to_json};
 mod sweep;
 
-use models::{attn_layout, MODELS};
+use models::MODELS;
+use vmm_sim::step_charge::attn_layout;
 
 /// Replay LLM serving traffic through vmm-arena and today's KV-cache
 /// managers, charging each step's time with a GPU step-time model.

@@ -1,9 +1,5 @@
 //! The model presets kv_serving knows: KV bytes per token, layers,
-//! context, parameters and attention shape, each from its model card;
-//! and the KV layout a manager gives attention kernels.
-
-use vmm_sim::attention::AttnLayout;
-use vmm_sim::managers::Layout;
+//! context, parameters and attention shape, each from its model card.
 
 pub struct Model {
     pub name: &'static str,
@@ -58,16 +54,3 @@ pub const MODELS: [Model; 3] = [
             "meta-llama/Meta-Llama-3.1-70B config.json: 80 layers, 64 heads, 8 KV heads, hidden 8192, context 131072",
     },
 ];
-
-/// The KV layout attention kernels see under manager `name`: vLLM's
-/// block pool is paged; every other manager lays a request's KV out as
-/// `--layout` says (block-in-chunk is read by the paged kernel).
-pub fn attn_layout(name: &str, layout: Layout) -> AttnLayout {
-    match (name, layout) {
-        ("vllm-paged", _) => AttnLayout::Paged,
-        (_, Layout::TokenMajor) => AttnLayout::TokenMajor,
-        (_, Layout::PerLayer) => AttnLayout::PerLayer,
-        // A chunk is one block of a paged kernel's block table.
-        (_, Layout::BlockInChunk) => AttnLayout::Paged,
-    }
-}
