@@ -302,7 +302,11 @@ impl ArenaAllocator {
         // ONNX Runtime accepts only that type from a user allocator.
         // SAFETY: memory_info is writable.
         ort.check(unsafe {
-            (api.CreateCpuMemoryInfo)(OrtAllocatorType::OrtDeviceAllocator, OrtMemType::OrtMemTypeDefault, &mut memory_info)
+            (api.CreateCpuMemoryInfo)(
+                OrtAllocatorType::OrtDeviceAllocator,
+                OrtMemType::OrtMemTypeDefault,
+                &mut memory_info,
+            )
         })
         .map_err(SetupError::Ort)?;
         let table = AllocatorTable {
@@ -439,8 +443,7 @@ impl Drop for Registration<'_> {
     fn drop(&mut self) {
         let ort = self.allocator.ort;
         // SAFETY: env and memory info are live.
-        let status =
-            unsafe { (ort.api().UnregisterAllocator)(ort.env(), self.allocator.shared.state.memory_info) };
+        let status = unsafe { (ort.api().UnregisterAllocator)(ort.env(), self.allocator.shared.state.memory_info) };
         if let Err(error) = ort.check(status) {
             eprintln!("vmm-arena: UnregisterAllocator failed: {error}");
         }

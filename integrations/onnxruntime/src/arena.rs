@@ -176,10 +176,7 @@ impl Arena {
     }
 
     pub fn stats(&self) -> Result<ArenaStats, ArenaError> {
-        let mut stats = ArenaStats {
-            struct_size: std::mem::size_of::<ArenaStats>() as u32,
-            ..ArenaStats::default()
-        };
+        let mut stats = ArenaStats { struct_size: std::mem::size_of::<ArenaStats>() as u32, ..ArenaStats::default() };
         // SAFETY: self.raw is a live handle; stats is writable for its
         // struct_size, which is set.
         check(unsafe { vmm_arena_stats_get(self.raw.as_ptr(), &mut stats) })?;

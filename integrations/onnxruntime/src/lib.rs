@@ -13,6 +13,12 @@ pub use allocator::{session_allocator_stats, AllocatorCounters, ArenaAllocator, 
 pub use arena::{Arena, ArenaConfig, ArenaError, ArenaStats};
 pub use runtime::{Ort, OrtError, Session, SessionConfig};
 
+/// The Python that has onnxruntime, onnx and numpy installed:
+/// VMM_ARENA_PYTHON, else PYTHON, else `python3`.
+pub fn python() -> String {
+    std::env::var("VMM_ARENA_PYTHON").or_else(|_| std::env::var("PYTHON")).unwrap_or_else(|_| "python3".into())
+}
+
 /// This process's resident set (VmRSS) in bytes.
 pub fn rss_bytes() -> u64 {
     status_kib("VmRSS:") * 1024

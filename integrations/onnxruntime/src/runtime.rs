@@ -9,8 +9,8 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use ort_sys::{
-    GraphOptimizationLevel, ONNXTensorElementDataType, OrtAllocatorType, OrtApi, OrtApiBase, OrtEnv,
-    OrtLoggingLevel, OrtMemType, OrtMemoryInfo, OrtSession, OrtStatusPtr, OrtValue, ORT_API_VERSION,
+    GraphOptimizationLevel, ONNXTensorElementDataType, OrtAllocatorType, OrtApi, OrtApiBase, OrtEnv, OrtLoggingLevel,
+    OrtMemType, OrtMemoryInfo, OrtSession, OrtStatusPtr, OrtValue, ORT_API_VERSION,
 };
 
 use crate::allocator::Registration;
@@ -56,12 +56,12 @@ unsafe impl Sync for Ort {}
 static GLOBAL: OnceLock<Result<Ort, OrtError>> = OnceLock::new();
 
 /// Where the wheel's library is: ORT_DYLIB_PATH, else asked of the Python
-/// that has onnxruntime installed (PYTHON, default python3).
+/// that has onnxruntime installed (`crate::python`).
 pub fn locate_library() -> Result<PathBuf, OrtError> {
     if let Some(path) = std::env::var_os("ORT_DYLIB_PATH") {
         return Ok(PathBuf::from(path));
     }
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = crate::python();
     let script = "import glob, os, onnxruntime\n\
                   d = os.path.join(os.path.dirname(onnxruntime.__file__), 'capi')\n\
                   print(sorted(glob.glob(os.path.join(d, 'libonnxruntime.so*')))[0])";
@@ -262,7 +262,16 @@ impl<'r> Session<'r> {
         // SAFETY: the session, names and values are live; output is
         // writable and NULL, so ONNX Runtime allocates it.
         let status = unsafe {
-            (api.Run)(self.raw, std::ptr::null(), input_names.as_ptr(), inputs.as_ptr(), 1, output_names.as_ptr(), 1, &mut output)
+            (api.Run)(
+                self.raw,
+                std::ptr::null(),
+                input_names.as_ptr(),
+                inputs.as_ptr(),
+                1,
+                output_names.as_ptr(),
+                1,
+                &mut output,
+            )
         };
         // SAFETY: input was created above and is not used again.
         unsafe { (api.ReleaseValue)(input) };
