@@ -1,8 +1,11 @@
 //! An OrtAllocator whose Alloc, Reserve and Free call vmm-arena through its
 //! C ABI, and whose GetStats reports the arena's figures, registered on
 //! ONNX Runtime's environment for the CPU device so that sessions with
-//! session.use_env_allocators=1 take every CPU tensor from it: initializers,
-//! intermediates and outputs.
+//! session.use_env_allocators=1 take their CPU tensors from it: every
+//! intermediate and output, and the weights ONNX Runtime copies at session
+//! creation (MatMul's prepacked weights, reserved). Initializers it can use
+//! in place stay in the buffers of the loaded model and never reach an
+//! allocator.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -42,7 +45,8 @@ const _: () = assert!(ort_sys::ORT_API_VERSION == 23);
 pub struct AllocatorCounters {
     /// Alloc calls that succeeded
     pub allocs: u64,
-    /// Reserve calls that succeeded (ONNX Runtime reserves initializers)
+    /// Reserve calls that succeeded (ONNX Runtime reserves the weights it
+    /// copies at session creation, e.g. MatMul's prepacked ones)
     pub reserves: u64,
     /// Free calls of a pointer this allocator gave out
     pub frees: u64,

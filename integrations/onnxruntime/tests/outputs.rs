@@ -35,9 +35,10 @@ fn every_length_1_to_512_is_bit_identical_and_served_by_the_arena() {
     {
         let session = Session::new(ort, &path, SessionConfig { allocator: Some(&registration), ..Default::default() })
             .expect("arena session");
-        // The initializers (weights) are reserved from the arena.
+        // The weights ONNX Runtime copies at session creation (MatMul's
+        // prepacked ones) are reserved from the arena.
         let after_create = allocator.counters();
-        assert!(after_create.reserves > 0, "no initializer came from the arena: {after_create:?}");
+        assert!(after_create.reserves > 0, "no weight came from the arena: {after_create:?}");
         assert_eq!(after_create.live_blocks, after_create.reserves + after_create.allocs);
         let weights = arena_stats(&allocator);
         assert_eq!(weights.live_allocations, after_create.live_blocks, "arena and allocator disagree: {weights:?}");
