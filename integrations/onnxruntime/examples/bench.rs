@@ -116,9 +116,9 @@ impl Kind {
 
     fn config<'r>(self, registration: &'r Registration<'r>, threads: i32) -> SessionConfig<'r> {
         match self {
-            Kind::Arena => SessionConfig { threads, allocator: Some(registration), cpu_mem_arena: true },
-            Kind::Bfc => SessionConfig { threads, allocator: None, cpu_mem_arena: true },
-            Kind::Malloc => SessionConfig { threads, allocator: None, cpu_mem_arena: false },
+            Kind::Arena => SessionConfig { threads, allocator: Some(registration), ..SessionConfig::default() },
+            Kind::Bfc => SessionConfig { threads, ..SessionConfig::default() },
+            Kind::Malloc => SessionConfig { threads, cpu_mem_arena: false, ..SessionConfig::default() },
         }
     }
 }
@@ -328,9 +328,19 @@ fn bench() -> Result<(), String> {
         mib(memory[1].rss_before),
         mib(memory[2].rss_before)
     );
+    let arena_runs = throughput[0].runs + lengths.len() + 1;
+    let calls = (counters.allocs + counters.reserves).max(1);
     println!(
-        "vmm-arena served {} allocs + {} reserves, freed {}, refused {}, live at the end {}",
-        counters.allocs, counters.reserves, counters.frees, counters.refused, counters.live_blocks
+        "vmm-arena served {} allocs + {} reserves, freed {}, refused {}, live at the end {}; \
+         {:.0} ns per Alloc, {:.0} ns per Free, {:.1} us in the arena per inference",
+        counters.allocs,
+        counters.reserves,
+        counters.frees,
+        counters.refused,
+        counters.live_blocks,
+        counters.alloc_nanos as f64 / calls as f64,
+        counters.free_nanos as f64 / counters.frees.max(1) as f64,
+        (counters.alloc_nanos + counters.free_nanos) as f64 / 1000.0 / arena_runs as f64
     );
 
     if let Some(target) = &options.json {
@@ -359,7 +369,8 @@ fn bench() -> Result<(), String> {
             .collect();
         let json = format!(
             "{{\"onnxruntime\":\"{}\",\"model\":{{\"layers\":{},\"d_model\":{},\"heads\":{},\"ffn\":{}}},\
-             \"lengths\":{:?},\"passes\":{},\"threads\":{},\"bit_identical\":{},\"allocators\":[{}]}}\n",
+             \"lengths\":{:?},\"passes\":{},\"threads\":{},\"bit_identical\":{},\"arena_alloc_calls\":{},\
+             \"arena_alloc_nanos\":{},\"arena_free_calls\":{},\"arena_free_nanos\":{},\"allocators\":[{}]}}\n",
             ort.version(),
             spec.layers,
             spec.d_model,
@@ -369,6 +380,10 @@ fn bench() -> Result<(), String> {
             options.passes,
             options.threads,
             identical,
+            calls,
+            counters.alloc_nanos,
+            counters.frees,
+            counters.free_nanos,
             rows.join(",")
         );
         match target {

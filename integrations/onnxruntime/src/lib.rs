@@ -10,7 +10,7 @@ pub mod model;
 pub mod runtime;
 
 pub use allocator::{session_allocator_stats, AllocatorCounters, ArenaAllocator, Registration, SetupError};
-pub use arena::{Arena, ArenaConfig, ArenaError, ArenaStats};
+pub use arena::{Arena, ArenaConfig, ArenaDevice, ArenaError, ArenaStats};
 pub use runtime::{Ort, OrtError, Session, SessionConfig};
 
 /// The Python that has onnxruntime, onnx and numpy installed:
