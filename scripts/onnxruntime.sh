@@ -13,8 +13,9 @@
 #
 # Builds libvmm_arena (the C ABI) with `cargo build --release -p
 # vmm-arena-ffi` into $CARGO_TARGET_DIR (default target/), then runs
-# `cargo test --release` and `cargo run --release --example bench -- --quick`
-# in integrations/onnxruntime (its own cargo project, its own target/). The
+# `cargo fmt --check`, clippy, `cargo test --release` and
+# `cargo run --release --example bench -- --quick` in
+# integrations/onnxruntime (its own cargo project, its own target/). The
 # benchmark's figures go to <target>/onnxruntime/bench_quick.json.
 # About 2 minutes on a 2-core machine once the crates are built.
 set -euo pipefail
@@ -70,6 +71,10 @@ export VMM_ARENA_LIB_DIR=$target/release
 
 cd integrations/onnxruntime
 if [ "$mode" != --bench-only ]; then
+    # Its own cargo project: the workspace's format and clippy steps do not
+    # reach it.
+    cargo fmt --check
+    cargo clippy --release --all-targets -- -D warnings
     # One test binary at a time (cargo's default): each is one process with
     # its own ONNX Runtime environment and resident set.
     cargo test --release
