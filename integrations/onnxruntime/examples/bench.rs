@@ -5,8 +5,9 @@
 //!
 //! Memory: each allocator alone in the process, one after the other (peak
 //! and retained resident set, and what the allocator itself holds).
-//! Throughput: the three sessions alive together, the passes over the
-//! sequence interleaved in rotating order; inferences per second each.
+//! Throughput: the three sessions alive together, one untimed pass over
+//! the sequence each (outputs compared bit for bit), then the timed passes
+//! interleaved in rotating order; inferences per second each.
 //!
 //!     cargo run --release --example bench -- [--runs 64] [--passes 3] [--max-seq 512]
 //!         [--threads 1] [--layers 2 --d-model 512 --heads 8 --ffn 2048] [--quick] [--json [PATH]]
@@ -15,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use vmm_arena_onnxruntime::model::{self, ModelSpec};
 use vmm_arena_onnxruntime::{
-    peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes, session_allocator_stats, ArenaAllocator, ArenaConfig,
-    Ort, Registration, Session, SessionConfig,
+    peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes, session_allocator_stats, AllocatorCounters,
+    ArenaAllocator, ArenaConfig, Ort, Registration, Session, SessionConfig,
 };
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -252,32 +253,41 @@ fn bench() -> Result<(), String> {
         .iter()
         .map(|kind| Session::new(ort, &path, kind.config(&registration, options.threads)).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut throughput = [Throughput::default(); 3];
-    let mut reference: Option<Vec<Vec<f32>>> = None;
+    // One untimed pass each first: every allocator reaches its steady state
+    // (the BFC arena its regions, vmm-arena its pooled chunks), and the
+    // outputs are compared bit for bit.
+    let reference = run_all(&sessions[0], &lengths, spec.d_model)?;
     let mut identical = true;
+    for session in &sessions[1..] {
+        let outputs = run_all(session, &lengths, spec.d_model)?;
+        identical &= reference.iter().flatten().zip(outputs.iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits());
+    }
+    let counters_start = allocator.counters();
+    let arena_start = allocator.arena_stats().map_err(|e| e.to_string())?;
+    let mut throughput = [Throughput::default(); 3];
     for pass in 0..options.passes {
         for step in 0..Kind::ALL.len() {
             let i = (pass + step) % Kind::ALL.len();
             let start = Instant::now();
-            let outputs = run_all(&sessions[i], &lengths, spec.d_model)?;
+            run_all(&sessions[i], &lengths, spec.d_model)?;
             throughput[i].elapsed += start.elapsed();
             throughput[i].runs += lengths.len();
-            match &reference {
-                None => reference = Some(outputs),
-                Some(expected) => {
-                    let same = expected
-                        .iter()
-                        .flatten()
-                        .zip(outputs.iter().flatten())
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    identical &= same;
-                }
-            }
         }
     }
+    let counters_end = allocator.counters();
+    let arena_end = allocator.arena_stats().map_err(|e| e.to_string())?;
     drop(sessions);
     allocator.trim().map_err(|e| e.to_string())?;
     let counters = allocator.counters();
+    // What the arena did during the timed passes.
+    let timed = AllocatorCounters {
+        allocs: counters_end.allocs - counters_start.allocs,
+        frees: counters_end.frees - counters_start.frees,
+        alloc_nanos: counters_end.alloc_nanos - counters_start.alloc_nanos,
+        free_nanos: counters_end.free_nanos - counters_start.free_nanos,
+        ..AllocatorCounters::default()
+    };
+    let timed_runs = throughput[0].runs.max(1) as f64;
 
     let mean_seq = lengths.iter().sum::<usize>() as f64 / lengths.len() as f64;
     println!(
@@ -328,19 +338,23 @@ fn bench() -> Result<(), String> {
         mib(memory[1].rss_before),
         mib(memory[2].rss_before)
     );
-    let arena_runs = throughput[0].runs + lengths.len() + 1;
-    let calls = (counters.allocs + counters.reserves).max(1);
     println!(
-        "vmm-arena served {} allocs + {} reserves, freed {}, refused {}, live at the end {}; \
-         {:.0} ns per Alloc, {:.0} ns per Free, {:.1} us in the arena per inference",
-        counters.allocs,
-        counters.reserves,
-        counters.frees,
-        counters.refused,
-        counters.live_blocks,
-        counters.alloc_nanos as f64 / calls as f64,
-        counters.free_nanos as f64 / counters.frees.max(1) as f64,
-        (counters.alloc_nanos + counters.free_nanos) as f64 / 1000.0 / arena_runs as f64
+        "vmm-arena served {} allocs + {} reserves in all, freed {}, refused {}, live at the end {}",
+        counters.allocs, counters.reserves, counters.frees, counters.refused, counters.live_blocks
+    );
+    let per_run = |n: u64| n as f64 / timed_runs;
+    println!(
+        "vmm-arena per inference in the timed passes: {:.1} Allocs at {:.0} ns, {:.1} Frees at {:.0} ns \
+         ({:.1} us in the arena); driver calls: {:.2} maps, {:.2} unmaps, {:.2} chunk creates, {:.2} releases",
+        per_run(timed.allocs),
+        timed.alloc_nanos as f64 / timed.allocs.max(1) as f64,
+        per_run(timed.frees),
+        timed.free_nanos as f64 / timed.frees.max(1) as f64,
+        per_run(timed.alloc_nanos + timed.free_nanos) / 1000.0,
+        per_run(arena_end.driver_maps - arena_start.driver_maps),
+        per_run(arena_end.driver_unmaps - arena_start.driver_unmaps),
+        per_run(arena_end.driver_creates - arena_start.driver_creates),
+        per_run(arena_end.driver_releases - arena_start.driver_releases)
     );
 
     if let Some(target) = &options.json {
@@ -369,8 +383,8 @@ fn bench() -> Result<(), String> {
             .collect();
         let json = format!(
             "{{\"onnxruntime\":\"{}\",\"model\":{{\"layers\":{},\"d_model\":{},\"heads\":{},\"ffn\":{}}},\
-             \"lengths\":{:?},\"passes\":{},\"threads\":{},\"bit_identical\":{},\"arena_alloc_calls\":{},\
-             \"arena_alloc_nanos\":{},\"arena_free_calls\":{},\"arena_free_nanos\":{},\"allocators\":[{}]}}\n",
+             \"lengths\":{:?},\"passes\":{},\"threads\":{},\"bit_identical\":{},\"arena_timed_allocs\":{},\
+             \"arena_timed_alloc_nanos\":{},\"arena_timed_frees\":{},\"arena_timed_free_nanos\":{},\"allocators\":[{}]}}\n",
             ort.version(),
             spec.layers,
             spec.d_model,
@@ -380,10 +394,10 @@ fn bench() -> Result<(), String> {
             options.passes,
             options.threads,
             identical,
-            calls,
-            counters.alloc_nanos,
-            counters.frees,
-            counters.free_nanos,
+            timed.allocs,
+            timed.alloc_nanos,
+            timed.frees,
+            timed.free_nanos,
             rows.join(",")
         );
         match target {
