@@ -8,11 +8,7 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-changed=src/throw.cpp");
     println!("cargo:rerun-if-env-changed=VMM_ARENA_LIB_DIR");
-    cc::Build::new()
-        .cpp(true)
-        .file("src/throw.cpp")
-        .flag_if_supported("-std=c++17")
-        .compile("vmm_ort_throw");
+    cc::Build::new().cpp(true).file("src/throw.cpp").flag_if_supported("-std=c++17").compile("vmm_ort_throw");
 
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let lib_dir = match std::env::var_os("VMM_ARENA_LIB_DIR") {

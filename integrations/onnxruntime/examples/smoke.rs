@@ -9,7 +9,8 @@ fn main() {
     let reg = alloc.register().expect("register");
     let base = Session::new(ort, &path, SessionConfig::default()).expect("default session");
     {
-        let s = Session::new(ort, &path, SessionConfig { allocator: Some(&reg), ..Default::default() }).expect("arena session");
+        let s = Session::new(ort, &path, SessionConfig { allocator: Some(&reg), ..Default::default() })
+            .expect("arena session");
         println!("after create: {:?}", alloc.counters());
         for seq in [1usize, 7, 512] {
             let x = model::input(seq, spec.d_model, 1);

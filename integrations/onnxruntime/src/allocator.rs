@@ -1,17 +1,22 @@
 //! An OrtAllocator whose Alloc, Reserve and Free call vmm-arena through its
 //! C ABI, and whose GetStats reports the arena's figures, registered on
 //! ONNX Runtime's environment for the CPU device so that sessions with
-//! session.use_env_allocators=1 take every CPU tensor from it: initializers,
-//! intermediates and outputs.
+//! session.use_env_allocators=1 take their CPU tensors from it: every
+//! intermediate and output, and the weights ONNX Runtime copies at session
+//! creation (MatMul's prepacked weights, reserved). Initializers it can use
+//! in place stay in the buffers of the loaded model and never reach an
+//! allocator. An arena on the CUDA backend registers the same way for
+//! ONNX Runtime's "Cuda" device (see the README; not run without a GPU).
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
 
 use ort_sys::{OrtAllocatorType, OrtApi, OrtErrorCode, OrtKeyValuePairs, OrtMemType, OrtMemoryInfo, OrtStatus};
 
-use crate::arena::{Arena, ArenaConfig, ArenaError, ArenaStats};
+use crate::arena::{Arena, ArenaConfig, ArenaDevice, ArenaError, ArenaStats};
 use crate::runtime::{Ort, OrtError, Session};
 
 extern "C-unwind" {
@@ -42,7 +47,8 @@ const _: () = assert!(ort_sys::ORT_API_VERSION == 23);
 pub struct AllocatorCounters {
     /// Alloc calls that succeeded
     pub allocs: u64,
-    /// Reserve calls that succeeded (ONNX Runtime reserves initializers)
+    /// Reserve calls that succeeded (ONNX Runtime reserves the weights it
+    /// copies at session creation, e.g. MatMul's prepacked ones)
     pub reserves: u64,
     /// Free calls of a pointer this allocator gave out
     pub frees: u64,
@@ -63,6 +69,10 @@ pub struct AllocatorCounters {
     pub max_request_bytes: u64,
     /// bytes given out, ever
     pub total_bytes: u64,
+    /// nanoseconds spent in vmm_arena_alloc (Alloc and Reserve, refused ones included)
+    pub alloc_nanos: u64,
+    /// nanoseconds spent in vmm_arena_free
+    pub free_nanos: u64,
 }
 
 struct Block {
@@ -98,9 +108,13 @@ impl State {
     fn allocate(&self, size: usize, kind: Kind) -> Result<*mut c_void, String> {
         // Zero bytes still get a unique address that Free accepts.
         let request = size.max(1) as u64;
-        match self.arena.alloc(request) {
+        let start = Instant::now();
+        let result = self.arena.alloc(request);
+        let nanos = start.elapsed().as_nanos() as u64;
+        match result {
             Ok((id, address)) => {
                 let mut book = self.book();
+                book.counters.alloc_nanos += nanos;
                 book.blocks.insert(address as usize, Block { id, size: request });
                 let c = &mut book.counters;
                 match kind {
@@ -115,7 +129,9 @@ impl State {
                 Ok(address as *mut c_void)
             }
             Err(error) => {
-                self.book().counters.refused += 1;
+                let mut book = self.book();
+                book.counters.refused += 1;
+                book.counters.alloc_nanos += nanos;
                 Err(format!("vmm-arena refused an allocation of {size} bytes: {error}"))
             }
         }
@@ -141,8 +157,13 @@ impl State {
                 }
             }
         };
-        if self.arena.free(block.id).is_err() {
-            self.book().counters.arena_free_errors += 1;
+        let start = Instant::now();
+        let result = self.arena.free(block.id);
+        let nanos = start.elapsed().as_nanos() as u64;
+        let mut book = self.book();
+        book.counters.free_nanos += nanos;
+        if result.is_err() {
+            book.counters.arena_free_errors += 1;
         }
     }
 
@@ -280,7 +301,7 @@ impl std::fmt::Display for SetupError {
 
 impl std::error::Error for SetupError {}
 
-/// A vmm-arena (host backend) served to ONNX Runtime as an OrtAllocator.
+/// A vmm-arena served to ONNX Runtime as an OrtAllocator.
 pub struct ArenaAllocator {
     ort: &'static Ort,
     // Boxed: ONNX Runtime keeps its address while registered.
@@ -298,11 +319,25 @@ impl ArenaAllocator {
         let arena = Arena::new(config).map_err(SetupError::Arena)?;
         let api = ort.api();
         let mut memory_info = std::ptr::null_mut();
-        // The CPU device's default memory, as a device (not arena) allocator:
+        // The device's default memory, as a device (not arena) allocator:
         // ONNX Runtime accepts only that type from a user allocator.
-        // SAFETY: memory_info is writable.
+        // SAFETY: memory_info is writable; the name is NUL-terminated.
         ort.check(unsafe {
-            (api.CreateCpuMemoryInfo)(OrtAllocatorType::OrtDeviceAllocator, OrtMemType::OrtMemTypeDefault, &mut memory_info)
+            match config.device {
+                ArenaDevice::Host => (api.CreateCpuMemoryInfo)(
+                    OrtAllocatorType::OrtDeviceAllocator,
+                    OrtMemType::OrtMemTypeDefault,
+                    &mut memory_info,
+                ),
+                // ONNX Runtime's name for the CUDA device's memory.
+                ArenaDevice::Cuda(ordinal) => (api.CreateMemoryInfo)(
+                    c"Cuda".as_ptr(),
+                    OrtAllocatorType::OrtDeviceAllocator,
+                    ordinal,
+                    OrtMemType::OrtMemTypeDefault,
+                    &mut memory_info,
+                ),
+            }
         })
         .map_err(SetupError::Ort)?;
         let table = AllocatorTable {
@@ -319,10 +354,11 @@ impl ArenaAllocator {
         Ok(ArenaAllocator { ort, shared })
     }
 
-    /// Registers the allocator on the environment for the CPU device. Until
-    /// the registration is dropped, sessions made with
-    /// `SessionConfig::allocator` set take their CPU memory from it. One
-    /// allocator per device can be registered at a time.
+    /// Registers the allocator on the environment for its device (CPU, or
+    /// CUDA for an `ArenaDevice::Cuda` arena). Until the registration is
+    /// dropped, sessions made with `SessionConfig::allocator` set take that
+    /// device's memory from it. One allocator per device is registered at a
+    /// time; registering another replaces it.
     pub fn register(&self) -> Result<Registration<'_>, OrtError> {
         let table = &self.shared.table as *const AllocatorTable as *mut ort_sys::OrtAllocator;
         // SAFETY: the table is layout-identical to OrtAllocator and lives in
@@ -439,8 +475,7 @@ impl Drop for Registration<'_> {
     fn drop(&mut self) {
         let ort = self.allocator.ort;
         // SAFETY: env and memory info are live.
-        let status =
-            unsafe { (ort.api().UnregisterAllocator)(ort.env(), self.allocator.shared.state.memory_info) };
+        let status = unsafe { (ort.api().UnregisterAllocator)(ort.env(), self.allocator.shared.state.memory_info) };
         if let Err(error) = ort.check(status) {
             eprintln!("vmm-arena: UnregisterAllocator failed: {error}");
         }

@@ -9,6 +9,7 @@ use std::ptr::NonNull;
 pub const ABI_VERSION: u32 = 1;
 const VMM_ARENA_OK: i32 = 0;
 const BACKEND_HOST: u32 = 0;
+const BACKEND_CUDA: u32 = 1;
 
 #[repr(C)]
 struct RawArena {
@@ -101,10 +102,24 @@ fn check(status: i32) -> Result<(), ArenaError> {
     Err(ArenaError { status, name, detail })
 }
 
-/// Sizes of a host-backend arena.
+/// Where an arena's memory lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ArenaDevice {
+    /// The host backend: memfd chunks mapped into one reserved range of
+    /// this process (ONNX Runtime's CPU device).
+    #[default]
+    Host,
+    /// The CUDA backend on this device ordinal (ONNX Runtime's "Cuda"
+    /// device); without a CUDA driver or device, creation fails with
+    /// VMM_ARENA_ERR_UNSUPPORTED.
+    Cuda(i32),
+}
+
+/// Sizes and device of an arena.
 #[derive(Clone, Copy, Debug)]
 pub struct ArenaConfig {
-    /// Most physical memory held (0: the host's RAM).
+    pub device: ArenaDevice,
+    /// Most physical memory held (0: the host's RAM, or the GPU's memory).
     pub capacity_bytes: u64,
     /// Physical chunk size (0: 2 MiB).
     pub chunk_bytes: u64,
@@ -114,11 +129,12 @@ pub struct ArenaConfig {
 
 impl Default for ArenaConfig {
     fn default() -> Self {
-        ArenaConfig { capacity_bytes: 0, chunk_bytes: 0, retain_bytes: u64::MAX }
+        ArenaConfig { device: ArenaDevice::Host, capacity_bytes: 0, chunk_bytes: 0, retain_bytes: u64::MAX }
     }
 }
 
-/// An arena on the host backend (memfd chunks mapped into one reserved range).
+/// An arena on the host backend (memfd chunks mapped into one reserved
+/// range) or the CUDA backend.
 pub struct Arena {
     raw: NonNull<RawArena>,
 }
@@ -142,7 +158,10 @@ impl Arena {
         let mut raw_config = RawConfig::default();
         // SAFETY: raw_config is a writable vmm_arena_config.
         unsafe { vmm_arena_config_default(&mut raw_config) };
-        raw_config.backend = BACKEND_HOST;
+        (raw_config.backend, raw_config.device) = match config.device {
+            ArenaDevice::Host => (BACKEND_HOST, 0),
+            ArenaDevice::Cuda(ordinal) => (BACKEND_CUDA, ordinal),
+        };
         raw_config.capacity_bytes = config.capacity_bytes;
         raw_config.chunk_bytes = config.chunk_bytes;
         raw_config.retain_bytes = config.retain_bytes;
@@ -176,10 +195,7 @@ impl Arena {
     }
 
     pub fn stats(&self) -> Result<ArenaStats, ArenaError> {
-        let mut stats = ArenaStats {
-            struct_size: std::mem::size_of::<ArenaStats>() as u32,
-            ..ArenaStats::default()
-        };
+        let mut stats = ArenaStats { struct_size: std::mem::size_of::<ArenaStats>() as u32, ..ArenaStats::default() };
         // SAFETY: self.raw is a live handle; stats is writable for its
         // struct_size, which is set.
         check(unsafe { vmm_arena_stats_get(self.raw.as_ptr(), &mut stats) })?;

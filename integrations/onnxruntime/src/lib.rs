@@ -10,12 +10,44 @@ pub mod model;
 pub mod runtime;
 
 pub use allocator::{session_allocator_stats, AllocatorCounters, ArenaAllocator, Registration, SetupError};
-pub use arena::{Arena, ArenaConfig, ArenaError, ArenaStats};
+pub use arena::{Arena, ArenaConfig, ArenaDevice, ArenaError, ArenaStats};
 pub use runtime::{Ort, OrtError, Session, SessionConfig};
+
+/// The Python that has onnxruntime, onnx and numpy installed:
+/// VMM_ARENA_PYTHON, else PYTHON, else `python3`.
+pub fn python() -> String {
+    std::env::var("VMM_ARENA_PYTHON").or_else(|_| std::env::var("PYTHON")).unwrap_or_else(|_| "python3".into())
+}
 
 /// This process's resident set (VmRSS) in bytes.
 pub fn rss_bytes() -> u64 {
     status_kib("VmRSS:") * 1024
+}
+
+/// The part of the resident set in shared memory (RssShmem): the host
+/// backend's memfd chunks while mapped.
+pub fn shmem_rss_bytes() -> u64 {
+    status_kib("RssShmem:") * 1024
+}
+
+/// Asks the C library to give its free heap back to the system
+/// (glibc's malloc_trim; false where there is none). ONNX Runtime's own
+/// bookkeeping goes through malloc, whose freed memory glibc may otherwise
+/// keep, so that the resident set says little about the allocator under test.
+pub fn release_free_heap() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> i32;
+        }
+        // SAFETY: malloc_trim takes a byte count and only touches free heap.
+        unsafe { malloc_trim(0) };
+        true
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
 }
 
 /// This process's peak resident set (VmHWM) in bytes since start or

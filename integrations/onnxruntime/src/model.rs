@@ -23,7 +23,7 @@ impl Default for ModelSpec {
 static MAKING: Mutex<()> = Mutex::new(());
 
 /// The model's path, written first if missing, under VMM_ORT_MODEL_DIR
-/// (default: this crate's target/model). Python (PYTHON, default python3)
+/// (default: this crate's target/model). The Python (`crate::python`)
 /// needs numpy and onnx.
 pub fn ensure(spec: ModelSpec) -> Result<PathBuf, String> {
     let dir = std::env::var_os("VMM_ORT_MODEL_DIR")
@@ -38,7 +38,7 @@ pub fn ensure(spec: ModelSpec) -> Result<PathBuf, String> {
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("model/make_decoder.py");
     let partial = path.with_extension(format!("onnx.{}.tmp", std::process::id()));
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = crate::python();
     let out = Command::new(&python)
         .arg(&script)
         .arg(&partial)

@@ -9,8 +9,8 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use ort_sys::{
-    GraphOptimizationLevel, ONNXTensorElementDataType, OrtAllocatorType, OrtApi, OrtApiBase, OrtEnv,
-    OrtLoggingLevel, OrtMemType, OrtMemoryInfo, OrtSession, OrtStatusPtr, OrtValue, ORT_API_VERSION,
+    GraphOptimizationLevel, ONNXTensorElementDataType, OrtAllocatorType, OrtApi, OrtApiBase, OrtEnv, OrtLoggingLevel,
+    OrtMemType, OrtMemoryInfo, OrtSession, OrtStatusPtr, OrtValue, ORT_API_VERSION,
 };
 
 use crate::allocator::Registration;
@@ -56,12 +56,12 @@ unsafe impl Sync for Ort {}
 static GLOBAL: OnceLock<Result<Ort, OrtError>> = OnceLock::new();
 
 /// Where the wheel's library is: ORT_DYLIB_PATH, else asked of the Python
-/// that has onnxruntime installed (PYTHON, default python3).
+/// that has onnxruntime installed (`crate::python`).
 pub fn locate_library() -> Result<PathBuf, OrtError> {
     if let Some(path) = std::env::var_os("ORT_DYLIB_PATH") {
         return Ok(PathBuf::from(path));
     }
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = crate::python();
     let script = "import glob, os, onnxruntime\n\
                   d = os.path.join(os.path.dirname(onnxruntime.__file__), 'capi')\n\
                   print(sorted(glob.glob(os.path.join(d, 'libonnxruntime.so*')))[0])";
@@ -149,6 +149,22 @@ impl Ort {
         &self.path
     }
 
+    /// The execution providers this build of ONNX Runtime has, e.g.
+    /// ["CPUExecutionProvider"] for the CPU-only wheel.
+    pub fn available_providers(&self) -> Result<Vec<String>, OrtError> {
+        let (mut names, mut count) = (std::ptr::null_mut(), 0);
+        // SAFETY: both out-parameters are writable.
+        self.check(unsafe { (self.api.GetAvailableProviders)(&mut names, &mut count) })?;
+        // SAFETY: names holds count NUL-terminated strings, copied before
+        // ReleaseAvailableProviders frees them.
+        let providers = (0..count.max(0) as usize)
+            .map(|i| unsafe { CStr::from_ptr(*names.add(i)) }.to_string_lossy().into_owned())
+            .collect();
+        // SAFETY: returned by GetAvailableProviders, released once.
+        self.check(unsafe { (self.api.ReleaseAvailableProviders)(names, count) })?;
+        Ok(providers)
+    }
+
     /// Turns an OrtStatus into a Result, releasing the status.
     pub fn check(&self, status: OrtStatusPtr) -> Result<(), OrtError> {
         if status.0.is_null() {
@@ -177,11 +193,16 @@ pub struct SessionConfig<'r> {
     /// ONNX Runtime's own CPU arena (BFC) when no allocator is given; false:
     /// plain malloc/free.
     pub cpu_mem_arena: bool,
+    /// Some(ordinal): the CUDA execution provider on that device comes
+    /// first (it needs the onnxruntime-gpu wheel; CPU-only builds fail
+    /// session creation with ONNX Runtime's error). Inputs and outputs stay
+    /// in CPU memory; ONNX Runtime copies them.
+    pub cuda_device: Option<i32>,
 }
 
 impl Default for SessionConfig<'_> {
     fn default() -> Self {
-        SessionConfig { threads: 1, allocator: None, cpu_mem_arena: true }
+        SessionConfig { threads: 1, allocator: None, cpu_mem_arena: true, cuda_device: None }
     }
 }
 
@@ -204,6 +225,26 @@ impl Drop for SessionOptions<'_> {
     }
 }
 
+/// Appends the CUDA execution provider on device `ordinal` to `options`.
+fn append_cuda(ort: &Ort, options: *mut ort_sys::OrtSessionOptions, ordinal: i32) -> Result<(), OrtError> {
+    let api = ort.api;
+    let mut cuda = std::ptr::null_mut();
+    // SAFETY: cuda is writable. CPU-only builds return an error status.
+    ort.check(unsafe { (api.CreateCUDAProviderOptions)(&mut cuda) })?;
+    let device_id = CString::new(ordinal.to_string()).expect("digits");
+    let keys = [c"device_id".as_ptr()];
+    let values = [device_id.as_ptr()];
+    // SAFETY: cuda is live until released below; keys and values hold one
+    // NUL-terminated string each; options is live.
+    let result = unsafe {
+        ort.check((api.UpdateCUDAProviderOptions)(cuda, keys.as_ptr(), values.as_ptr(), 1))
+            .and_then(|()| ort.check((api.SessionOptionsAppendExecutionProvider_CUDA_V2)(options, cuda)))
+    };
+    // SAFETY: created above and released once; the session options copy it.
+    unsafe { (api.ReleaseCUDAProviderOptions)(cuda) };
+    result
+}
+
 impl<'r> Session<'r> {
     pub fn new(ort: &'static Ort, model: &Path, config: SessionConfig<'r>) -> Result<Session<'r>, OrtError> {
         let api = ort.api;
@@ -223,6 +264,9 @@ impl<'r> Session<'r> {
             } else if !config.cpu_mem_arena {
                 ort.check((api.DisableCpuMemArena)(options.1))?;
             }
+        }
+        if let Some(ordinal) = config.cuda_device {
+            append_cuda(ort, options.1, ordinal)?;
         }
         let path = CString::new(model.as_os_str().as_encoded_bytes())
             .map_err(|_| load_error(format!("model path {} has a NUL", model.display())))?;
@@ -262,7 +306,16 @@ impl<'r> Session<'r> {
         // SAFETY: the session, names and values are live; output is
         // writable and NULL, so ONNX Runtime allocates it.
         let status = unsafe {
-            (api.Run)(self.raw, std::ptr::null(), input_names.as_ptr(), inputs.as_ptr(), 1, output_names.as_ptr(), 1, &mut output)
+            (api.Run)(
+                self.raw,
+                std::ptr::null(),
+                input_names.as_ptr(),
+                inputs.as_ptr(),
+                1,
+                output_names.as_ptr(),
+                1,
+                &mut output,
+            )
         };
         // SAFETY: input was created above and is not used again.
         unsafe { (api.ReleaseValue)(input) };
