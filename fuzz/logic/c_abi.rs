@@ -465,7 +465,8 @@ impl Harness {
             (false, None) => vec![UNKNOWN, INVALID],
             (false, Some(_)) if size == 0 => vec![INVALID],
             (false, Some(l)) if l.asleep => vec![if bad_size { INVALID } else { ASLEEP }],
-            (false, Some(l)) if l.pinned => vec![OK, INVALID, OOM, OOAS, PINNED],
+            // An allocation with a DMA-BUF open is pinned by it.
+            (false, Some(l)) if l.pinned || self.exported.contains(&id) => vec![OK, INVALID, OOM, OOAS, PINNED],
             (false, Some(_)) => vec![OK, INVALID, OOM, OOAS],
         };
         if status == OK {

@@ -34,7 +34,8 @@ impl Harness {
             vec![UNKNOWN, INVALID]
         } else if live.iter().flatten().any(|l| l.asleep) {
             vec![ASLEEP, INVALID]
-        } else if live.iter().flatten().any(|l| l.pinned) {
+        } else if live.iter().flatten().any(|l| l.pinned || self.exported.contains(&l.id)) {
+            // (An allocation that had a DMA-BUF is pinned while one is open.)
             vec![OK, INVALID, OOM, OOAS, PINNED]
         } else {
             vec![OK, INVALID, OOM, OOAS]
