@@ -1001,6 +1001,32 @@ enum vmm_arena_status vmm_arena_sleep(struct vmm_arena *arena, uint32_t tag, uin
 enum vmm_arena_status vmm_arena_wake(struct vmm_arena *arena, uint32_t tag);
 
 /**
+ * Keeps spent sleep backups for the next sleep (keep = 1), or stops and
+ * frees what is kept (keep = 0; other values are INVALID_ARGUMENT). With
+ * it on, a wake keeps each backup buffer it has written back (page-locked
+ * host memory on CUDA) instead of freeing it, and a sleep takes a kept
+ * buffer of exactly the size it needs before asking the driver for one: a
+ * loop that sleeps and wakes the same allocations allocates host memory in
+ * its first cycle only. What is kept is the last cycle's backups; give it
+ * back with vmm_arena_release_backup_cache. Off by default.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle.
+ */
+enum vmm_arena_status vmm_arena_set_backup_cache(struct vmm_arena *arena, uint32_t keep);
+
+/**
+ * Frees the kept backup buffers (see vmm_arena_set_backup_cache);
+ * *out_released (may be NULL) receives their bytes. The cache stays on if
+ * it was.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_released` is NULL or writable.
+ */
+enum vmm_arena_status vmm_arena_release_backup_cache(struct vmm_arena *arena,
+                                                     uint64_t *out_released);
+
+/**
  * Moves unpinned allocations by remapping to close address-space holes.
  * report may be NULL. On failure the arena is exactly as it was; the plan
  * depends on the arena's books alone, so tensor-parallel ranks with

@@ -94,3 +94,50 @@ pub unsafe extern "C" fn vmm_arena_wake(arena: *mut vmm_arena, tag: u32) -> vmm_
         h.live()?.wake(tag)
     })
 }
+
+/// Keeps spent sleep backups for the next sleep (keep = 1), or stops and
+/// frees what is kept (keep = 0; other values are INVALID_ARGUMENT). With
+/// it on, a wake keeps each backup buffer it has written back (page-locked
+/// host memory on CUDA) instead of freeing it, and a sleep takes a kept
+/// buffer of exactly the size it needs before asking the driver for one: a
+/// loop that sleeps and wakes the same allocations allocates host memory in
+/// its first cycle only. What is kept is the last cycle's backups; give it
+/// back with vmm_arena_release_backup_cache. Off by default.
+///
+/// # Safety
+/// `arena` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_set_backup_cache(arena: *mut vmm_arena, keep: u32) -> vmm_arena_status {
+    boundary("vmm_arena_set_backup_cache", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        if keep > 1 {
+            return Err(Error::InvalidArgument(format!("keep is {keep}: 0 or 1")));
+        }
+        h.live()?.set_backup_cache(keep == 1)
+    })
+}
+
+/// Frees the kept backup buffers (see vmm_arena_set_backup_cache);
+/// *out_released (may be NULL) receives their bytes. The cache stays on if
+/// it was.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_released` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_release_backup_cache(
+    arena: *mut vmm_arena,
+    out_released: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_release_backup_cache", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let out = optional(out_released, "out_released")?;
+        let released = h.live()?.release_backup_cache()?;
+        if let Some(o) = out {
+            // SAFETY: a checked out-parameter, writable per this function's contract.
+            unsafe { put(o, released) };
+        }
+        Ok(())
+    })
+}

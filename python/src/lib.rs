@@ -376,6 +376,26 @@ impl Arena {
         py.allow_threads(|| self.shared.arena.wake(tag)).map_err(to_py)
     }
 
+    /// Keeps spent sleep backups for the next sleep (`keep=True`), or
+    /// stops and frees what is kept. With it on, a wake keeps each backup
+    /// buffer it wrote back (page-locked on CUDA) and a sleep reuses one of
+    /// exactly the size it needs: a loop that sleeps and wakes the same
+    /// allocations allocates host memory in its first cycle only.
+    fn set_backup_cache(&self, keep: bool) -> PyResult<()> {
+        self.shared.arena.set_backup_cache(keep).map_err(to_py)
+    }
+
+    /// Frees the kept backup buffers; returns their bytes.
+    fn release_backup_cache(&self) -> PyResult<u64> {
+        self.shared.arena.release_backup_cache().map_err(to_py)
+    }
+
+    /// Bytes of host memory the backup cache keeps.
+    #[getter]
+    fn backup_cache_bytes(&self) -> PyResult<u64> {
+        self.shared.arena.backup_cache_bytes().map_err(to_py)
+    }
+
     /// Installs `callback(id, old_ptr, new_ptr, size)`, called for every
     /// move (None removes it). It runs during the call that moved, with
     /// the arena locked: calls into the arena from it fail. An exception it

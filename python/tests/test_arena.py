@@ -118,6 +118,26 @@ def test_sleep_and_wake_with_backup_at_the_same_address():
     assert (np.from_dlpack(w) == 5).all() and (np.from_dlpack(k) == 6).all()
 
 
+def test_backup_cache_keeps_the_last_cycles_backups_until_released():
+    a = arena()
+    w = a.alloc_growable(3 * K, max_size=8 * K, tag=1)
+    np.from_dlpack(w)[:] = 7
+    a.set_backup_cache(True)
+    for _ in range(3):
+        a.sleep(tag=1, backup=True)
+        assert a.backup_cache_bytes == 0  # the buffer holds the sleeper's bytes
+        a.wake(tag=1)
+        assert a.backup_cache_bytes == 3 * K
+        assert (np.from_dlpack(w) == 7).all()
+    assert a.release_backup_cache() == 3 * K
+    assert a.backup_cache_bytes == 0
+    a.set_backup_cache(False)
+    a.sleep(tag=1, backup=True)
+    a.wake(tag=1)
+    assert a.backup_cache_bytes == 0
+    assert (np.from_dlpack(w) == 7).all()
+
+
 def test_small_allocations_of_two_tags_one_asleep_the_other_intact():
     a = arena()
     ws = [a.alloc(1000, tag=1) for _ in range(4)]

@@ -30,6 +30,7 @@ use crate::Id;
 mod admission_ahead;
 mod alias;
 mod alloc;
+mod backup_cache;
 mod batch;
 mod config;
 #[cfg(unix)]
@@ -176,6 +177,8 @@ struct Inner {
     /// Operations waiting for chunks in flight: the prefetcher starts no
     /// new work while one waits.
     pressure_waiters: u32,
+    /// Spent sleep backups kept for the next sleep (`backup_cache.rs`).
+    backups: backup_cache::BackupCache,
     /// Driver failures in `maintain` or the worker.
     maintain_failures: u64,
     /// Set by `Drop` to stop the background worker.
@@ -425,6 +428,7 @@ impl Arena {
                 worker_waiting: false,
                 maintaining: false,
                 pressure_waiters: 0,
+                backups: Default::default(),
                 maintain_failures: 0,
                 stop_worker: false,
             }),

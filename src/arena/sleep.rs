@@ -1,12 +1,13 @@
 //! Tags, sleep and wake: giving a tagged group's physical memory back to
 //! the driver while its ids, addresses and reservations stay.
 
-use crate::driver::ChunkHandle;
+use crate::driver::{ChunkHandle, HostBuffer};
 use crate::error::{Error, Result};
 use crate::Id;
 
 use super::alias;
 use super::alloc::{copy_small, Target};
+use super::backup_cache::BackupCache;
 use super::moves::release_retired_into;
 use super::state::{self, Alloc, Owner, State};
 use super::txn;
@@ -111,7 +112,35 @@ impl Arena {
     /// or a driver error) every one of them is still asleep with its backup
     /// intact.
     pub fn wake(&self, tag: u32) -> Result<()> {
-        self.run(Touch::Everything, |inner, ctx, _| wake_tag(&mut inner.st, ctx, tag))
+        self.run(Touch::Everything, |inner, ctx, _| wake_tag(&mut inner.st, ctx, tag, &mut inner.backups))
+    }
+
+    /// Keeps spent sleep backups for the next sleep (`keep`), or stops and
+    /// frees what is kept. With it on, a wake keeps each backup buffer it
+    /// has written back (page-locked host memory on CUDA) instead of
+    /// freeing it, and a sleep takes a kept buffer of exactly the size it
+    /// needs before asking the driver for one: a loop that sleeps and wakes
+    /// the same allocations allocates host memory in its first cycle only.
+    /// The kept memory is the last cycle's backups; give it back with
+    /// [`Arena::release_backup_cache`]. Off by default.
+    pub fn set_backup_cache(&self, keep: bool) -> Result<()> {
+        let mut inner = self.lock()?;
+        inner.backups.keep = keep;
+        if !keep {
+            inner.backups.clear();
+        }
+        Ok(())
+    }
+
+    /// Frees the kept backup buffers (see [`Arena::set_backup_cache`]);
+    /// returns their bytes. The cache stays on if it was.
+    pub fn release_backup_cache(&self) -> Result<u64> {
+        Ok(self.lock()?.backups.clear())
+    }
+
+    /// Bytes of host memory the backup cache keeps.
+    pub fn backup_cache_bytes(&self) -> Result<u64> {
+        Ok(self.lock()?.backups.bytes())
     }
 }
 
@@ -153,16 +182,27 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
     }
     let mut sim = st.clone();
     let mut tx = ctx.txn(st);
+    let cache = &mut inner.backups;
+    // Buffers taken from the backup cache, by index into `backups`: a
+    // failed sleep puts them back, so the cache is as it was too.
+    let mut from_cache: Vec<usize> = Vec::new();
+    let mut backups: Vec<Option<std::sync::Arc<HostBuffer>>> = Vec::new();
     let done = (|| {
         tx.sync()?;
-        let mut backups = Vec::new();
         if backup {
             for &slot in &targets {
                 let a = sim.alloc(slot);
                 let len = usize::try_from(a.size).map_err(|_| Error::OutOfMemory("backup too large".into()))?;
-                let mut buf = ctx.drv.alloc_host(len)?;
-                ctx.drv.read(sim.addr(a.start), buf.as_mut_slice())?;
+                let mut buf = match cache.take(len) {
+                    Some(b) => {
+                        from_cache.push(backups.len());
+                        b
+                    }
+                    None => ctx.drv.alloc_host(len)?,
+                };
+                let read = ctx.drv.read(sim.addr(a.start), buf.as_mut_slice());
                 backups.push(Some(std::sync::Arc::new(buf)));
+                read?;
             }
         } else {
             backups.resize(targets.len(), None);
@@ -184,18 +224,18 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
             let hs: Vec<_> = run.clone().map(|p| sim.mapped[p as usize].expect("page is mapped")).collect();
             tx.unmap(run.start, hs)?;
         }
-        Ok::<_, Error>(backups)
+        Ok::<_, Error>(())
     })();
-    let backups = match done {
-        Ok(b) => {
-            tx.commit();
-            b
+    if let Err(e) = done {
+        tx.rollback();
+        for i in from_cache {
+            if let Some(buf) = backups[i].take().and_then(|b| std::sync::Arc::try_unwrap(b).ok()) {
+                cache.put(buf);
+            }
         }
-        Err(e) => {
-            tx.rollback();
-            return Err(e);
-        }
-    };
+        return Err(e);
+    }
+    tx.commit();
     // Apply (infallible): the sleepers keep their reservations and map
     // nothing; every chunk they had and every pooled chunk is to release.
     // A chunk that an awake allocation also maps is not released (see
@@ -227,7 +267,7 @@ fn sleep_tag(inner: &mut Inner, ctx: &Ctx<'_>, tag: u32, backup: bool) -> Result
 /// [`Arena::wake`]: every sleeper's chunks planned, mapped and made
 /// accessible on a copy of the state, then the backups written; the copy
 /// replaces the state only if every call succeeded.
-fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
+fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32, cache: &mut BackupCache) -> Result<()> {
     let targets: Vec<u32> =
         st.by_start.values().copied().filter(|&s| st.alloc(s).sleep.is_some() && tagged(st.alloc(s), tag)).collect();
     if targets.is_empty() {
@@ -295,7 +335,17 @@ fn wake_tag(st: &mut State, ctx: &Ctx<'_>, tag: u32) -> Result<()> {
     match done {
         Ok(()) => {
             tx.commit();
+            // The woken allocations' backups are spent: kept for the next
+            // sleep when the cache is on (the old books held the last
+            // references), else freed.
+            let spent: Vec<std::sync::Arc<HostBuffer>> =
+                targets.iter().filter_map(|&s| st.alloc(s).sleep.as_ref().and_then(|z| z.backup.clone())).collect();
             *st = sim;
+            for b in spent {
+                if let Ok(buf) = std::sync::Arc::try_unwrap(b) {
+                    cache.put(buf);
+                }
+            }
             Ok(())
         }
         Err(e) => {

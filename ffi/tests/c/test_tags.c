@@ -164,7 +164,34 @@ static void all_tags_as_a_tag_is_selected_by_every_tag(void) {
   vmm_arena_destroy(a);
 }
 
+/* Sleep backups kept across cycles: a wake keeps the spent buffers, the
+ * next sleep reuses them, a release gives them back. */
+static void backup_cache(void) {
+  vmm_arena *a = make();
+  vmm_arena_id x;
+  uint64_t p, released = 1;
+  EXPECT(vmm_arena_set_backup_cache(a, 2), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_set_backup_cache(NULL, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  OK(vmm_arena_release_backup_cache(a, &released));
+  CHECK(released == 0);
+  OK(vmm_arena_set_backup_cache(a, 1));
+  OK(vmm_arena_alloc_tagged(a, 2 * K, 4, &x, &p));
+  fill(p, 9, 2 * K);
+  for (int cycle = 0; cycle < 3; cycle++) {
+    OK(vmm_arena_sleep(a, 4, VMM_ARENA_SLEEP_BACKUP));
+    OK(vmm_arena_wake(a, 4));
+    CHECK(((unsigned char *)(uintptr_t)p)[2 * K - 1] == 9);
+  }
+  OK(vmm_arena_release_backup_cache(a, &released));
+  CHECK(released == 2 * K);
+  OK(vmm_arena_release_backup_cache(a, NULL));
+  OK(vmm_arena_set_backup_cache(a, 0));
+  OK(vmm_arena_free(a, x));
+  vmm_arena_destroy(a);
+}
+
 int main(void) {
+  backup_cache();
   all_tags_as_a_tag_is_selected_by_every_tag();
   two_tags_side_by_side();
   set_tag_moves_a_small_allocation();
