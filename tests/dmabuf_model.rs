@@ -17,7 +17,6 @@
 //! Each operation also runs the debug build's audit of who holds each chunk
 //! (`arena/holds.rs`).
 
-use std::os::fd::AsFd;
 use std::sync::Arc;
 
 use proptest::prelude::*;
