@@ -53,6 +53,13 @@ fn to_py(e: Error) -> PyErr {
     }
 }
 
+/// A file descriptor: an int, or an object with `fileno()` (a socket).
+fn fd_of(v: &Bound<'_, PyAny>) -> PyResult<i32> {
+    let raw = if v.hasattr("fileno")? { v.call_method0("fileno")? } else { v.clone() };
+    let n = u64_arg(&raw, "sock")?;
+    i32::try_from(n).map_err(|_| py_err("InvalidArgument", format!("sock = {n} is not a file descriptor")))
+}
+
 /// A non-negative integer that fits in 64 bits: a wrong type is
 /// `InvalidType` (a `TypeError`), a number out of range `InvalidArgument`.
 fn u64_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
@@ -200,7 +207,7 @@ struct Arena {
 #[pymethods]
 impl Arena {
     #[new]
-    #[pyo3(signature = (*, backend="host", device=None, capacity_bytes=None, reserve_bytes=None, chunk_bytes=None, retain_bytes=None, no_implicit_moves=false, background=false))]
+    #[pyo3(signature = (*, backend="host", device=None, capacity_bytes=None, reserve_bytes=None, chunk_bytes=None, retain_bytes=None, no_implicit_moves=false, background=false, exportable=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -212,6 +219,7 @@ impl Arena {
         retain_bytes: Option<&Bound<'_, PyAny>>,
         no_implicit_moves: bool,
         background: bool,
+        exportable: bool,
     ) -> PyResult<Arena> {
         let backend = match backend {
             "cuda" => Backend::Cuda,
@@ -235,7 +243,7 @@ impl Arena {
             chunk_bytes: opt_positive(chunk_bytes, "chunk_bytes", 0)?,
             retain_bytes: opt_u64(retain_bytes, "retain_bytes", u64::MAX)?,
             no_implicit_moves,
-            exportable: false,
+            exportable,
             deterministic_placement: false,
             background,
         };
@@ -513,6 +521,45 @@ impl Arena {
         let max = opt_u64(max_size, "max_size", n)?;
         let (id, _) = py.allow_threads(|| self.shared.arena.alloc_shared(src, off, n, max)).map_err(to_py)?;
         self.shared.adopt(py, id, true)
+    }
+
+    /// Sends an allocation to another process over a connected Unix socket
+    /// (`sock`: a file descriptor, or an object with `fileno()`): its
+    /// chunks' descriptors and layout, which the receiver's
+    /// `import_recv` maps at an address of its own (the same memory: writes
+    /// on either side are seen on the other). The arena must be made with
+    /// `exportable=True` (else `Unsupported`). From the first export on the
+    /// allocation is pinned and cannot shrink below what was sent.
+    fn export_send(&self, py: Python<'_>, alloc: &Bound<'_, PyAny>, sock: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.shared.open()?;
+        let id = id_of(alloc, &self.shared)?;
+        let fd = fd_of(sock)?;
+        py.allow_threads(|| {
+            let export = self.shared.arena.export(id)?;
+            // SAFETY: `fd` is the caller's open descriptor for the duration
+            // of this call (checked to be non-negative by `fd_of`).
+            let sock = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            export.send(sock)
+        })
+        .map_err(to_py)
+    }
+
+    /// Receives what another process's `export_send` sent on `sock` and
+    /// maps it here: a new allocation of the same memory (with
+    /// `read_only=True`, mapped readable only). Freeing it unmaps it here
+    /// only. `InvalidArgument` for a peer that sent something else.
+    #[pyo3(signature = (sock, read_only=false))]
+    fn import_recv(&self, py: Python<'_>, sock: &Bound<'_, PyAny>, read_only: bool) -> PyResult<PyObject> {
+        self.shared.open()?;
+        let fd = fd_of(sock)?;
+        let (id, _) = py
+            .allow_threads(|| {
+                // SAFETY: as in `export_send`.
+                let sock = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+                self.shared.arena.import_from_socket(sock, read_only)
+            })
+            .map_err(to_py)?;
+        self.shared.adopt(py, id, false)
     }
 
     /// Resizes several allocations at once, all or nothing:

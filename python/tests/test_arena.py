@@ -287,3 +287,33 @@ def test_torch_module_imports_and_names_tags_without_cuda():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError):
             vt.use()
+
+
+def test_export_send_and_import_recv_share_the_memory_across_arenas():
+    import socket
+
+    ex = arena(exportable=True)
+    im = arena()
+    x = ex.alloc(3 * K)
+    x.write(bytes([11]) * (3 * K))
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with left, right:
+        ex.export_send(x, left)
+        y = im.import_recv(right)
+        assert y.size == 3 * K and y.ptr != x.ptr
+        assert y.read() == bytes([11]) * (3 * K)
+        y.write(bytes([99]) * 7)  # the same memory: seen through the exporter
+        assert x.read(0, 8) == bytes([99]) * 7 + bytes([11])
+        # Refusals: an arena made without exportable chunks, a bad socket,
+        # a peer that sent something else.
+        plain = arena()
+        with pytest.raises(va.Unsupported):
+            plain.export_send(plain.alloc(K), left)
+        with pytest.raises(va.InvalidArgument):
+            ex.export_send(x, -1)
+        left.send(b"not an export")
+        with pytest.raises(va.InvalidArgument):
+            im.import_recv(right)
+    im.free(y)
+    ex.free(x)
+    assert im.stats().live_allocations == 0

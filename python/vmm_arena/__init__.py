@@ -135,7 +135,7 @@ class Stats:
 class Arena(_Arena):
     """An arena: Arena(backend="host"|"cuda", device=0, capacity_bytes=None,
     reserve_bytes=None, chunk_bytes=None, retain_bytes=None,
-    no_implicit_moves=False, background=False). Sizes default as in the
+    no_implicit_moves=False, background=False, exportable=False). Sizes default as in the
     Rust API (the device's memory, 4x capacity of address space, 2 MiB
     chunks, every freed chunk kept pooled)."""
 

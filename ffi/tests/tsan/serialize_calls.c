@@ -113,6 +113,17 @@ WRAP(vmm_arena_status, vmm_arena_pin, (vmm_arena * a, vmm_arena_id id), (a, id))
 WRAP(vmm_arena_status, vmm_arena_unpin, (vmm_arena * a, vmm_arena_id id), (a, id))
 WRAP(vmm_arena_status, vmm_arena_set_tag, (vmm_arena * a, vmm_arena_id id, uint32_t tag), (a, id, tag))
 WRAP(vmm_arena_status, vmm_arena_sleep, (vmm_arena * a, uint32_t tag, uint32_t flags), (a, tag, flags))
+WRAP(vmm_arena_status, vmm_arena_set_backup_cache, (vmm_arena * a, uint32_t keep), (a, keep))
+WRAP(vmm_arena_status, vmm_arena_release_backup_cache, (vmm_arena * a, uint64_t *released), (a, released))
+WRAP(vmm_arena_status, vmm_arena_kv_layout_get,
+     (const vmm_arena_kv_geometry *g, uint64_t chunk, uint64_t block_tokens, vmm_arena_kv_layout *out),
+     (g, chunk, block_tokens, out))
+WRAP(vmm_arena_status, vmm_arena_kv_token_offset,
+     (const vmm_arena_kv_geometry *g, uint64_t chunk, uint64_t block_tokens, uint32_t layer, uint32_t value,
+      uint64_t token, uint64_t *out),
+     (g, chunk, block_tokens, layer, value, token, out))
+WRAP(vmm_arena_status, vmm_arena_block_table,
+     (vmm_arena * a, vmm_arena_id id, int32_t *blocks, size_t cap, size_t *count), (a, id, blocks, cap, count))
 WRAP(vmm_arena_status, vmm_arena_wake, (vmm_arena * a, uint32_t tag), (a, tag))
 WRAP(vmm_arena_status, vmm_arena_compact, (vmm_arena * a, vmm_arena_compact_report *r), (a, r))
 WRAP(vmm_arena_status, vmm_arena_release_retired, (vmm_arena * a), (a))
