@@ -884,6 +884,7 @@ fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_hooks_allocations, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_sleep, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_wake, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_backup_cache, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_retag, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_stats, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_release, m)?)?;

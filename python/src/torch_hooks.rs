@@ -373,6 +373,20 @@ pub(crate) fn _hooks_wake(py: Python<'_>, device: i64, tag: u32) -> PyResult<()>
     py.allow_threads(|| a.arena.wake(tag)).map_err(to_py)
 }
 
+/// Keeps (or stops keeping) `device`'s spent sleep backups for the next
+/// pause (`Arena::set_backup_cache`); returns the bytes freed when turned
+/// off, 0 when the device has no arena yet.
+#[pyfunction]
+pub(crate) fn _hooks_backup_cache(py: Python<'_>, device: i64, keep: bool) -> PyResult<u64> {
+    let Some(a) = existing(dev(device)?) else { return Ok(0) };
+    py.allow_threads(|| {
+        let kept = a.arena.backup_cache_bytes()?;
+        a.arena.set_backup_cache(keep)?;
+        Ok(if keep { 0 } else { kept })
+    })
+    .map_err(to_py)
+}
+
 /// Gives the allocation containing `ptr` the tag `tag`; returns its bytes,
 /// 0 when no live allocation of the hooks contains `ptr`. Refused while it
 /// sleeps (Asleep) and for small allocations sharing a slab (Pinned: they

@@ -102,6 +102,24 @@ def test_tms7_keep_resident_protects_an_allocation_and_refuses_a_paused_one(hook
         vt.keep_resident(ordinary, device=0)
 
 
+def test_kept_backups_are_reused_by_the_next_pause_and_freed_on_request(hooks):
+    with tms.region(tag="weights", enable_cpu_backup=True):
+        w = hooks.malloc(4 * MiB)
+    fill(w, 41)
+    assert vt.keep_backups(True) == 0
+    for _ in range(3):
+        tms.pause("weights")
+        assert mapped() == 0
+        tms.resume("weights")
+        assert holds(w, 41)
+        # The spent backup is kept for the next pause.
+        assert vt.stats().backup_bytes == 0
+    assert vt.keep_backups(False) == 4 * MiB
+    tms.pause("weights")
+    tms.resume("weights")
+    assert holds(w, 41) and vt.keep_backups(False) == 0
+
+
 def test_tms8_every_affected_device_is_paused(hooks):
     with tms.region():
         hooks.malloc(2 * MiB, device=0)

@@ -310,6 +310,16 @@ def stats(device=0):
     return None if d is None else Stats._from_dict(d)
 
 
+def keep_backups(keep=True, device=None):
+    """Keeps the host buffers of paused allocations' backups across pause and
+    resume cycles (page-locked on CUDA), so that after the first cycle a
+    pause allocates no host memory (an RL loop pausing the same tensors every
+    step); `keep_backups(False)` frees them. On every device whose arena
+    exists (or `device`); returns the bytes freed."""
+    devices = _ext._hooks_devices() if device is None else [device]
+    return sum(_ext._hooks_backup_cache(d, bool(keep)) for d in devices)
+
+
 def release(device=0):
     """Drops the device's arena, giving all its memory (and host backups)
     back, when the hooks hold no live allocation there; returns whether it did."""
