@@ -33,6 +33,7 @@ use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use serde_json::{json, Value};
+use vmm_sim::arena_prefix_cache::ArenaPrefixCache;
 use vmm_sim::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
 use vmm_sim::replay::{self, RunResult, SchedConfig};
 use vmm_sim::timing::Profile;
@@ -472,6 +473,9 @@ fn main() {
         match (s.build.prefix_caching, s.shape.layout) {
             (false, _) => "off",
             (true, Layout::PerLayer) => "off (one allocation per request only)",
+            (true, _) if ArenaPrefixCache::new(o.workload.chunk_bytes(), s.shape.bpt()).is_none() => {
+                "off (no unit of whole chunks tiles a 512-token hash block)"
+            }
             (true, _) => "on",
         },
         fmt_bytes(o.precreate),
