@@ -49,12 +49,20 @@ pub struct ArenaPrefixCache {
 }
 
 impl ArenaPrefixCache {
-    /// A cache for allocations of `bpt` bytes per token, or None where a
-    /// unit (16 tokens) is not whole chunks of `chunk` bytes.
+    /// A cache for allocations of `bpt` bytes per token, or None where no
+    /// unit fits: the unit is vLLM's 16-token block, or one chunk where a
+    /// chunk holds more than 16 tokens (super-pages: 64 tokens in an 8 MiB
+    /// chunk at 128 KiB a token); it must be whole chunks and tile a hash
+    /// block (a 20 MiB chunk's 160 tokens do not tile 512: no cache).
     pub fn new(chunk: u64, bpt: u64) -> Option<ArenaPrefixCache> {
-        let unit_tokens = super::managers::VLLM_BLOCK_TOKENS;
+        let block = super::managers::VLLM_BLOCK_TOKENS;
+        let unit_tokens = match chunk.checked_div(bpt)? {
+            per_chunk if per_chunk > block && chunk % bpt == 0 => per_chunk,
+            _ => block,
+        };
         let unit_bytes = unit_tokens * bpt;
-        (unit_bytes % chunk == 0).then(|| ArenaPrefixCache {
+        let tiles = super::trace::HASH_BLOCK_TOKENS % unit_tokens == 0;
+        (unit_bytes % chunk == 0 && tiles).then(|| ArenaPrefixCache {
             books: PrefixCache::new(unit_tokens, super::trace::HASH_BLOCK_TOKENS),
             stream: None,
             quiesces: 0,

@@ -14,9 +14,12 @@
 //!   books driven on an arena;
 //! - [`prepared`]: admissions prepared between steps (the arena manager's
 //!   asynchronous scheduling);
-//! - [`trace`]: trace files and the synthetic trace;
+//! - [`trace`]: trace files and the synthetic trace; [`fixed_workload`]:
+//!   fixed-length prompts with shared system prompts (a closed-loop
+//!   benchmark client's workload);
 //! - [`replay`]: the continuous-batching scheduler;
-//! - [`timing`]: the step-time model (GPU profiles, driver costs), and
+//! - [`timing`]: the step-time model (GPU profiles, driver costs; the
+//!   `h100` profile in [`profile_h100`]), and
 //!   [`step_charge`], the one way every replay charges a step's driver
 //!   calls to its time;
 //! - [`tp`]: tensor-parallel managers (`kv_serving --tp N`);
@@ -38,12 +41,14 @@ pub mod attention;
 pub mod caching;
 pub mod cli_args;
 pub mod counted;
+pub mod fixed_workload;
 pub mod idle_footprint;
 pub mod managers;
 pub mod multi_model;
 pub mod multi_tenant;
 pub mod prefix_cache;
 pub mod prepared;
+pub mod profile_h100;
 pub mod replay;
 pub mod rlhf_cycle;
 pub mod scenario;

@@ -96,6 +96,20 @@ pub struct SchedConfig {
     pub max_num_batched_tokens: u64,
 }
 
+/// How requests arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrivals {
+    /// At their trace times (an open loop).
+    Trace,
+    /// A closed-loop client of fixed concurrency, as a benchmark client
+    /// with `--max-concurrency`: requests join in trace order whenever
+    /// fewer than `concurrency` are in the system (waiting or running; a
+    /// preempted request stays in it), so a new one arrives as soon as one
+    /// finishes. Trace times are ignored; a request's arrival is when it
+    /// joined.
+    ClosedLoop { concurrency: usize },
+}
+
 /// What one manager did over the whole trace.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunResult {
@@ -205,6 +219,10 @@ pub struct RunResult {
     pub simulated_seconds: f64,
     pub first_fragmentation: Option<String>,
     pub first_host_limit: Option<String>,
+    /// The most requests in the system (waiting or running) at a step's
+    /// start: at most the concurrency of a closed loop.
+    #[serde(default)]
+    pub peak_in_system: u64,
     pub aborted: Option<String>,
     pub extra: Vec<(String, String)>,
 }
@@ -341,6 +359,17 @@ fn mean(v: &[f64]) -> f64 {
 /// Replays `requests` through `mgr`. `progress` counts requests finished or
 /// rejected, for a progress bar.
 pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, progress: &AtomicU64) -> RunResult {
+    replay_arrivals(mgr, requests, cfg, Arrivals::Trace, progress)
+}
+
+/// [`replay`], with requests arriving as `arrivals` says.
+pub fn replay_arrivals(
+    mgr: &mut dyn KvManager,
+    requests: &[Request],
+    cfg: &SchedConfig,
+    arrivals: Arrivals,
+    progress: &AtomicU64,
+) -> RunResult {
     let start = Instant::now();
     let mut r = RunResult { name: mgr.name().to_string(), ..Default::default() };
     let kvpt = cfg.kv_bytes_per_token;
@@ -359,8 +388,13 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
     let mut waiting: VecDeque<usize> = VecDeque::new();
     let mut running: Vec<Live> = Vec::new();
     let mut next = 0usize;
-    let t0 = requests.first().map_or(0.0, |q| q.arrival_s);
+    let t0 = match arrivals {
+        Arrivals::Trace => requests.first().map_or(0.0, |q| q.arrival_s),
+        Arrivals::ClosedLoop { .. } => 0.0,
+    };
     let mut now = t0;
+    // When each request joined the system (its trace time in an open loop).
+    let mut arrived_at: Vec<f64> = requests.iter().map(|q| q.arrival_s).collect();
     let mut waste_sum = 0.0;
     let mut phys_sum = 0.0;
     let mut live_sum = 0.0;
@@ -388,15 +422,23 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
 
     loop {
         if running.is_empty() && waiting.is_empty() {
-            match requests.get(next) {
-                Some(q) => now = now.max(q.arrival_s),
-                None => break,
+            match (requests.get(next), arrivals) {
+                (Some(q), Arrivals::Trace) => now = now.max(q.arrival_s),
+                (Some(_), Arrivals::ClosedLoop { .. }) => {}
+                (None, _) => break,
             }
         }
-        while next < n && requests[next].arrival_s <= now {
+        while next < n
+            && match arrivals {
+                Arrivals::Trace => requests[next].arrival_s <= now,
+                Arrivals::ClosedLoop { concurrency } => waiting.len() + running.len() < concurrency.max(1),
+            }
+        {
+            arrived_at[next] = now;
             waiting.push_back(next);
             next += 1;
         }
+        r.peak_in_system = r.peak_in_system.max((waiting.len() + running.len()) as u64);
         let calls_before = mgr.calls();
         let mut work = StepWork::default();
         let mut step_peak_live = live_now;
@@ -670,8 +712,8 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
         for &seq in &finished {
             let q = &requests[seq];
             let first = *first_token_at[seq].get_or_insert(now);
-            latencies.push(now - q.arrival_s);
-            ttfts.push(first - q.arrival_s);
+            latencies.push(now - arrived_at[seq]);
+            ttfts.push(first - arrived_at[seq]);
             if q.output > 1 {
                 tpots.push((now - first) / (q.output - 1) as f64);
             }
@@ -715,7 +757,7 @@ pub fn replay(mgr: &mut dyn KvManager, requests: &[Request], cfg: &SchedConfig, 
     r.step_time_p99_s = quantile(&step_times, 0.99);
     r.step_time_max_s = step_times.last().copied().unwrap_or(0.0);
     let queued: Vec<f64> =
-        admitted_at.iter().zip(requests).filter_map(|(a, q)| a.map(|a| (a - q.arrival_s).max(0.0))).collect();
+        admitted_at.iter().zip(&arrived_at).filter_map(|(a, t)| a.map(|a| (a - t).max(0.0))).collect();
     r.mean_queue_s = mean(&queued);
     r.prefix_hit_rate = if r.prompt_tokens > 0 { r.prefix_hit_tokens as f64 / r.prompt_tokens as f64 } else { 0.0 };
     r.first_admission_hit_rate = match r.first_admission_prompt_tokens {

@@ -67,7 +67,7 @@
 //! - **Events**: recording, polling and destroying a stream event are
 //!   priced per call (`event_*_s`), wherever they happen.
 //!
-//! Profiles `h200` (default) and `a100` ship here; a JSON file can override
+//! Profiles `h200` (default) and `a100` ship here, `h100` in `profile_h100.rs`; a JSON file can override
 //! any field (`--profile-file`), as a number or as `{"value": x, "source":
 //! "..."}`. Every constant carries its source ([`Profile::sources`]); a
 //! constant without one is marked `assumed`.
@@ -207,7 +207,7 @@ impl Default for Profile {
 }
 
 /// Profile names [`Profile::named`] knows.
-pub const PROFILES: [&str; 2] = ["h200", "a100"];
+pub const PROFILES: [&str; 3] = ["h200", "a100", "h100"];
 
 impl Profile {
     pub fn h200() -> Profile {
@@ -263,6 +263,7 @@ impl Profile {
         match name {
             "h200" => Ok(Profile::h200()),
             "a100" => Ok(Profile::a100()),
+            "h100" => Ok(Profile::h100()),
             other => Err(format!("unknown GPU profile {other:?} (known: {})", PROFILES.join(", "))),
         }
     }

@@ -111,9 +111,15 @@ fn uncached_after(q: &Request, computed: u64) -> Option<Request> {
 /// with less, the reservations of a full batch exhaust the range although
 /// physical memory is free.
 pub fn arena_reserve(shape: KvShape, capacity: u64, max_batch: usize) -> u64 {
-    const CHUNK: u64 = 2 << 20;
-    let per_request = shape.n_allocs() * (shape.max_context * shape.bpt()).div_ceil(CHUNK) * CHUNK;
-    (capacity / CHUNK * CHUNK).saturating_mul(4).max(2 * max_batch as u64 * per_request)
+    arena_reserve_for_chunk(shape, capacity, max_batch, 2 << 20)
+}
+
+/// [`arena_reserve`] for chunks of `chunk` bytes (super-pages: each
+/// reservation rounds up to whole chunks).
+pub fn arena_reserve_for_chunk(shape: KvShape, capacity: u64, max_batch: usize, chunk: u64) -> u64 {
+    let chunk = chunk.max(1);
+    let per_request = shape.n_allocs() * (shape.max_context * shape.bpt()).div_ceil(chunk) * chunk;
+    (capacity / chunk * chunk).saturating_mul(4).max(2 * max_batch as u64 * per_request)
 }
 
 /// Options of the arena managers.
@@ -130,6 +136,9 @@ pub struct ArenaOptions {
     /// allocation's size.
     pub precreate_bytes: u64,
     pub map_ahead_bytes: u64,
+    /// The arena's chunk size (0: the library's default, 2 MiB); larger
+    /// ones are super-pages (`kv_serving --chunk-mib`).
+    pub chunk_bytes: u64,
 }
 
 impl ArenaOptions {
@@ -144,6 +153,7 @@ impl ArenaOptions {
             no_implicit_moves: false,
             precreate_bytes: DEFAULT_PRECREATE,
             map_ahead_bytes: DEFAULT_MAP_AHEAD,
+            chunk_bytes: 0,
         }
     }
 }
@@ -165,6 +175,7 @@ impl ArenaMgr {
             reserve_bytes: o.reserve,
             retain_bytes: o.retain,
             no_implicit_moves: o.no_implicit_moves,
+            chunk_bytes: o.chunk_bytes,
             ..ArenaConfig::default()
         };
         let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
@@ -207,9 +218,10 @@ impl ArenaMgr {
         })
     }
 
-    /// Turns the prefix cache on (`--prefix-caching on`) where a 16-token
-    /// unit is whole chunks of the token-major layout's one allocation per
-    /// request (see `prefix_cache.rs` for why not otherwise).
+    /// Turns the prefix cache on (`--prefix-caching on`) where its unit (16
+    /// tokens, or one chunk where a chunk holds more) is whole chunks of the
+    /// one allocation per request and tiles a hash block (see
+    /// `prefix_cache.rs` and [`ArenaPrefixCache::new`]).
     pub fn with_prefix_cache(mut self, on: bool) -> ArenaMgr {
         if !on {
             return self;
@@ -222,7 +234,11 @@ impl ArenaMgr {
         if let Some(p) = self.prefix.as_mut() {
             p.stream = (self.mode == ArenaMode::Stream).then_some(ENGINE_STREAM);
         }
-        self.prefix_state = if self.prefix.is_some() { "on" } else { "off: 16 tokens are not whole chunks" };
+        self.prefix_state = if self.prefix.is_some() {
+            "on"
+        } else {
+            "off: no unit of 16 tokens or one chunk is whole chunks and tiles a hash block"
+        };
         self
     }
 

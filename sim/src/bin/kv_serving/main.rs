@@ -33,6 +33,7 @@ use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use serde_json::{json, Value};
+use vmm_sim::arena_prefix_cache::ArenaPrefixCache;
 use vmm_sim::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout, ALL_MANAGERS};
 use vmm_sim::replay::{self, RunResult, SchedConfig};
 use vmm_sim::timing::Profile;
@@ -45,6 +46,8 @@ mod models;
 mod report;
 use report::{print_table, to_json};
 mod sweep;
+mod workload_args;
+use workload_args::WorkloadArgs;
 
 use models::MODELS;
 use vmm_sim::step_charge::attn_layout;
@@ -131,7 +134,7 @@ struct Opts {
     #[arg(long, default_value_t = 0)]
     max_num_batched_tokens: u64,
     /// GPU profile of the step-time model.
-    #[arg(long, default_value = "h200", value_parser = ["h200", "a100"])]
+    #[arg(long, default_value = "h200", value_parser = ["h200", "a100", "h100"])]
     profile: String,
     /// JSON object overriding fields of the profile (see sim/src/timing.rs).
     #[arg(long)]
@@ -176,6 +179,8 @@ struct Opts {
     /// pricing) and write sweep.json, sweep.md and sweep.svg into DIR.
     #[arg(long, value_name = "DIR")]
     sweep: Option<PathBuf>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
     /// Internal: replay only this manager and report on stdout.
     #[arg(long, hide = true)]
     worker: Option<String>,
@@ -220,6 +225,8 @@ struct Setup {
     noise: tp::Noise,
     /// The user's `--profile-json`, passed on to every worker process.
     profile_json: Option<String>,
+    /// How requests arrive (`--closed-loop`).
+    arrivals: replay::Arrivals,
 }
 
 /// Builds the manager `name` replays: a single-device one, or with `--tp`
@@ -266,18 +273,31 @@ fn setup(o: &Opts) -> Setup {
     if shape.kv_bytes_per_token < 8 * shape.n_allocs() {
         die("--kv-bytes-per-token is too small for the layout (8 bytes per allocation at least)");
     }
+    let chunk = o.workload.chunk_bytes();
     if shape.layout == Layout::BlockInChunk {
         // A chunk is one block of whole tokens; a remainder would be padding
         // the replay does not model.
         let per_device = shape.kv_bytes_per_token / tp_degree as u64;
-        if per_device == 0 || (2u64 << 20) % per_device != 0 {
+        if per_device == 0 || chunk % per_device != 0 {
             die(&format!(
-                "--layout block-in-chunk: a 2 MiB chunk does not hold a whole number of {per_device}-byte tokens \
-                 (the replay models it where it does, as for Llama-3-8B: 16 tokens of 128 KiB)"
+                "--layout block-in-chunk: a {} chunk does not hold a whole number of {per_device}-byte tokens \
+                 (the replay models it where it does, as for Llama-3-8B: 16 tokens of 128 KiB in 2 MiB)",
+                fmt_bytes(chunk)
             ));
         }
     }
+    if tp_degree > 1 && (chunk != 2 << 20 || o.workload.closed_loop.is_some()) {
+        die("--chunk-mib and --closed-loop are for single-device replays (not --tp)");
+    }
+    let fixed = o.workload.fixed_trace(o.requests, o.seed).map(|t| t.unwrap_or_else(|e| die(&e)));
     let trace: Trace = match &o.trace {
+        _ if fixed.is_some() => {
+            let mut t = fixed.expect("checked");
+            if let Some(l) = o.limit {
+                t.requests.truncate(l);
+            }
+            t
+        }
         Some(p) => {
             let limit = o.limit.or(if o.quick { Some(300) } else { None });
             trace::load(p, limit).unwrap_or_else(|e| die(&e))
@@ -308,8 +328,10 @@ fn setup(o: &Opts) -> Setup {
         profile = Profile::with_overrides(&profile, j).unwrap_or_else(|e| die(&format!("--profile-json: {e}")));
     }
     let max_batch = o.max_batch as usize;
-    let reserve = o.arena_reserve.unwrap_or_else(|| managers::arena_reserve(shape, o.capacity, max_batch));
+    let reserve =
+        o.arena_reserve.unwrap_or_else(|| managers::arena_reserve_for_chunk(shape, o.capacity, max_batch, chunk));
     let arena = ArenaOptions {
+        chunk_bytes: chunk,
         retain: o.retain,
         precreate_bytes: o.precreate,
         map_ahead_bytes: o.map_ahead,
@@ -353,6 +375,7 @@ fn setup(o: &Opts) -> Setup {
         tp: tp_degree,
         noise,
         profile_json: o.profile_json.clone(),
+        arrivals: o.workload.arrivals(),
     }
 }
 
@@ -438,14 +461,21 @@ fn main() {
         p.prefill_mfu,
         p.cpu_step_s * 1e3
     );
+    if let Some(c) = o.workload.closed_loop {
+        println!("  client    closed loop: {c} requests in the system at once (a new one as soon as one finishes)");
+    }
     println!(
-        "  managers  arena: virtual range {}, retain {}, prefix cache {}, prefetch {} created + {} mapped ahead per tensor (arena-sync: none); \
+        "  managers  arena: {} chunks, virtual range {}, retain {}, prefix cache {}, prefetch {} created + {} mapped ahead per tensor (arena-sync: none); \
          vllm-paged: prefix caching {}; contiguous-max: room for {} output tokens",
+        fmt_bytes(o.workload.chunk_bytes()),
         fmt_bytes(s.build.arena.reserve),
         if o.retain == u64::MAX { "all pooled memory".to_string() } else { fmt_bytes(o.retain) },
         match (s.build.prefix_caching, s.shape.layout) {
             (false, _) => "off",
             (true, Layout::PerLayer) => "off (one allocation per request only)",
+            (true, _) if ArenaPrefixCache::new(o.workload.chunk_bytes(), s.shape.bpt()).is_none() => {
+                "off (no unit of whole chunks tiles a 512-token hash block)"
+            }
             (true, _) => "on",
         },
         fmt_bytes(o.precreate),
@@ -495,7 +525,11 @@ fn main() {
     let results = run_all(&o, &s, jobs);
     print_table(&results, trace);
     if let Some(path) = &o.json {
-        let doc = to_json(&results, &o, &s);
+        let mut doc = to_json(&results, &o, &s);
+        if let Some(w) = doc.get_mut("workload").and_then(Value::as_object_mut) {
+            w.insert("arena_chunk_bytes".into(), json!(o.workload.chunk_bytes()));
+            w.insert("closed_loop_concurrency".into(), json!(o.workload.closed_loop));
+        }
         let text = serde_json::to_string_pretty(&doc).expect("JSON of plain values");
         std::fs::write(path, text + "\n").unwrap_or_else(|e| die(&format!("cannot write {}: {e}", path.display())));
         println!("\nJSON written to {}", path.display());
@@ -549,7 +583,7 @@ fn run_worker(name: &str, s: &Setup) {
         let mut mgr = build_manager(name, s).unwrap_or_else(|e| die(&e));
         let mut cfg = s.cfg.clone();
         cfg.profile.attn_layout = attn_layout(name, s.shape.layout);
-        let r = replay::replay(mgr.as_mut(), &s.trace.requests, &cfg, &progress);
+        let r = replay::replay_arrivals(mgr.as_mut(), &s.trace.requests, &cfg, s.arrivals, &progress);
         drop(mgr);
         done.store(true, Relaxed);
         r
