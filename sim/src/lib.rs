@@ -36,6 +36,7 @@
 pub mod arena_prefix_cache;
 pub mod attention;
 pub mod caching;
+pub mod capacity_sweep;
 pub mod cli_args;
 pub mod counted;
 pub mod idle_footprint;
@@ -48,6 +49,7 @@ pub mod replay;
 pub mod rlhf_cycle;
 pub mod scenario;
 pub mod snapshot_svg;
+pub mod step_calls;
 pub mod step_charge;
 pub mod stress;
 pub mod sweep;
