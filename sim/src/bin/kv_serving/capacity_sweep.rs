@@ -31,20 +31,21 @@ pub fn run(capacities: &[u64], o: &Opts, s: &Setup) {
         s.jobs.min(runs.len())
     );
     let results = run_workers(&runs, s, s.jobs.min(runs.len()));
+    let w = o.managers.iter().map(|m| m.len()).max().unwrap_or(0).max(19);
     let points: Vec<(u64, Vec<RunResult>)> =
         capacities.iter().zip(results.chunks(o.managers.len())).map(|(&c, rs)| (c, rs.to_vec())).collect();
     println!(
-        "{:<10} {:<19} {:>5} {:>4} {:>7} {:>8} {:>8} {:>6} {:>11} {:>8} {:>8}",
+        "{:<10} {:<w$} {:>5} {:>4} {:>7} {:>8} {:>8} {:>6} {:>11} {:>8} {:>8}",
         "capacity", "manager", "done", "rej", "preempt", "tok/s", "tok/s", "frag", "bytes", "TPOT p99", "warm"
     );
     println!(
-        "{:<10} {:<19} {:>5} {:>4} {:>7} {:>8} {:>8} {:>6} {:>11} {:>8} {:>8}",
+        "{:<10} {:<w$} {:>5} {:>4} {:>7} {:>8} {:>8} {:>6} {:>11} {:>8} {:>8}",
         "", "", "", "", "", "", "vs vLLM", "fails", "copied", "ms", "calls p50"
     );
     for (c, rs) in &points {
         for r in rs {
             println!(
-                "{:<10} {:<19} {:>5} {:>4} {:>7} {:>8.0} {:>8} {:>6} {:>11} {:>8.1} {:>8}",
+                "{:<10} {:<w$} {:>5} {:>4} {:>7} {:>8.0} {:>8} {:>6} {:>11} {:>8.1} {:>8}",
                 fmt_bytes(*c),
                 r.name,
                 r.completed_requests,
@@ -63,13 +64,13 @@ pub fn run(capacities: &[u64], o: &Opts, s: &Setup) {
     let vllm_sum = sums.iter().find(|t| t.manager == "vllm-paged").map(|t| t.tokens_per_s_sum);
     println!("\nSummed over the {} capacities:", capacities.len());
     println!(
-        "{:<19} {:>7} {:>11} {:>10} {:>6} {:>11} {:>5} {:>6}",
+        "{:<w$} {:>7} {:>11} {:>10} {:>6} {:>11} {:>5} {:>7}",
         "manager", "preempt", "tok/s sum", "vs vLLM", "frag", "bytes", "rej", "more"
     );
-    println!("{:<19} {:>7} {:>11} {:>10} {:>6} {:>11} {:>5} {:>6}", "", "", "", "", "fails", "copied", "", "preempt");
+    println!("{:<w$} {:>7} {:>11} {:>10} {:>6} {:>11} {:>5} {:>7}", "", "", "", "", "fails", "copied", "", "preempt");
     for t in &sums {
         println!(
-            "{:<19} {:>7} {:>11.0} {:>10} {:>6} {:>11} {:>5} {:>6}",
+            "{:<w$} {:>7} {:>11.0} {:>10} {:>6} {:>11} {:>5} {:>7}",
             t.manager,
             t.preemptions,
             t.tokens_per_s_sum,
@@ -77,7 +78,7 @@ pub fn run(capacities: &[u64], o: &Opts, s: &Setup) {
             t.fragmentation_failures,
             t.bytes_copied,
             t.rejected_requests,
-            t.capacities_preempting_more_than_vllm
+            vllm_sum.map_or("-".into(), |_| t.capacities_preempting_more_than_vllm.to_string())
         );
     }
     println!("\n  tok/s sum = tokens per simulated second summed over the capacities; more preempt = capacities at");
