@@ -39,6 +39,7 @@
 pub mod arena_prefix_cache;
 pub mod attention;
 pub mod caching;
+pub mod capacity_sweep;
 pub mod cli_args;
 pub mod counted;
 pub mod fixed_workload;
@@ -53,6 +54,7 @@ pub mod replay;
 pub mod rlhf_cycle;
 pub mod scenario;
 pub mod snapshot_svg;
+pub mod step_calls;
 pub mod step_charge;
 pub mod stress;
 pub mod sweep;

@@ -51,6 +51,7 @@ use crate::counted::Calls;
 use crate::managers::kvcached::{BlockManager, SharedHbm, KVCACHED_GPU_UTILIZATION};
 use crate::managers::kvcached_pool::{ElasticBlockPool, KvcachedPool, KVCACHED_BLOCK_TOKENS};
 use crate::managers::{new_device, Dev, Layout, DEFAULT_PRECREATE, ENGINE_STREAM};
+use crate::step_calls::{StepCallCounter, StepCallSummary};
 use crate::step_charge::{attn_layout, AsyncEngine, DriverTally};
 use crate::timing::{Profile, StepWork};
 use crate::trace::Request;
@@ -456,6 +457,10 @@ pub struct MmReport {
     pub driver: DriverTally,
     /// The attention layout the row's steps were priced with.
     pub attn_layout: AttnLayout,
+    /// Driver calls per step (every model's steps; each computes tokens),
+    /// the calls the step was charged with (`step_calls.rs`); calls of a
+    /// background thread (kvcached's) are no step's and are left out.
+    pub decode_step_calls: StepCallSummary,
     pub models: Vec<ModelReport>,
     #[serde(skip)]
     pub timeline: Vec<(f64, Vec<u64>)>,
@@ -499,6 +504,7 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
     let profile = &row_profile;
     let mut engines = vec![AsyncEngine::default(); c.models];
     let mut tally = DriverTally::default();
+    let mut step_calls = StepCallCounter::default();
     let mut st: Vec<ModelState> = reqs
         .iter()
         .map(|r| ModelState {
@@ -621,6 +627,9 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
             admitted.push((rid, done));
         }
         let schedule = kv.path_calls().since(&calls_before);
+        if !s.running.is_empty() || !admitted.is_empty() {
+            step_calls.add(&engines[m].pending().plus(&schedule));
+        }
         let step = engines[m].charge(profile, &mut work, &schedule, &mut tally);
         s.driver_charged_s += step.alloc_charged_s;
         t += step.total_s;
@@ -709,6 +718,7 @@ pub fn run(c: &MmConfig, reqs: &[Vec<MmRequest>], kv: &mut dyn SharedKv, profile
         driver_s: tally.charged_s,
         driver: tally,
         attn_layout: profile.attn_layout,
+        decode_step_calls: step_calls.summary(),
         models,
         timeline,
     }

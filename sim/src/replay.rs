@@ -77,6 +77,7 @@ use serde::{Deserialize, Serialize};
 
 use super::counted::Calls;
 use super::managers::{Fail, KvManager, StepBudget};
+use super::step_calls::{StepCallCounter, StepCallSummary};
 use super::step_charge::{charge_step, DriverTally, StepCalls};
 use super::timing::{Profile, StepWork};
 use super::trace::{Request, HASH_BLOCK_TOKENS};
@@ -178,6 +179,13 @@ pub struct RunResult {
     pub critical_path_creates: u64,
     pub critical_path_creates_warm: u64,
     pub warm_steps: u64,
+    /// Driver calls per decode step (map, unmap, create, release,
+    /// set_access; critical and between-steps together), over every decode
+    /// step and over the warm ones (`step_calls.rs`).
+    #[serde(default)]
+    pub decode_step_calls: StepCallSummary,
+    #[serde(default)]
+    pub warm_decode_step_calls: StepCallSummary,
     /// Driver calls made on the critical path and between steps.
     pub critical_calls: Calls,
     pub between_calls: Calls,
@@ -411,6 +419,8 @@ pub fn replay_arrivals(
     let mut peak_live_before = 0u64;
     // The steps' driver time, by the rule every replay shares.
     let mut driver_tally = DriverTally::default();
+    let mut decode_step_calls = StepCallCounter::default();
+    let mut warm_decode_step_calls = StepCallCounter::default();
 
     // Verifies and frees a sequence's KV; returns mismatching tags.
     let retire = |mgr: &mut dyn KvManager, l: &Live| -> u64 {
@@ -440,6 +450,7 @@ pub fn replay_arrivals(
         }
         r.peak_in_system = r.peak_in_system.max((waiting.len() + running.len()) as u64);
         let calls_before = mgr.calls();
+        let output_before = r.output_tokens;
         let mut work = StepWork::default();
         let mut step_peak_live = live_now;
 
@@ -691,6 +702,13 @@ pub fn replay_arrivals(
             r.warm_steps += 1;
             r.critical_path_creates_warm += critical.create;
         }
+        if r.output_tokens > output_before {
+            let step_calls = critical.plus(&between);
+            decode_step_calls.add(&step_calls);
+            if warm {
+                warm_decode_step_calls.add(&step_calls);
+            }
+        }
         peak_live_before = peak_live_before.max(step_peak_live);
         if r.steps % 64 == 0 {
             mgr.housekeeping();
@@ -768,6 +786,8 @@ pub fn replay_arrivals(
     r.bytes_copied = mgr.bytes_copied();
     r.moves = mgr.moves();
     r.calls = mgr.calls();
+    r.decode_step_calls = decode_step_calls.summary();
+    r.warm_decode_step_calls = warm_decode_step_calls.summary();
     r.extra = mgr.extra();
     r.simulated_seconds = now - t0;
     r.tokens_per_s = if r.simulated_seconds > 0.0 { r.output_tokens as f64 / r.simulated_seconds } else { 0.0 };

@@ -125,6 +125,12 @@ impl AsyncEngine {
         self.after_last_step = self.after_last_step.plus(c);
     }
 
+    /// The calls made since the last step was charged: with a schedule's,
+    /// the between-steps work of the next step [`AsyncEngine::charge`]s.
+    pub fn pending(&self) -> Calls {
+        self.after_last_step
+    }
+
     /// Charges a step whose schedule made `schedule`.
     pub fn charge(
         &mut self,

@@ -155,5 +155,17 @@ fn main() {
             d.drained_steps,
             d.steps
         );
+        let c = &r.decode_step_calls;
+        println!(
+            "{:<9} driver calls per step (map+unmap+create+release+set_access, {} steps): median {}, p90 {}, p99 {}, \
+             max {}; {:.1}% of steps with none",
+            "",
+            c.steps,
+            c.total.median,
+            c.total.p90,
+            c.total.p99,
+            c.total.max,
+            c.total.zero_fraction * 100.0
+        );
     }
 }

@@ -41,9 +41,11 @@ use vmm_sim::tp;
 use vmm_sim::trace::{self, Trace};
 use vmm_sim::util::{fmt_bytes, parse_size};
 
+mod capacity_sweep;
 mod driver_table;
 mod models;
 mod report;
+mod step_calls_table;
 use report::{print_table, to_json};
 mod sweep;
 mod workload_args;
@@ -181,6 +183,12 @@ struct Opts {
     sweep: Option<PathBuf>,
     #[command(flatten)]
     workload: WorkloadArgs,
+    /// Replay the workload at each capacity of FROM:TO:STEP (e.g.
+    /// 2.5GiB:4GiB:0.25GiB, both ends included) instead of --capacity, and
+    /// report each manager's preemptions, tokens/s, fragmentation failures
+    /// and bytes copied per capacity and summed over the range.
+    #[arg(long, value_name = "FROM:TO:STEP", conflicts_with = "sweep")]
+    capacity_sweep: Option<String>,
     /// Internal: replay only this manager and report on stdout.
     #[arg(long, hide = true)]
     worker: Option<String>,
@@ -401,6 +409,12 @@ fn main() {
     if o.sweep.is_some() {
         o.managers = vec!["arena".into(), "vllm-paged".into()];
     }
+    let capacities = o.capacity_sweep.as_deref().map(|r| {
+        let caps = vmm_sim::capacity_sweep::parse_range(r).unwrap_or_else(|e| die(&format!("--capacity-sweep: {e}")));
+        // The checks below (host memory, building each manager) at the largest.
+        o.capacity = caps.iter().copied().max().unwrap_or(o.capacity);
+        caps
+    });
     let s = setup(&o);
     if let Some(name) = &o.worker {
         run_worker(name, &s);
@@ -522,6 +536,10 @@ fn main() {
         sweep::run(dir, &s, s.jobs, &title);
         return;
     }
+    if let Some(caps) = &capacities {
+        capacity_sweep::run(caps, &o, &s);
+        return;
+    }
     let results = run_all(&o, &s, jobs);
     print_table(&results, trace);
     if let Some(path) = &o.json {
@@ -627,14 +645,20 @@ fn with_user_profile_json(extra: &[String], user: Option<&str>) -> Vec<String> {
 fn run_workers(runs: &[(String, Vec<String>)], s: &Setup, jobs: usize) -> Vec<RunResult> {
     let per = s.trace.requests.len() as u64;
     let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("cannot find own executable: {e}")));
+    // Runs that set their own capacity (a capacity sweep) replace the user's.
+    let own_capacity = runs.iter().any(|(_, extra)| extra.iter().any(|a| a == "--capacity"));
     let mut base_args: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--json" | "--managers" | "--jobs" | "--sweep" | "--profile-json" => {
+            "--json" | "--managers" | "--jobs" | "--sweep" | "--profile-json" | "--capacity-sweep" => {
                 args.next();
             }
-            x if ["--json=", "--managers=", "--jobs=", "--sweep=", "--profile-json="]
+            "--capacity" if own_capacity => {
+                args.next();
+            }
+            x if x.starts_with("--capacity=") && own_capacity => {}
+            x if ["--json=", "--managers=", "--jobs=", "--sweep=", "--profile-json=", "--capacity-sweep="]
                 .iter()
                 .any(|p| x.starts_with(p)) => {}
             _ => base_args.push(a),

@@ -80,6 +80,7 @@ pub(crate) fn print_table(results: &[RunResult], trace: &Trace) {
         }
     }
     driver_table::print(results);
+    step_calls_table::print(results);
     if let Some(a) = results.iter().find(|r| r.name == "arena") {
         let rel: Vec<String> = results
             .iter()

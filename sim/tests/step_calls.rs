@@ -1,0 +1,82 @@
+//! Driver calls per decode step (`vmm_sim::step_calls`) on a hand-made
+//! workload whose calls can be counted by hand: three requests, each
+//! arriving after the one before has finished, each of 20 prompt tokens
+//! and 10 output tokens (Llama-3-8B's 128 KiB per token, token-major: 16
+//! tokens per 2 MiB chunk).
+
+use std::sync::atomic::AtomicU64;
+
+use vmm_sim::managers::{self, ArenaOptions, BuildOptions, KvShape, Layout};
+use vmm_sim::replay::{replay, RunResult, SchedConfig};
+use vmm_sim::timing::Profile;
+use vmm_sim::trace::Request;
+
+const GIB: u64 = 1 << 30;
+
+fn run(name: &str, precreate_bytes: u64) -> RunResult {
+    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
+    let requests: Vec<Request> = (0..3)
+        .map(|i| Request { arrival_s: 100.0 * i as f64, prompt: 20, output: 10, hash_ids: Vec::new().into() })
+        .collect();
+    let arena = ArenaOptions {
+        precreate_bytes,
+        map_ahead_bytes: 0,
+        ..ArenaOptions::new(GIB, managers::arena_reserve(shape, GIB, 4))
+    };
+    let opts = BuildOptions { arena, prefix_caching: false, max_tokens: 10 };
+    let mut m = managers::build(name, shape, opts).expect("manager");
+    let cfg = SchedConfig {
+        max_batch: 4,
+        kv_bytes_per_token: shape.kv_bytes_per_token,
+        profile: Profile::h200(),
+        max_num_batched_tokens: 0,
+    };
+    let r = replay(m.as_mut(), &requests, &cfg, &AtomicU64::new(0));
+    assert_eq!((r.completed_requests, r.integrity_errors, r.output_tokens), (3, 0, 30), "{name}");
+    r
+}
+
+#[test]
+fn vllm_makes_no_call_in_any_step() {
+    // Its block pool is created and mapped whole when it is built.
+    let r = run("vllm-paged", 0);
+    let s = r.decode_step_calls;
+    assert_eq!(s.steps, 30, "10 tokens a request, one a step, one request at a time");
+    for d in s.by_kind() {
+        assert_eq!((d.max, d.zero_fraction), (0, 1.0));
+    }
+}
+
+#[test]
+fn the_arena_calls_the_driver_only_to_admit_the_first_request() {
+    // Nothing prefetched: the first admission (21 tokens: the prompt and
+    // room for the first token) creates and maps 2 chunks (32 tokens, room
+    // for all 30 the request stores, so its growth calls nothing). When it
+    // ends, its range stays mapped in the arena's pool, and the next two
+    // admissions (the same size) take it whole: no call.
+    let r = run("arena", 0);
+    let s = r.decode_step_calls;
+    assert_eq!(s.steps, 30);
+    assert!((s.total.zero_fraction - 29.0 / 30.0).abs() < 1e-12, "{:?}", s.total);
+    assert_eq!((s.create.max, s.map.max), (2, 2));
+    assert!(s.set_access.max >= 1);
+    assert_eq!((s.unmap.max, s.release.max), (0, 0));
+    assert_eq!(s.total.median, 0);
+    // Warm steps: the second and third requests' (their live KV never
+    // passes the first one's peak of 30 tokens); none calls the driver.
+    let w = r.warm_decode_step_calls;
+    assert_eq!(w.steps, 20);
+    assert_eq!((w.total.max, w.total.zero_fraction), (0, 1.0));
+}
+
+#[test]
+fn the_arenas_prefetch_calls_between_steps_of_the_first_request_only() {
+    // With 8 MiB of chunks kept created (4 chunks), the pool is filled
+    // between steps, which adds calls to the first request's steps; the
+    // later requests still take the freed range whole.
+    let r = run("arena", 8 << 20);
+    let w = r.warm_decode_step_calls;
+    assert_eq!(w.steps, 20);
+    assert_eq!(w.total.max, 0, "{w:?}");
+    assert!(r.decode_step_calls.total.max > 5);
+}
