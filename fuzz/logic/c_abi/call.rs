@@ -545,7 +545,7 @@ impl Harness {
                             (now.live_allocations, now.mapped_bytes),
                             (stats.live_allocations, stats.mapped_bytes)
                         );
-                    } else if maintain {
+                    } else if maintain || self.reap_possible {
                         assert_eq!(
                             (now.live_allocations, now.live_bytes),
                             (stats.live_allocations, stats.live_bytes),

@@ -14,9 +14,10 @@ use std::ptr::null_mut;
 
 use super::{ffi, st, Bytes, Harness, ASLEEP, DRIVER, INVALID, OK, OOM, UNKNOWN, UNSUPPORTED};
 
-/// An open DMA-BUF handle.
+/// An open DMA-BUF handle and the allocation it was made of.
 pub(super) struct OpenDmaBuf {
     pub(super) handle: *mut ffi::vmm_arena_dmabuf,
+    pub(super) id: u64,
 }
 
 impl Harness {
@@ -32,6 +33,11 @@ impl Harness {
             assert!(s == OK && fd >= 0 && bytes > 0 && bytes % self.chunk == 0, "dmabuf_fd: {s} {fd} {bytes}");
             // SAFETY: a live handle, given up here.
             unsafe { ffi::vmm_arena_dmabuf_close(d.handle) };
+            if !self.live.contains_key(&d.id) && !self.dmabufs.iter().any(|o| o.id == d.id) {
+                // The last DMA-BUF of a freed allocation: the arena's next
+                // operation gives its chunks back, a failed one included.
+                self.reap_possible = true;
+            }
             return ("dmabuf_close", OK, vec![OK]);
         }
         let id = self.pick_id(b);
@@ -49,7 +55,7 @@ impl Harness {
             Some(_) => vec![OK, INVALID, OOM, DRIVER],
         };
         if status == OK {
-            self.dmabufs.push(OpenDmaBuf { handle: h });
+            self.dmabufs.push(OpenDmaBuf { handle: h, id });
             self.exported.insert(id);
         } else {
             assert_eq!(h, 0xA5A5 as *mut _, "dmabuf_open: out-parameter written on failure");
