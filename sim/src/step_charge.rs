@@ -85,6 +85,12 @@ impl DriverTally {
         self.synchronizes += c.synchronize;
         self.calls = self.calls.plus(c);
     }
+
+    /// Calls made on the engine thread: priced there and in the serial sum.
+    fn add_engine(&mut self, prof: &Profile, c: &Calls) {
+        self.caller_thread_s += prof.serial_driver_s(c);
+        self.add_background(prof, c);
+    }
 }
 
 /// Charges one step: `work`'s allocator fields are set from `calls`, its
@@ -95,13 +101,9 @@ pub fn charge_step(prof: &Profile, work: &mut StepWork, calls: &StepCalls, tally
     let all = calls.critical.plus(&calls.between);
     tally.charged_s += t.alloc_charged_s;
     tally.hidden_s += t.alloc_hidden_s;
-    let serial = prof.serial_driver_s(&all);
-    tally.caller_thread_s += serial;
-    tally.serial_s += serial;
+    tally.add_engine(prof, &all);
     tally.steps += 1;
     tally.drained_steps += u64::from(all.drains() > 0);
-    tally.synchronizes += all.synchronize;
-    tally.calls = tally.calls.plus(&all);
     t
 }
 
@@ -147,11 +149,7 @@ impl AsyncEngine {
     /// waited for nothing; priced on its thread, charged to no step.
     pub fn went_idle(&mut self, prof: &Profile, tally: &mut DriverTally) {
         let c = std::mem::take(&mut self.after_last_step);
-        let s = prof.serial_driver_s(&c);
-        tally.caller_thread_s += s;
-        tally.serial_s += s;
-        tally.synchronizes += c.synchronize;
-        tally.calls = tally.calls.plus(&c);
+        tally.add_engine(prof, &c);
     }
 }
 

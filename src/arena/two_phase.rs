@@ -165,9 +165,6 @@ impl Arena {
     /// `UnknownAllocation`; `Asleep`; then what the growth meets
     /// (`OutOfMemory`, `Driver`).
     pub fn prepare_resize(&self, id: Id, new_size: u64) -> Result<(Prepared, u64)> {
-        if id.is_small() {
-            return Err(whole_chunks_only());
-        }
         let np = pages_for(new_size, self.chunk, "new_size")?;
         let (size, ptr) = {
             let inner = self.lock()?;
