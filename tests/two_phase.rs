@@ -161,6 +161,29 @@ fn commit_or_abort_after_the_allocation_was_freed_or_put_to_sleep_is_stale() {
 }
 
 #[test]
+fn a_prepared_free_of_a_sleeping_allocation_commits_and_aborts() {
+    // A plain free of a sleeper is allowed (its backup is dropped), so a
+    // prepare of it is too, and with no other call its commit and abort
+    // cannot fail. A wake in between changes its state: stale.
+    let a = arena(16);
+    let (id, _) = a.alloc(2 * C).unwrap();
+    a.sleep(0, vmm_arena::SLEEP_BACKUP).unwrap();
+    let p = a.prepare_free(id).unwrap();
+    a.abort(p).unwrap();
+    assert!(a.query(id).unwrap().asleep, "an abort leaves it asleep");
+    let p = a.prepare_free(id).unwrap();
+    a.commit(p).unwrap();
+    assert_eq!(a.query(id).unwrap_err().status(), Status::UnknownAllocation);
+    assert_eq!(a.stats().unwrap().backup_bytes, 0, "its backup went with it");
+    let (id, _) = a.alloc(C).unwrap();
+    a.sleep(0, 0).unwrap();
+    let p = a.prepare_free(id).unwrap();
+    a.wake(0).unwrap();
+    assert_eq!(a.commit(p).unwrap_err().status(), Status::Stale);
+    assert!(a.query(id).is_ok(), "still there");
+}
+
+#[test]
 fn without_another_call_abort_restores_exactly_the_state_before_the_prepare() {
     let a = arena(16);
     let (id, _) = a.alloc_growable(2 * C, 6 * C).unwrap();

@@ -7,8 +7,9 @@
 //! call on that allocation before the commit or abort, vmm_arena_commit
 //! cannot fail (but for a poisoned arena) and vmm_arena_abort restores
 //! exactly the state before the prepare. Another call that changed the
-//! allocation in between (a resize, a free, a sleep, an export or a share
-//! of the chunks a shrink would drop) invalidates the prepare: commit and
+//! allocation in between (a resize, a free, a sleep, the wake of a sleeper
+//! prepared for a free, an export or a share of the chunks a shrink would
+//! drop) invalidates the prepare: commit and
 //! abort then return VMM_ARENA_ERR_STALE and do nothing.
 
 use arena::{Id, Prepared};
@@ -127,7 +128,9 @@ pub unsafe extern "C" fn vmm_arena_prepare_resize(
 
 /// Prepares a free of an allocation of whole chunks: checks the id
 /// (INVALID_ARGUMENT for a small or an imported allocation); the commit
-/// frees it.
+/// frees it. A sleeping allocation may be prepared, as vmm_arena_free frees
+/// one (its backup dropped); waking it before the commit makes the prepare
+/// stale.
 ///
 /// # Safety
 /// `arena` is NULL or a live handle; `out_prepared` is NULL or writable.
@@ -165,7 +168,8 @@ unsafe fn take(prepared: *mut vmm_arena_prepared) -> Result<Prepared, arena::Err
 /// caller). Nothing in it can fail for memory or a driver call: with no
 /// other call on the allocation since the prepare it returns OK (but for a
 /// poisoned arena: INTERNAL). VMM_ARENA_ERR_STALE when another call changed
-/// the allocation since (resized, freed or put it to sleep; exported or
+/// the allocation since (resized, freed, put it to sleep or woke a sleeper
+/// prepared for a free; exported or
 /// shared the chunks a shrink would drop): nothing is done, checked under
 /// the same lock as the work. Calls that change neither its size nor its
 /// awake state (pin, set_tag, a move by compaction) leave the prepare

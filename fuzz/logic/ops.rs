@@ -22,6 +22,15 @@
 //! with prefetch targets (see `harness/maintain.rs`: the stats are read
 //! inside its driver calls) (each added later: inputs made before decode
 //! as they did, but where such a byte selects an operation).
+//!
+//! An input whose first byte is [`DMABUF_INPUT`] runs the DMA-BUF model
+//! instead (`tests/common/dmabuf_harness.rs`, shared with
+//! `tests/dmabuf_model.rs`): on the host backend's DMA-BUF stand-in under
+//! the fault injector, DMA-BUF handles opened, written through and closed
+//! among allocations, frees, resizes, prepared resizes and frees, sleeps,
+//! wakes, compactions, trims and releases of retired memory, any of them
+//! with an injected driver failure ([`decode_dmabuf`]). Miri skips those
+//! inputs (the host backend's memfd and mmap calls are foreign to it).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -32,10 +41,13 @@ use vmm_arena::driver::fault::FaultKind;
 mod bytes;
 #[path = "../../tests/common/mod.rs"]
 mod common;
+#[path = "../../tests/common/dmabuf_harness.rs"]
+mod dmabuf_harness;
 #[path = "../../tests/common/harness/mod.rs"]
 mod harness;
 
 use bytes::Bytes;
+use dmabuf_harness::{DmaHarness, DmaOp};
 use harness::{Backend, Harness};
 pub use harness::{Config, Op};
 
@@ -157,6 +169,53 @@ pub fn decode(data: &[u8]) -> (Config, Vec<Op>) {
     (cfg, ops)
 }
 
+/// The first byte of an input for the DMA-BUF model.
+pub const DMABUF_INPUT: u8 = 0xDB;
+
+fn dma_op(b: &mut Bytes<'_>, faults: bool) -> DmaOp {
+    const DC: u64 = dmabuf_harness::C;
+    let pages = |b: &mut Bytes<'_>| (1 + b.below(6)) * DC;
+    match b.u8() % if faults { 22 } else { 20 } {
+        0..=2 => DmaOp::Alloc((1 + b.below(4)) * DC),
+        3 => DmaOp::AllocSmall(1 + b.below(DC / 2 - 1)),
+        4 | 5 => {
+            let p = 1 + b.below(3);
+            DmaOp::AllocGrowable(p * DC, (p + b.below(5)) * DC)
+        }
+        6 | 7 => DmaOp::Free(b.u16() as usize),
+        8 | 9 => DmaOp::Resize(b.u16() as usize, pages(b)),
+        10 | 11 => DmaOp::Open(b.u16() as usize),
+        12 => DmaOp::Close(b.u16() as usize),
+        13 => DmaOp::WriteThrough(b.u16() as usize, b.u8()),
+        14 => DmaOp::Stamp(b.u16() as usize, b.u8()),
+        15 => DmaOp::Sleep(b.bool()),
+        16 => DmaOp::Wake,
+        17 => [DmaOp::Compact, DmaOp::Trim, DmaOp::ReleaseRetired][b.below(3) as usize].clone(),
+        18 => DmaOp::PrepareResize(b.u16() as usize, pages(b), b.bool()),
+        19 => DmaOp::PrepareFree(b.u16() as usize, b.bool()),
+        _ => {
+            let n = 1 + b.below(8);
+            let kind = FaultKind::ALL[b.below(2) as usize];
+            DmaOp::Faulty(n, kind, Box::new(dma_op(b, false)))
+        }
+    }
+}
+
+/// Decodes a DMA-BUF input (after its first byte): the arena's capacity,
+/// reservation and watermark in chunks, then operations until the bytes
+/// run out.
+pub fn decode_dmabuf(data: &[u8]) -> ((u64, u64, u64), Vec<DmaOp>) {
+    let mut b = Bytes::new(data);
+    let cap = 6 + b.below(27);
+    let reserve = cap + b.below(2 * cap);
+    let retain = b.below(6);
+    let mut ops = Vec::new();
+    while !b.is_empty() && ops.len() < MAX_OPS {
+        ops.push(dma_op(&mut b, true));
+    }
+    ((cap, reserve, retain), ops)
+}
+
 /// Runs one input: the fuzz target's whole body.
 #[allow(dead_code)] // the replay test uses `run_limited`
 pub fn run(data: &[u8]) {
@@ -166,6 +225,12 @@ pub fn run(data: &[u8]) {
 /// Runs the first `max_ops` operations of an input (Miri, ~1000 times
 /// slower than native, replays the corpus this way).
 pub fn run_limited(data: &[u8], max_ops: usize) {
+    if let Some((&DMABUF_INPUT, rest)) = data.split_first() {
+        if !cfg!(miri) {
+            run_dmabuf(rest, max_ops);
+        }
+        return;
+    }
     let (cfg, mut ops) = decode(data);
     ops.truncate(max_ops);
     // VMM_ARENA_FUZZ_DEBUG=1: print what the input decodes to (to study a crash).
@@ -180,5 +245,28 @@ pub fn run_limited(data: &[u8], max_ops: usize) {
         }
         h.apply(op);
     }
+    h.teardown();
+}
+
+/// Runs a DMA-BUF input (see the module docs).
+fn run_dmabuf(data: &[u8], max_ops: usize) {
+    let ((cap, reserve, retain), mut ops) = decode_dmabuf(data);
+    ops.truncate(max_ops);
+    let debug = std::env::var_os("VMM_ARENA_FUZZ_DEBUG").is_some();
+    if debug {
+        eprintln!("DMA-BUF model: capacity {cap}, reserve {reserve}, retain {retain} chunks");
+    }
+    let mut h = DmaHarness::new(cap, reserve, retain);
+    for op in &ops {
+        if debug {
+            eprintln!("{op:?}");
+        }
+        h.apply(op);
+    }
+    let mut outcomes = OUTCOMES.lock().unwrap_or_else(|p| p.into_inner());
+    for (what, n) in &h.reached {
+        *outcomes.entry(what).or_default() += n;
+    }
+    drop(outcomes);
     h.teardown();
 }

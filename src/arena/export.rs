@@ -220,7 +220,7 @@ pub(crate) struct Shares {
     imports: BTreeMap<u32, Import>,
     next_import: u32,
     /// Chunks whose release failed but which must never return to the
-    /// pool (exported or imported): released at drop.
+    /// pool (exported or imported): released again by `trim`, or at drop.
     leftover: Vec<ChunkHandle>,
     /// Import reservations whose free failed: freed at drop.
     leftover_va: Vec<(u64, u64)>,
@@ -385,6 +385,26 @@ impl Shares {
             let _ = drv.free_reservation(b, s);
         }
     }
+}
+
+/// Releases the chunks of exported or DMA-BUF'd allocations whose release
+/// failed at their free (`trim`); returns how many went back. One that
+/// fails again stays, counted again in `release_failures`.
+pub(super) fn release_leftovers(inner: &mut Inner, ctx: &Ctx<'_>) -> u64 {
+    let mut released = 0;
+    for h in std::mem::take(&mut inner.shares.leftover) {
+        match ctx.drv.release(h) {
+            Ok(()) => {
+                bump(&ctx.counts.releases);
+                released += 1;
+            }
+            Err(_) => {
+                inner.shares.leftover.push(h);
+                inner.release_failures += 1;
+            }
+        }
+    }
+    released
 }
 
 /// `free` of an import or of an exported allocation; `None` for any other id.

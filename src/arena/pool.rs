@@ -37,14 +37,23 @@ impl Arena {
     /// of those that completed goes back too. Chunks a prefetch round has in
     /// flight count as pooled too: trim first waits for the round to land
     /// (one create or one map round at most), so that they go back as well.
+    ///
+    /// Chunks of an exported or DMA-BUF'd allocation whose release failed
+    /// when it was freed (counted in `Stats::release_failures`; they never
+    /// return to the pool, since a peer may still reach them) are released
+    /// again here first, and counted in the bytes returned.
     pub fn trim(&self, keep_bytes: u64) -> Result<u64> {
         // Down to the retain watermark too, if it is lower: `run` would give
         // that back right after (pooled memory may exceed the watermark after
         // a failed give-back), and the bytes returned must count it.
         self.run(Touch::Everything, |inner, ctx, _| {
+            #[cfg(unix)]
+            let leftovers = super::export::release_leftovers(inner, ctx) * inner.st.chunk;
+            #[cfg(not(unix))]
+            let leftovers = 0;
             reap(&mut inner.st, ctx, Poll::All);
             let keep = keep_bytes.min(inner.st.retain_bytes);
-            trim_pool(&mut inner.st, ctx, keep)
+            Ok(leftovers + trim_pool(&mut inner.st, ctx, keep)?)
         })
     }
 }

@@ -15,8 +15,9 @@
 //! The guarantee: after a successful prepare, with no other call on that
 //! allocation in between, commit cannot fail (but for a poisoned arena) and
 //! abort restores exactly the state before the prepare. Another call that
-//! changed the allocation since (a resize, a free, a sleep, an export or an
-//! `alloc_shared` that a shrink would have to unmap) invalidates the
+//! changed the allocation since (a resize, a free, a sleep, the wake of a
+//! sleeper prepared for a free, an export or an `alloc_shared` that a
+//! shrink would have to unmap) invalidates the
 //! prepare: commit and abort then return [`Error::Stale`] and do nothing,
 //! checked under the same lock as the work, so a stale operation never
 //! acts on a state it was not prepared for. What the prepare left is
@@ -65,8 +66,8 @@ enum Op {
     Grow { id: Id, old: u64, new: u64 },
     /// Checked at `from` bytes; the commit shrinks it to `size` bytes.
     Shrink { id: Id, from: u64, size: u64 },
-    /// Checked at `size` bytes; the commit frees it.
-    Free { id: Id, size: u64 },
+    /// Checked at `size` bytes, asleep or not; the commit frees it.
+    Free { id: Id, size: u64, asleep: bool },
 }
 
 impl Prepared {
@@ -108,9 +109,10 @@ fn shrink_unmaps_shared(inner: &Inner, slot: u32, pages: u64) -> bool {
 }
 
 /// `Ok` when the allocation is as the prepare left it (`size` bytes,
-/// awake) and shrinking it to `to_bytes` (when given) needs no driver call
-/// and no export forbids it; else `Stale`.
-fn unchanged(inner: &Inner, chunk: u64, id: Id, size: u64, to_bytes: Option<u64>) -> Result<()> {
+/// awake, or asleep where `asleep`: only a free may be prepared of a
+/// sleeper) and shrinking it to `to_bytes` (when given) needs no driver
+/// call and no export forbids it; else `Stale`.
+fn unchanged(inner: &Inner, chunk: u64, id: Id, size: u64, asleep: bool, to_bytes: Option<u64>) -> Result<()> {
     let stale =
         |why: String| Error::Stale(format!("allocation {:#x} {why} since its prepare; nothing was done", id.get()));
     let slot = match inner.st.resolve(id) {
@@ -118,8 +120,10 @@ fn unchanged(inner: &Inner, chunk: u64, id: Id, size: u64, to_bytes: Option<u64>
         _ => return Err(stale("was freed".into())),
     };
     let a = inner.st.alloc(slot);
-    if a.sleep.is_some() {
-        return Err(stale("was put to sleep".into()));
+    match (a.sleep.is_some(), asleep) {
+        (true, false) => return Err(stale("was put to sleep".into())),
+        (false, true) => return Err(stale("was woken".into())),
+        _ => {}
     }
     if a.size != size {
         return Err(stale(format!("was resized from {size} to {} bytes", a.size)));
@@ -196,7 +200,7 @@ impl Arena {
         }
         let chunk = self.chunk;
         // Grown only if nothing changed it since the checks above.
-        let grown = self.resize_checked(id, new_size, None, |inner| unchanged(inner, chunk, id, size, None))?;
+        let grown = self.resize_checked(id, new_size, None, |inner| unchanged(inner, chunk, id, size, false, None))?;
         if grown != ptr {
             // Cannot happen inside the reservation; if it did, ranks would
             // disagree on the address, so say so rather than go on.
@@ -206,12 +210,16 @@ impl Arena {
     }
 
     /// Prepares a free: checks the id (an allocation of whole chunks of
-    /// this arena, not an import); the commit frees it.
+    /// this arena, not an import); the commit frees it. A sleeping
+    /// allocation may be prepared, as `free` frees it (its backup
+    /// dropped); a wake before the commit makes the prepare stale, as a
+    /// sleep does for an awake one.
     pub fn prepare_free(&self, id: Id) -> Result<Prepared> {
         let inner = self.lock()?;
         let slot = chunk_slot(&inner, id)?;
-        let size = inner.st.alloc(slot).size;
-        Ok(Prepared { arena: self.sh.key, op: Op::Free { id, size } })
+        let a = inner.st.alloc(slot);
+        let (size, asleep) = (a.size, a.sleep.is_some());
+        Ok(Prepared { arena: self.sh.key, op: Op::Free { id, size, asleep } })
     }
 
     /// Commits a prepared operation. With no other call on its allocation
@@ -224,11 +232,15 @@ impl Arena {
         self.check_owner(&p)?;
         let chunk = self.chunk;
         match p.op {
-            Op::Alloc { id, size } | Op::Grow { id, new: size, .. } => unchanged(&*self.lock()?, chunk, id, size, None),
-            Op::Shrink { id, from, size } => {
-                self.resize_checked(id, size, None, |inner| unchanged(inner, chunk, id, from, Some(size))).map(drop)
+            Op::Alloc { id, size } | Op::Grow { id, new: size, .. } => {
+                unchanged(&*self.lock()?, chunk, id, size, false, None)
             }
-            Op::Free { id, size } => self.free_checked(id, |inner| unchanged(inner, chunk, id, size, None)),
+            Op::Shrink { id, from, size } => self
+                .resize_checked(id, size, None, |inner| unchanged(inner, chunk, id, from, false, Some(size)))
+                .map(drop),
+            Op::Free { id, size, asleep } => {
+                self.free_checked(id, |inner| unchanged(inner, chunk, id, size, asleep, None))
+            }
         }
     }
 
@@ -240,13 +252,12 @@ impl Arena {
         self.check_owner(&p)?;
         let chunk = self.chunk;
         match p.op {
-            Op::Alloc { id, size } => self.free_checked(id, |inner| unchanged(inner, chunk, id, size, None)),
+            Op::Alloc { id, size } => self.free_checked(id, |inner| unchanged(inner, chunk, id, size, false, None)),
             Op::Grow { id, old, new } => {
-                self.resize_checked(id, old, None, |inner| unchanged(inner, chunk, id, new, Some(old))).map(drop)
+                self.resize_checked(id, old, None, |inner| unchanged(inner, chunk, id, new, false, Some(old))).map(drop)
             }
-            Op::Shrink { id, from: size, .. } | Op::Free { id, size } => {
-                unchanged(&*self.lock()?, chunk, id, size, None)
-            }
+            Op::Shrink { id, from: size, .. } => unchanged(&*self.lock()?, chunk, id, size, false, None),
+            Op::Free { id, size, asleep } => unchanged(&*self.lock()?, chunk, id, size, asleep, None),
         }
     }
 

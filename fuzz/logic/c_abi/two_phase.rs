@@ -5,7 +5,7 @@
 //!
 //! The guarantee is the invariant: a commit or abort of an operation
 //! whose allocation no other call changed since its prepare (the same
-//! size, awake, not freed) returns OK, even with a driver failure planned
+//! size, asleep or awake as then, not freed) returns OK, even with a driver failure planned
 //! (it makes no call that can fail it); after another call changed it,
 //! VMM_ARENA_ERR_STALE, with the arena's snapshot unchanged. Shrinks of
 //! allocations of a sharing family may also be STALE (the harness does not
@@ -26,6 +26,9 @@ pub(super) struct Pending {
     pub(super) shrinks: Option<(u64, bool)>,
     /// A commit frees it (prepare_free) or an abort does (prepare_alloc).
     pub(super) frees: Option<bool>,
+    /// It was asleep when the prepare returned (only a free may be
+    /// prepared of a sleeper).
+    pub(super) asleep: bool,
 }
 
 impl Harness {
@@ -60,7 +63,7 @@ impl Harness {
                     assert_eq!(p % self.chunk, 0, "prepare_alloc: whole chunks");
                     self.new_id("prepare_alloc", id, p, size);
                     self.touch(id, b.u8());
-                    self.pending.push(Pending { handle, id, size, shrinks: None, frees: Some(false) });
+                    self.pending.push(Pending { handle, id, size, shrinks: None, frees: Some(false), asleep: false });
                 } else {
                     assert_eq!((id, p), (0xA5A5, 0xA5A5), "prepare_alloc: out-parameters written on failure");
                 }
@@ -89,10 +92,24 @@ impl Harness {
                         // Grown now: the new bytes are unknown.
                         l.size = size;
                         l.tag = None;
-                        self.pending.push(Pending { handle, id, size, shrinks: Some((old, false)), frees: None });
+                        self.pending.push(Pending {
+                            handle,
+                            id,
+                            size,
+                            shrinks: Some((old, false)),
+                            frees: None,
+                            asleep: false,
+                        });
                     } else {
                         assert_eq!(strip_driver(&self.snapshot()), before, "a prepared shrink changed the arena");
-                        self.pending.push(Pending { handle, id, size: old, shrinks: Some((size, true)), frees: None });
+                        self.pending.push(Pending {
+                            handle,
+                            id,
+                            size: old,
+                            shrinks: Some((size, true)),
+                            frees: None,
+                            asleep: false,
+                        });
                     }
                 } else {
                     assert_eq!(p, 0xA5A5, "prepare_resize: out-parameter written on failure");
@@ -109,8 +126,8 @@ impl Harness {
                     Some(_) => vec![OK, INVALID],
                 };
                 if status == OK {
-                    let size = self.live[&id].size;
-                    self.pending.push(Pending { handle, id, size, shrinks: None, frees: Some(true) });
+                    let (size, asleep) = (self.live[&id].size, self.live[&id].asleep);
+                    self.pending.push(Pending { handle, id, size, shrinks: None, frees: Some(true), asleep });
                 }
                 ("prepare_free", status, allowed, false)
             }
@@ -122,7 +139,7 @@ impl Harness {
                 }
                 let i = b.below(self.pending.len() as u64) as usize;
                 let commit = b.bool();
-                let Pending { handle, id, size, shrinks, frees } = self.pending.remove(i);
+                let Pending { handle, id, size, shrinks, frees, asleep } = self.pending.remove(i);
                 let before = strip_driver(&self.snapshot());
                 // SAFETY: live arena; a pending handle of it, given up here.
                 let status = st(unsafe {
@@ -136,7 +153,7 @@ impl Harness {
                 let shrink_to = shrinks.and_then(|(to, on_commit)| (on_commit == commit).then_some(to));
                 let allowed = match self.live.get(&id) {
                     None => vec![STALE],
-                    Some(l) if l.asleep || l.size != size => vec![STALE],
+                    Some(l) if l.asleep != asleep || l.size != size => vec![STALE],
                     // A share may cover a page the shrink drops.
                     Some(l)
                         if shrink_to.is_some() && self.live.values().any(|o| o.family == l.family && o.id != id) =>

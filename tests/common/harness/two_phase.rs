@@ -35,6 +35,8 @@ pub(super) struct Pending {
     pub(super) id: Id,
     /// The allocation's size when the prepare returned.
     pub(super) size: u64,
+    /// Whether it was asleep then (only a free may be prepared of a sleeper).
+    pub(super) asleep: bool,
 }
 
 fn small_id(id: Id) -> bool {
@@ -90,7 +92,7 @@ impl Harness {
                 };
                 assert!(self.live.insert(id, m).is_none(), "id {id} issued twice");
                 self.restamp(id, 0, size);
-                self.pending.push(Pending { prepared, kind: Kind::Alloc, id, size });
+                self.pending.push(Pending { prepared, kind: Kind::Alloc, id, size, asleep: false });
                 self.ran_ok();
                 // A prepare moves nothing.
                 self.check("prepare_alloc", &[]);
@@ -162,7 +164,7 @@ impl Harness {
                 if matches!(kind, Kind::Grow { .. }) {
                     self.ran_ok();
                 }
-                self.pending.push(Pending { prepared, kind, id, size: now });
+                self.pending.push(Pending { prepared, kind, id, size: now, asleep: false });
                 self.check("prepare_resize", &[]);
             }
         }
@@ -173,8 +175,9 @@ impl Harness {
             Ok(prepared) => {
                 assert!(!small_id(id), "prepare_free of a small allocation");
                 count("prepare_free");
-                let size = self.live[&id].size;
-                self.pending.push(Pending { prepared, kind: Kind::Free, id, size });
+                let (size, asleep) = (self.live[&id].size, self.live[&id].asleep);
+                count(if asleep { "prepare_free asleep" } else { "prepare_free awake" });
+                self.pending.push(Pending { prepared, kind: Kind::Free, id, size, asleep });
             }
             Err(e) => {
                 assert!(small_id(id) && e.status() == Status::InvalidArgument, "prepare_free of {id}: {e}");
@@ -189,7 +192,7 @@ impl Harness {
         if self.pending.is_empty() {
             return;
         }
-        let Pending { prepared, kind, id, size } = self.pending.remove(i % self.pending.len());
+        let Pending { prepared, kind, id, size, asleep } = self.pending.remove(i % self.pending.len());
         // The size the settle shrinks to, if it does.
         let shrink_to = match (kind, commit) {
             (Kind::Shrink { to }, true) => Some(to),
@@ -198,7 +201,9 @@ impl Harness {
         };
         let stale = match self.live.get(&id) {
             None => true,
-            Some(m) => m.asleep || m.size != size || shrink_to.is_some_and(|to| self.shrink_drops_shared(id, to)),
+            Some(m) => {
+                m.asleep != asleep || m.size != size || shrink_to.is_some_and(|to| self.shrink_drops_shared(id, to))
+            }
         };
         let what = if commit { "commit" } else { "abort" };
         let old_size = self.live.get(&id).map(|m| m.size);
