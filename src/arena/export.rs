@@ -219,9 +219,12 @@ pub(crate) struct Shares {
     exported: HashMap<u32, Exported>,
     imports: BTreeMap<u32, Import>,
     next_import: u32,
-    /// Chunks whose release failed but which must never return to the
-    /// pool (exported or imported): released again by `trim`, or at drop.
+    /// Chunks of freed exported or DMA-BUF'd allocations whose release
+    /// failed (never pooled): released again by `trim`, or at drop.
     leftover: Vec<ChunkHandle>,
+    /// Imported chunks whose release failed (not the arena's memory, in no
+    /// `driver_*` stat): released at drop.
+    leftover_imported: Vec<ChunkHandle>,
     /// Import reservations whose free failed: freed at drop.
     leftover_va: Vec<(u64, u64)>,
     /// Slots freed while DMA-BUFs of them were open (`Owner::DmaBuf`).
@@ -378,7 +381,7 @@ impl Shares {
             }
             let _ = drv.free_reservation(i.va.0, i.va.1);
         }
-        for h in self.leftover.drain(..) {
+        for h in self.leftover.drain(..).chain(self.leftover_imported.drain(..)) {
             let _ = drv.release(h);
         }
         for (b, s) in self.leftover_va.drain(..) {
@@ -387,17 +390,15 @@ impl Shares {
     }
 }
 
-/// Releases the chunks of exported or DMA-BUF'd allocations whose release
-/// failed at their free (`trim`); returns how many went back. One that
-/// fails again stays, counted again in `release_failures`.
+/// Releases the chunks of freed exported or DMA-BUF'd allocations (never
+/// pooled: a peer may still reach them): at the free, and again by `trim`
+/// for those whose release failed before; returns how many went back. One
+/// that fails stays listed, counted in `release_failures` each time.
 pub(super) fn release_leftovers(inner: &mut Inner, ctx: &Ctx<'_>) -> u64 {
     let mut released = 0;
     for h in std::mem::take(&mut inner.shares.leftover) {
-        match ctx.drv.release(h) {
-            Ok(()) => {
-                bump(&ctx.counts.releases);
-                released += 1;
-            }
+        match super::txn::release(ctx.drv, ctx.counts, h) {
+            Ok(()) => released += 1,
             Err(_) => {
                 inner.shares.leftover.push(h);
                 inner.release_failures += 1;
@@ -434,12 +435,9 @@ fn free_import(inner: &mut Inner, ctx: &Ctx<'_>, k: u32) -> Result<()> {
     super::unmap::unmap_run(ctx.drv, &uncounted, ctx.unmaps, i.base, chunk, &i.chunks)?;
     let i = inner.shares.imports.remove(&k).expect("listed import");
     for h in i.chunks {
-        match ctx.drv.release(h) {
-            Ok(()) => {}
-            Err(_) => {
-                inner.shares.leftover.push(h);
-                inner.release_failures += 1;
-            }
+        if ctx.drv.release(h).is_err() {
+            inner.shares.leftover_imported.push(h);
+            inner.release_failures += 1;
         }
     }
     if ctx.drv.free_reservation(i.va.0, i.va.1).is_err() {
@@ -488,15 +486,8 @@ pub(super) fn free_exported(inner: &mut Inner, ctx: &Ctx<'_>, slot: u32) -> Resu
     *st = sim;
     inner.shares.exported.remove(&slot);
     inner.shares.held.remove(&slot);
-    for h in doomed {
-        match ctx.drv.release(h) {
-            Ok(()) => bump(&ctx.counts.releases),
-            Err(_) => {
-                inner.shares.leftover.push(h);
-                inner.release_failures += 1;
-            }
-        }
-    }
+    inner.shares.leftover.extend(doomed);
+    release_leftovers(inner, ctx);
     Ok(())
 }
 

@@ -160,7 +160,7 @@ impl<'a> Txn<'a> {
     pub fn rollback(mut self) {
         while let Some(u) = self.undo.pop() {
             let _ = match u {
-                Undo::Release(h) => self.drv.release(h).map(|_| bump(&self.counts.releases)),
+                Undo::Release(h) => release(self.drv, self.counts, h),
                 Undo::Unmap { page, pages } => {
                     unmap_pages(self.drv, Some(self.counts), self.unmaps, self.addr(page), self.chunk, pages);
                     Ok(())
