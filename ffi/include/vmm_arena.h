@@ -1759,7 +1759,9 @@ enum vmm_arena_status vmm_arena_prepare_resize(struct vmm_arena *arena,
 /**
  * Prepares a free of an allocation of whole chunks: checks the id
  * (INVALID_ARGUMENT for a small or an imported allocation); the commit
- * frees it.
+ * frees it. A sleeping allocation may be prepared, as vmm_arena_free frees
+ * one (its backup dropped); waking it before the commit makes the prepare
+ * stale.
  *
  * # Safety
  * `arena` is NULL or a live handle; `out_prepared` is NULL or writable.
@@ -1774,7 +1776,8 @@ enum vmm_arena_status vmm_arena_prepare_free(struct vmm_arena *arena,
  * caller). Nothing in it can fail for memory or a driver call: with no
  * other call on the allocation since the prepare it returns OK (but for a
  * poisoned arena: INTERNAL). VMM_ARENA_ERR_STALE when another call changed
- * the allocation since (resized, freed or put it to sleep; exported or
+ * the allocation since (resized, freed, put it to sleep or woke a sleeper
+ * prepared for a free; exported or
  * shared the chunks a shrink would drop): nothing is done, checked under
  * the same lock as the work. Calls that change neither its size nor its
  * awake state (pin, set_tag, a move by compaction) leave the prepare
