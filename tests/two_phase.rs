@@ -202,3 +202,33 @@ fn without_another_call_abort_restores_exactly_the_state_before_the_prepare() {
     a.read(id, 0, &mut buf).unwrap();
     assert_eq!(buf, [7u8; 64]);
 }
+
+#[test]
+fn commit_of_a_prepared_free_of_an_exported_allocation_cannot_fail_for_a_driver_call() {
+    use std::sync::Arc;
+    use vmm_arena::driver::fault::{FaultDriver, FaultKind};
+    use vmm_arena::driver::Driver;
+    // An allocation that had a DMA-BUF is exported until freed: its free
+    // synchronizes, unmaps and releases its chunks (never pooled). A commit
+    // makes none of those calls fail it: they are done, or the chunks are
+    // held and given back by a later call.
+    let host: Arc<dyn Driver> = Arc::new(HostDriver::new().unwrap().with_dmabuf_standin());
+    let fd = Arc::new(FaultDriver::new(host));
+    let cfg = ArenaConfig { capacity_bytes: 8 * C, reserve_bytes: 32 * C, chunk_bytes: C, ..ArenaConfig::default() };
+    let a = Arena::with_driver(fd.clone(), cfg).unwrap();
+    for n in 1..=4 {
+        let (id, _) = a.alloc(2 * C).unwrap();
+        drop(a.dmabuf(id).unwrap());
+        let p = a.prepare_free(id).unwrap();
+        fd.fail_nth(None, n, FaultKind::Driver);
+        a.commit(p).unwrap_or_else(|e| panic!("commit with driver call {n} failing: {e}"));
+        fd.clear();
+        assert_eq!(a.query(id).unwrap_err().status(), Status::UnknownAllocation);
+        assert_eq!(a.stats().unwrap().live_allocations, 0);
+        // The next call gives whatever was held back to the driver.
+        a.trim(0).unwrap();
+        let s = a.stats().unwrap();
+        assert_eq!((s.mapped_bytes, s.pooled_bytes), (0, 0), "driver call {n} failing: chunks left");
+        assert_eq!((fd.live_chunks(), fd.live_mappings()), (0, 0), "driver call {n} failing: chunks left");
+    }
+}

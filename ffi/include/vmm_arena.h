@@ -1773,7 +1773,10 @@ enum vmm_arena_status vmm_arena_prepare_free(struct vmm_arena *arena,
 /**
  * Commits a prepared operation and consumes the handle (on any status but
  * an INVALID_ARGUMENT for a NULL arena or prepared, which leave it with the
- * caller). Nothing in it can fail for memory or a driver call: with no
+ * caller). Nothing in it can fail for memory or a driver call (the free of
+ * an exported or DMA-BUF'd allocation, whose chunks go back to the driver,
+ * holds them when that fails, still counted in mapped_bytes, and the next
+ * call gives them back): with no
  * other call on the allocation since the prepare it returns OK (but for a
  * poisoned arena: INTERNAL). VMM_ARENA_ERR_STALE when another call changed
  * the allocation since (resized, freed, put it to sleep or woke a sleeper

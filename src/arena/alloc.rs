@@ -140,6 +140,23 @@ impl Arena {
         })
     }
 
+    /// `free_checked` for a two-phase commit: nothing in it can fail for a
+    /// driver call (an exported allocation whose chunks cannot be given back
+    /// now is held and finished by the next call; see
+    /// `export::free_exported_or_hold`). Imports are never prepared.
+    pub(super) fn free_committed(&self, id: Id, precondition: impl Fn(&super::Inner) -> Result<()>) -> Result<()> {
+        self.run(Touch::Nothing, |inner, _ctx, _| {
+            precondition(inner)?;
+            #[cfg(unix)]
+            if super::export::free_exported_or_hold(inner, _ctx, id).is_some() {
+                return Ok(());
+            }
+            let target = inner.st.resolve(id)?;
+            free_now(&mut inner.st, target);
+            Ok(())
+        })
+    }
+
     /// Grows or shrinks an allocation, keeping its first `min(old, new)`
     /// bytes. Grows in place when its reservation (or the free space after
     /// it) allows, else moves it by remapping. Returns the (maybe new) address.

@@ -420,6 +420,23 @@ pub(super) fn free_shared(inner: &mut Inner, ctx: &Ctx<'_>, id: Id) -> Option<Re
     Some(free_exported(inner, ctx, slot))
 }
 
+/// `free` of an exported allocation for a two-phase commit, which must not
+/// fail for a driver call: when giving its chunks back fails (nothing
+/// changed then), it is held as a free with an open DMA-BUF is, and the
+/// next call gives them back (`dmabuf::reap`, retried until it succeeds).
+/// `None` for an allocation that is not exported.
+pub(super) fn free_exported_or_hold(inner: &mut Inner, ctx: &Ctx<'_>, id: Id) -> Option<()> {
+    let Ok(Target::Chunks(slot)) = inner.st.resolve(id) else { return None };
+    if !inner.shares.is_exported(slot) {
+        return None;
+    }
+    if free_exported(inner, ctx, slot).is_err() {
+        super::dmabuf::hold(&mut inner.st, slot);
+        inner.shares.held.insert(slot);
+    }
+    Some(())
+}
+
 /// Unmaps an import (synchronizing first), then releases its handles and
 /// frees its reservation. A failure up to the unmap leaves it as it was;
 /// after it, a failed release or free is counted in `release_failures`

@@ -10,7 +10,11 @@
 //! - a commit then does nothing that can fail for memory or a driver call
 //!   (an allocation or growth is already done; a shrink or free is
 //!   bookkeeping), and an abort undoes a prepare with bookkeeping only
-//!   (the free of the new allocation, the shrink back of the growth).
+//!   (the free of the new allocation, the shrink back of the growth). The
+//!   one free that makes driver calls, of an exported or DMA-BUF'd
+//!   allocation (its chunks go back to the driver, never to the pool),
+//!   cannot fail either: when they fail, the chunks are held (still in
+//!   `mapped_bytes`) and the next call gives them back.
 //!
 //! The guarantee: after a successful prepare, with no other call on that
 //! allocation in between, commit cannot fail (but for a poisoned arena) and
@@ -239,7 +243,7 @@ impl Arena {
                 .resize_checked(id, size, None, |inner| unchanged(inner, chunk, id, from, false, Some(size)))
                 .map(drop),
             Op::Free { id, size, asleep } => {
-                self.free_checked(id, |inner| unchanged(inner, chunk, id, size, asleep, None))
+                self.free_committed(id, |inner| unchanged(inner, chunk, id, size, asleep, None))
             }
         }
     }
@@ -252,7 +256,7 @@ impl Arena {
         self.check_owner(&p)?;
         let chunk = self.chunk;
         match p.op {
-            Op::Alloc { id, size } => self.free_checked(id, |inner| unchanged(inner, chunk, id, size, false, None)),
+            Op::Alloc { id, size } => self.free_committed(id, |inner| unchanged(inner, chunk, id, size, false, None)),
             Op::Grow { id, old, new } => {
                 self.resize_checked(id, old, None, |inner| unchanged(inner, chunk, id, new, false, Some(old))).map(drop)
             }

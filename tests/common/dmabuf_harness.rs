@@ -21,9 +21,10 @@
 //!   below a DMA-BUF's chunks is refused at the prepare, not at the commit;
 //! - an operation whose injected failure fired returns that failure and
 //!   leaves the arena exactly as it was (its snapshot, driver counters
-//!   aside), unless a freed allocation's last DMA-BUF closed before it: the
-//!   first call after that gives those chunks back to the driver, also one
-//!   that then fails;
+//!   aside), unless chunks of a freed allocation may be held for a later
+//!   call (its last DMA-BUF closed, or a committed free of an allocation
+//!   that had one could not give them back at once): the first call after
+//!   that gives them back, also one that then fails;
 //! - when every DMA-BUF is closed and everything freed and trimmed, the
 //!   arena and the driver hold no chunk and no mapping.
 //!
@@ -89,9 +90,14 @@ pub struct DmaHarness {
     live: Vec<(Id, Vec<u8>)>,
     open: Vec<Open>,
     asleep: bool,
-    /// A freed allocation's last DMA-BUF closed and no call has run since:
-    /// the next call gives its chunks back (see the module docs).
-    reap_possible: bool,
+    /// Chunks of a freed allocation may be held for a later call to give
+    /// back (its last DMA-BUF closed, or a committed free of an allocation
+    /// that had one could not give them back at once; see the module
+    /// docs), until a call that reaps them succeeds with no injected
+    /// failure.
+    maybe_held: bool,
+    /// Allocations that had a DMA-BUF (exported until freed).
+    had_dmabuf: std::collections::HashSet<Id>,
     /// The injected failure planned for the current operation.
     fault: Option<(u64, FaultKind)>,
     /// A planned failure the operation's first call did not reach: a
@@ -134,7 +140,8 @@ impl DmaHarness {
             live: Vec::new(),
             open: Vec::new(),
             asleep: false,
-            reap_possible: false,
+            maybe_held: false,
+            had_dmabuf: Default::default(),
             fault: None,
             unfired: None,
             reached: Default::default(),
@@ -159,8 +166,17 @@ impl DmaHarness {
     /// any, and judges a failure that fired. `None`: the call failed with
     /// the injected failure and left the arena as it was.
     fn call<T>(&mut self, what: &str, f: impl FnOnce(&Arena) -> vmm_arena::Result<T>) -> Option<vmm_arena::Result<T>> {
-        let reap_possible = std::mem::take(&mut self.reap_possible);
-        let Some((n, kind)) = self.fault.take() else { return Some(f(&self.a)) };
+        let reap_possible = self.maybe_held;
+        // Calls that give held chunks back first (documented: alloc, free,
+        // resize, trim...), which succeed on the host without a failure.
+        let reaps = matches!(what, "alloc" | "alloc_growable" | "free" | "resize" | "trim");
+        let Some((n, kind)) = self.fault.take() else {
+            let r = f(&self.a);
+            if reaps && r.is_ok() {
+                self.maybe_held = false;
+            }
+            return Some(r);
+        };
         let pre = Snap::of(&self.a).without_driver_counters();
         let failures0 = self.a.stats().unwrap().release_failures;
         self.fd.fail_nth(None, n, kind);
@@ -170,6 +186,9 @@ impl DmaHarness {
         if !fired {
             self.unfired = Some((n, kind));
             self.count("fault planned beyond the operation's calls");
+            if reaps && r.is_ok() {
+                self.maybe_held = false;
+            }
             return Some(r);
         }
         match r {
@@ -253,6 +272,8 @@ impl DmaHarness {
                 let Some(Ok(p)) = self.call("prepare_free", |a| a.prepare_free(id)) else { return };
                 self.settle(p, commit);
                 if commit {
+                    // Its chunks may be held for a later call to give back.
+                    self.maybe_held |= self.had_dmabuf.contains(&id);
                     self.freed(k);
                 }
                 self.count(if commit { "prepared free committed" } else { "prepared free aborted" });
@@ -267,6 +288,7 @@ impl DmaHarness {
                         assert!(!info.asleep, "a DMA-BUF of a sleeping allocation");
                         assert_eq!(buf.bytes(), info.size.div_ceil(C) * C, "a DMA-BUF spans the backed chunks");
                         self.open.push(Open { buf, id: Some(id), origin: id, frozen: Vec::new() });
+                        self.had_dmabuf.insert(id);
                         self.count("dmabuf opened");
                     }
                     Err(e) => {
@@ -286,7 +308,7 @@ impl DmaHarness {
                 let last_of_freed = o.id.is_none() && !self.open.iter().any(|x| x.origin == o.origin);
                 drop(o);
                 if last_of_freed {
-                    self.reap_possible = true;
+                    self.maybe_held = true;
                     self.count("last dmabuf of a freed allocation closed");
                 }
             }

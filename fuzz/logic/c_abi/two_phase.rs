@@ -164,6 +164,9 @@ impl Harness {
                 };
                 if status == OK {
                     if frees == Some(commit) {
+                        // The free of an exported allocation that could not
+                        // give its chunks back holds them for the next call.
+                        self.reap_possible |= self.exported.contains(&id);
                         self.live.remove(&id);
                         self.exported.remove(&id);
                         self.freed.push(id);
