@@ -42,7 +42,7 @@ fn f(row: &serde_json::Value, key: &str) -> f64 {
 
 #[test]
 fn block_in_chunk_holds_token_major_memory_and_reads_at_the_paged_efficiency() {
-    let token_major = arena_row("tm", &[]);
+    let token_major = arena_row("tm", &["--layout", "token-major"]);
     let block = arena_row("bic", &["--layout", "block-in-chunk"]);
     // Same chunks for the same tokens.
     assert_eq!(f(&block, "peak_physical_bytes"), f(&token_major, "peak_physical_bytes"));
@@ -50,7 +50,7 @@ fn block_in_chunk_holds_token_major_memory_and_reads_at_the_paged_efficiency() {
 
     // A token-major penalty slows the token-major arena, not block-in-chunk.
     let slow_tm = efficiency("token_major", 0.5);
-    let tm_pen = arena_row("tm_pen", &["--profile-json", &slow_tm]);
+    let tm_pen = arena_row("tm_pen", &["--layout", "token-major", "--profile-json", &slow_tm]);
     let bic_tm_pen = arena_row("bic_tm_pen", &["--layout", "block-in-chunk", "--profile-json", &slow_tm]);
     assert!(f(&tm_pen, "tokens_per_s") < f(&token_major, "tokens_per_s"));
     assert_eq!(f(&bic_tm_pen, "tokens_per_s"), f(&block, "tokens_per_s"));
@@ -70,4 +70,33 @@ fn block_in_chunk_refuses_tokens_that_do_not_fill_a_chunk() {
         .expect("kv_serving runs");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("whole number"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The workload's layout in the JSON report of `kv_serving --quick` with `extra`.
+fn default_layout(extra: &[&str]) -> (String, String) {
+    let dir = std::env::temp_dir().join(format!("kv_serving_layout_{}_default_{}", std::process::id(), extra.len()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kv_serving"))
+        .args(["--quick", "--managers", "arena", "--json"])
+        .arg(&json)
+        .args(extra)
+        .output()
+        .expect("kv_serving runs");
+    assert!(out.status.success(), "kv_serving failed: {}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let layout = report["workload"]["layout"].as_str().expect("layout").to_string();
+    (layout, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn block_in_chunk_is_the_default_where_a_chunk_holds_whole_tokens() {
+    // Llama-3-8B's 128 KiB tokens: 16 in a 2 MiB chunk.
+    let (layout, _) = default_layout(&[]);
+    assert_eq!(layout, "block-in-chunk");
+    // 96 KiB tokens do not fill one: token-major, and the run says why.
+    let (layout, stderr) = default_layout(&["--kv-bytes-per-token", "98304"]);
+    assert_eq!(layout, "token-major");
+    assert!(stderr.contains("whole number"), "{stderr}");
 }

@@ -93,10 +93,13 @@ struct Opts {
     /// context: 4096 / 131072 / 131072, Llama 2 and 3.1).
     #[arg(long)]
     max_context: Option<u64>,
-    /// KV layout of a request (block-in-chunk: each 2 MiB chunk one block of
-    /// a paged kernel's block table, read at the paged kernel's efficiency).
-    #[arg(long, value_enum, default_value = "token-major")]
-    layout: LayoutArg,
+    /// KV layout of a request (block-in-chunk: each chunk one block of a
+    /// paged kernel's block table, read at the paged kernel's efficiency;
+    /// token-major: a token's KV of every layer together). Default:
+    /// block-in-chunk where a chunk holds a whole number of tokens (Llama-3-8B:
+    /// 16 of 128 KiB in 2 MiB), token-major where it does not (said so).
+    #[arg(long, value_enum)]
+    layout: Option<LayoutArg>,
     /// Most running requests.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     max_batch: u64,
@@ -268,25 +271,38 @@ fn setup(o: &Opts) -> Setup {
     if o.managers.is_empty() {
         die("--managers: empty list");
     }
+    let chunk = o.workload.chunk_bytes();
+    let kv_bytes_per_token = o.kv_bytes_per_token.unwrap_or(model.kv_bytes_per_token);
+    // Block-in-chunk needs a chunk of whole tokens on each device.
+    let whole_tokens = |bpt: u64| bpt / tp_degree as u64 > 0 && chunk % (bpt / tp_degree as u64) == 0;
     let shape = KvShape {
-        kv_bytes_per_token: o.kv_bytes_per_token.unwrap_or(model.kv_bytes_per_token),
+        kv_bytes_per_token,
         layers: o.layers.unwrap_or(model.layers),
         layout: match o.layout {
-            LayoutArg::TokenMajor => Layout::TokenMajor,
-            LayoutArg::PerLayer => Layout::PerLayer,
-            LayoutArg::BlockInChunk => Layout::BlockInChunk,
+            Some(LayoutArg::TokenMajor) => Layout::TokenMajor,
+            Some(LayoutArg::PerLayer) => Layout::PerLayer,
+            Some(LayoutArg::BlockInChunk) => Layout::BlockInChunk,
+            None if whole_tokens(kv_bytes_per_token) => Layout::BlockInChunk,
+            None => {
+                eprintln!(
+                    "note: --layout token-major: a {} chunk does not hold a whole number of {}-byte tokens, \
+                     which block-in-chunk (the default) needs",
+                    fmt_bytes(chunk),
+                    kv_bytes_per_token / tp_degree as u64
+                );
+                Layout::TokenMajor
+            }
         },
         max_context: o.max_context.unwrap_or(model.context),
     };
     if shape.kv_bytes_per_token < 8 * shape.n_allocs() {
         die("--kv-bytes-per-token is too small for the layout (8 bytes per allocation at least)");
     }
-    let chunk = o.workload.chunk_bytes();
     if shape.layout == Layout::BlockInChunk {
         // A chunk is one block of whole tokens; a remainder would be padding
         // the replay does not model.
         let per_device = shape.kv_bytes_per_token / tp_degree as u64;
-        if per_device == 0 || chunk % per_device != 0 {
+        if !whole_tokens(shape.kv_bytes_per_token) {
             die(&format!(
                 "--layout block-in-chunk: a {} chunk does not hold a whole number of {per_device}-byte tokens \
                  (the replay models it where it does, as for Llama-3-8B: 16 tokens of 128 KiB in 2 MiB)",
