@@ -247,6 +247,45 @@ pub extern "C" fn vmm_arena_torch_free(ptr: *mut c_void, size: isize, device: c_
     })
 }
 
+/// The free of the LD_PRELOAD shim (`preload_shim.c`), which does not know
+/// the device: frees `ptr` on whichever device's hooks handed it out, after
+/// `stream` (a `cudaStream_t`) has passed this point. Returns 1 when it was
+/// theirs and is freed, 0 when no device's hooks handed it out (nothing
+/// changes and no bad free is counted: the shim passes it on to the real
+/// runtime), -1 when it was theirs but the free failed (the reason in
+/// `vmm_arena_last_error`).
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_release(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    guarded(-1, || {
+        if ptr.is_null() {
+            return 0;
+        }
+        let arenas: Vec<(c_int, Arc<TorchArena>)> = match registry().lock() {
+            Ok(reg) => reg.iter().map(|(d, a)| (*d, a.clone())).collect(),
+            Err(_) => {
+                set_last_error("vmm_arena_torch_release: torch registry poisoned".into());
+                return -1;
+            }
+        };
+        for (device, a) in arenas {
+            let owned = a.book().map(|b| b.live.contains_key(&(ptr as u64)));
+            let freed = match owned {
+                Ok(false) => continue,
+                Ok(true) => a.free(ptr as u64, stream as u64),
+                Err(e) => Err(e),
+            };
+            return match freed {
+                Ok(()) => 1,
+                Err(e) => {
+                    set_last_error(format!("vmm_arena_torch_release({ptr:p}, device {device}): {e}"));
+                    -1
+                }
+            };
+        }
+        0
+    })
+}
+
 /// Stats of `device`'s arena (created if needed). `stats->struct_size` must
 /// be `sizeof(vmm_arena_stats)`.
 ///

@@ -1,0 +1,164 @@
+/* LD_PRELOAD mode: the CUDA runtime's raw allocation calls routed to the
+ * arenas of the PyTorch hooks.
+ *
+ * Built as libvmm_arena_preload.so (by ffi/build.rs next to libvmm_arena.so,
+ * and by python/build.rs into the Python extension, which writes it out on
+ * request). Run a program with LD_PRELOAD=libvmm_arena_preload.so and its
+ * cudaMalloc/cudaFree/cudaMallocAsync/cudaFreeAsync (the runtime API's C
+ * signatures and cudaError_t codes) come here first:
+ *
+ *  - an allocation goes to vmm_arena_torch_malloc: the arena of the current
+ *    device (the real runtime's cudaGetDevice, or 0 when no runtime is
+ *    loaded), with the calling thread's tag (vmm_arena_torch_set_tag, or a
+ *    Python region), so the hooks' sleep/wake (pause/resume) cover it;
+ *  - a free of a pointer the hooks handed out goes back to its arena
+ *    (stream-ordered, on the free's stream: stream 0 for cudaFree); any
+ *    other pointer goes to the real symbol (dlsym(RTLD_NEXT)), or is
+ *    cudaErrorInvalidValue when there is none.
+ *
+ * The hooks are found once, at the first call: in the library named by
+ * $VMM_ARENA_PRELOAD_HOOKS (dlopen'ed; the Python extension module, which
+ * a Python process shares with `import vmm_arena`), or else among the
+ * libraries already loaded (a program linked to libvmm_arena.so). With no
+ * hooks every call goes to the real runtime.
+ *
+ * This file links to nothing but libc/libdl, so a process that never loads
+ * CUDA (a shell started by a preloaded parent) runs unchanged. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/types.h>
+
+/* The runtime API's types and the codes returned here. */
+typedef int cudaError_t;
+typedef void *cudaStream_t;
+enum {
+  cuda_success = 0,
+  cuda_error_invalid_value = 1,
+  cuda_error_memory_allocation = 2,
+  cuda_error_unknown = 999,
+};
+
+#define EXPORT __attribute__((visibility("default")))
+
+typedef void *(*hook_malloc_fn)(ssize_t size, int device, void *stream);
+typedef int (*hook_release_fn)(void *ptr, void *stream);
+typedef cudaError_t (*real_malloc_fn)(void **ptr, size_t size);
+typedef cudaError_t (*real_free_fn)(void *ptr);
+typedef cudaError_t (*real_malloc_async_fn)(void **ptr, size_t size, cudaStream_t stream);
+typedef cudaError_t (*real_free_async_fn)(void *ptr, cudaStream_t stream);
+typedef cudaError_t (*real_get_device_fn)(int *device);
+
+static struct {
+  hook_malloc_fn malloc;
+  hook_release_fn release;
+  real_malloc_fn real_malloc;
+  real_free_fn real_free;
+  real_malloc_async_fn real_malloc_async;
+  real_free_async_fn real_free_async;
+} resolved;
+static pthread_once_t resolve_once = PTHREAD_ONCE_INIT;
+
+/* dlsym returns an object pointer; POSIX guarantees it converts to a
+ * function pointer. */
+#define LOOKUP(handle, name, type) ((type)(uintptr_t)dlsym((handle), (name)))
+
+static void resolve(void) {
+  const char *path = getenv("VMM_ARENA_PRELOAD_HOOKS");
+  void *hooks = RTLD_DEFAULT; /* NULL, as a handle: search every loaded library */
+  int found = 1;
+  if (path != NULL && path[0] != '\0') {
+    /* Kept open for the life of the process. */
+    hooks = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    found = hooks != NULL;
+  }
+  if (found) {
+    hook_malloc_fn m = LOOKUP(hooks, "vmm_arena_torch_malloc", hook_malloc_fn);
+    hook_release_fn r = LOOKUP(hooks, "vmm_arena_torch_release", hook_release_fn);
+    if (m != NULL && r != NULL) {
+      resolved.malloc = m;
+      resolved.release = r;
+    }
+  }
+  resolved.real_malloc = LOOKUP(RTLD_NEXT, "cudaMalloc", real_malloc_fn);
+  resolved.real_free = LOOKUP(RTLD_NEXT, "cudaFree", real_free_fn);
+  resolved.real_malloc_async = LOOKUP(RTLD_NEXT, "cudaMallocAsync", real_malloc_async_fn);
+  resolved.real_free_async = LOOKUP(RTLD_NEXT, "cudaFreeAsync", real_free_async_fn);
+}
+
+static void ensure_resolved(void) { (void)pthread_once(&resolve_once, resolve); }
+
+/* The real runtime's current device; 0 when no runtime is loaded. */
+static cudaError_t current_device(int *device) {
+  real_get_device_fn get = LOOKUP(RTLD_DEFAULT, "cudaGetDevice", real_get_device_fn);
+  *device = 0;
+  return get != NULL ? get(device) : cuda_success;
+}
+
+static cudaError_t arena_malloc(void **ptr, size_t size, cudaStream_t stream) {
+  if (ptr == NULL) return cuda_error_invalid_value;
+  if (size == 0) {
+    *ptr = NULL;
+    return cuda_success;
+  }
+  if (size > (size_t)SSIZE_MAX) return cuda_error_memory_allocation;
+  int device = 0;
+  cudaError_t e = current_device(&device);
+  if (e != cuda_success) return e;
+  void *p = resolved.malloc((ssize_t)size, device, stream);
+  if (p == NULL) return cuda_error_memory_allocation;
+  *ptr = p;
+  return cuda_success;
+}
+
+/* 1: the hooks freed it; 0: not theirs; -1: theirs, but the free failed. */
+static int arena_release(void *ptr, cudaStream_t stream) {
+  return resolved.release != NULL ? resolved.release(ptr, stream) : 0;
+}
+
+static cudaError_t release_status(int released) {
+  return released > 0 ? cuda_success : cuda_error_unknown;
+}
+
+EXPORT cudaError_t cudaMalloc(void **ptr, size_t size) {
+  ensure_resolved();
+  if (resolved.malloc == NULL) {
+    return resolved.real_malloc != NULL ? resolved.real_malloc(ptr, size) : cuda_error_memory_allocation;
+  }
+  return arena_malloc(ptr, size, NULL);
+}
+
+EXPORT cudaError_t cudaFree(void *ptr) {
+  if (ptr == NULL) return cuda_success;
+  ensure_resolved();
+  int released = arena_release(ptr, NULL);
+  if (released != 0) return release_status(released);
+  return resolved.real_free != NULL ? resolved.real_free(ptr) : cuda_error_invalid_value;
+}
+
+EXPORT cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream) {
+  ensure_resolved();
+  if (resolved.malloc == NULL) {
+    return resolved.real_malloc_async != NULL ? resolved.real_malloc_async(ptr, size, stream)
+                                              : cuda_error_memory_allocation;
+  }
+  return arena_malloc(ptr, size, stream);
+}
+
+EXPORT cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream) {
+  if (ptr == NULL) return cuda_success;
+  ensure_resolved();
+  int released = arena_release(ptr, stream);
+  if (released != 0) return release_status(released);
+  return resolved.real_free_async != NULL ? resolved.real_free_async(ptr, stream) : cuda_error_invalid_value;
+}
+
+/* 1 when the hooks were found (allocations go to the arenas), else 0. */
+EXPORT int vmm_arena_preload_active(void) {
+  ensure_resolved();
+  return resolved.malloc != NULL;
+}

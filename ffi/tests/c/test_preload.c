@@ -1,0 +1,127 @@
+/* LD_PRELOAD mode: run under LD_PRELOAD=libvmm_arena_preload.so with
+ * VMM_ARENA_CONF=backend:host,... (ffi/tests/c_programs.rs does), linked to
+ * libvmm_arena and to libfake_cudart.so (the "real" runtime). Raw
+ * cudaMalloc/cudaFree resolved as any library would get them land in the
+ * PyTorch hooks' arenas, carry the thread's tag, sleep and wake with it;
+ * foreign pointers reach the real cudaFree. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+#include "check.h"
+
+void *vmm_arena_torch_malloc(ssize_t size, int device, void *stream);
+vmm_arena_status vmm_arena_torch_stats(int device, vmm_arena_stats *stats);
+uint64_t vmm_arena_torch_bad_frees(int device);
+uint32_t vmm_arena_torch_set_tag(uint32_t tag);
+vmm_arena_status vmm_arena_torch_sleep(int device, uint32_t tag, uint32_t flags);
+vmm_arena_status vmm_arena_torch_wake(int device, uint32_t tag);
+
+void fake_cudart_set_device(int device);
+int fake_cudart_mallocs(void);
+int fake_cudart_frees(void);
+
+typedef int (*malloc_fn)(void **ptr, size_t size);
+typedef int (*free_fn)(void *ptr);
+typedef int (*malloc_async_fn)(void **ptr, size_t size, void *stream);
+typedef int (*free_async_fn)(void *ptr, void *stream);
+typedef int (*active_fn)(void);
+
+#define LOOKUP(name, type) ((type)(uintptr_t)dlsym(RTLD_DEFAULT, (name)))
+
+static vmm_arena_stats stats_of(int device) {
+  vmm_arena_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  OK(vmm_arena_torch_stats(device, &s));
+  return s;
+}
+
+static int all_bytes(const unsigned char *p, size_t n, unsigned char v) {
+  for (size_t i = 0; i < n; i++)
+    if (p[i] != v) return 0;
+  return 1;
+}
+
+int main(void) {
+  const char *conf = getenv("VMM_ARENA_CONF");
+  CHECK(conf != NULL && strstr(conf, "backend:host") != NULL);
+
+  /* What a library calling the runtime resolves: the preloaded symbols. */
+  malloc_fn cuda_malloc = LOOKUP("cudaMalloc", malloc_fn);
+  free_fn cuda_free = LOOKUP("cudaFree", free_fn);
+  malloc_async_fn cuda_malloc_async = LOOKUP("cudaMallocAsync", malloc_async_fn);
+  free_async_fn cuda_free_async = LOOKUP("cudaFreeAsync", free_async_fn);
+  active_fn active = LOOKUP("vmm_arena_preload_active", active_fn);
+  CHECK(cuda_malloc != NULL && cuda_free != NULL && cuda_malloc_async != NULL && cuda_free_async != NULL);
+  CHECK(active != NULL && active() == 1);
+
+  /* Outside any tag: tag 0, written and read. */
+  enum { MIB = 1 << 20 };
+  unsigned char *outside = NULL;
+  CHECK(cuda_malloc((void **)&outside, 3 * MIB) == 0 && outside != NULL);
+  memset(outside, 0x11, 3 * MIB);
+  CHECK(stats_of(0).live_allocations == 1);
+  CHECK(fake_cudart_mallocs() == 0);
+
+  /* Under tag 5: a backed-up allocation and an async one. */
+  uint32_t previous = vmm_arena_torch_set_tag(5);
+  unsigned char *weights = NULL, *cache = NULL;
+  CHECK(cuda_malloc((void **)&weights, 4 * MIB) == 0);
+  CHECK(cuda_malloc_async((void **)&cache, 4 * MIB, NULL) == 0);
+  CHECK(vmm_arena_torch_set_tag(previous) == 5);
+  memset(weights, 0x5a, 4 * MIB);
+  memset(cache, 0x77, 4 * MIB);
+  vmm_arena_stats awake = stats_of(0);
+  CHECK(awake.live_allocations == 3);
+
+  /* The tag's sleep covers both, and only them. */
+  OK(vmm_arena_torch_sleep(0, 5, VMM_ARENA_SLEEP_BACKUP));
+  vmm_arena_stats asleep = stats_of(0);
+  CHECK(asleep.mapped_bytes + 8 * MIB <= awake.mapped_bytes);
+  CHECK(all_bytes(outside, 3 * MIB, 0x11));
+  OK(vmm_arena_torch_wake(0, 5));
+  CHECK(stats_of(0).mapped_bytes == awake.mapped_bytes);
+  CHECK(all_bytes(weights, 4 * MIB, 0x5a) && all_bytes(cache, 4 * MIB, 0x77));
+
+  /* Frees of the arena's pointers go back to it. */
+  CHECK(cuda_free(weights) == 0);
+  CHECK(cuda_free_async(cache, NULL) == 0);
+  CHECK(stats_of(0).live_allocations == 1);
+
+  /* A pointer the arena did not hand out reaches the real cudaFree, and is
+   * not a bad free of the hooks. */
+  void *foreign = malloc(64);
+  CHECK(foreign != NULL);
+  CHECK(cuda_free(foreign) == 0);
+  CHECK(fake_cudart_frees() == 1);
+  CHECK(vmm_arena_torch_bad_frees(0) == 0);
+
+  /* The runtime's argument rules. */
+  CHECK(cuda_malloc(NULL, 10) == 1);
+  void *zero = outside;
+  CHECK(cuda_malloc(&zero, 0) == 0 && zero == NULL);
+  CHECK(cuda_free(NULL) == 0 && cuda_free_async(NULL, NULL) == 0);
+  /* Out of memory: cudaErrorMemoryAllocation, the pointer untouched. */
+  void *huge = outside;
+  CHECK(cuda_malloc(&huge, (size_t)1 << 40) == 2 && huge == outside);
+  CHECK(stats_of(0).live_allocations == 1);
+
+  /* The device is the runtime's current one. */
+  fake_cudart_set_device(1);
+  void *on_one = NULL;
+  CHECK(cuda_malloc(&on_one, 1000) == 0);
+  fake_cudart_set_device(0);
+  CHECK(stats_of(1).live_allocations == 1);
+  CHECK(cuda_free(on_one) == 0);
+  CHECK(stats_of(1).live_allocations == 0);
+
+  CHECK(cuda_free(outside) == 0);
+  CHECK(stats_of(0).live_allocations == 0);
+  /* Only the foreign pointer ever reached the stand-in runtime. */
+  CHECK(fake_cudart_mallocs() == 0 && fake_cudart_frees() == 1);
+  FINISH("test_preload");
+}
