@@ -8,8 +8,8 @@
  * signatures and cudaError_t codes) come here first:
  *
  *  - an allocation goes to vmm_arena_torch_malloc: the arena of the current
- *    device (the real runtime's cudaGetDevice, or 0 when no runtime is
- *    loaded), with the calling thread's tag (vmm_arena_torch_set_tag, or a
+ *    device (the real runtime's cudaGetDevice; 0 when no runtime is
+ *    loaded or it has no usable device), with the calling thread's tag (vmm_arena_torch_set_tag, or a
  *    Python region), so the hooks' sleep/wake (pause/resume) cover it;
  *  - a free of a pointer the hooks handed out goes back to its arena
  *    (stream-ordered, on the free's stream: stream 0 for cudaFree); any
@@ -92,11 +92,14 @@ static void resolve(void) {
 
 static void ensure_resolved(void) { (void)pthread_once(&resolve_once, resolve); }
 
-/* The real runtime's current device; 0 when no runtime is loaded. */
-static cudaError_t current_device(int *device) {
+/* The real runtime's current device; 0 when no runtime is loaded, or when
+ * it has no usable device (no driver: the arena then decides, e.g. on the
+ * host backend). */
+static int current_device(void) {
   real_get_device_fn get = LOOKUP(RTLD_DEFAULT, "cudaGetDevice", real_get_device_fn);
-  *device = 0;
-  return get != NULL ? get(device) : cuda_success;
+  int device = 0;
+  if (get == NULL || get(&device) != cuda_success) return 0;
+  return device;
 }
 
 static cudaError_t arena_malloc(void **ptr, size_t size, cudaStream_t stream) {
@@ -106,10 +109,7 @@ static cudaError_t arena_malloc(void **ptr, size_t size, cudaStream_t stream) {
     return cuda_success;
   }
   if (size > (size_t)SSIZE_MAX) return cuda_error_memory_allocation;
-  int device = 0;
-  cudaError_t e = current_device(&device);
-  if (e != cuda_success) return e;
-  void *p = resolved.malloc((ssize_t)size, device, stream);
+  void *p = resolved.malloc((ssize_t)size, current_device(), stream);
   if (p == NULL) return cuda_error_memory_allocation;
   *ptr = p;
   return cuda_success;

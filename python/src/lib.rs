@@ -888,6 +888,7 @@ fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_hooks_retag, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_stats, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_release, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_preload_library, m)?)?;
     m.add("ALL_TAGS", ALL_TAGS)?;
     Ok(())
 }

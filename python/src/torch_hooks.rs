@@ -289,6 +289,53 @@ pub extern "C" fn vmm_arena_torch_free(ptr: *mut c_void, size: isize, device: c_
     }
 }
 
+/// The free of the LD_PRELOAD library (`ffi/src/preload_shim.c`), which does
+/// not know the device: frees `ptr` on whichever device's hooks handed it
+/// out, once `stream` has passed this point. 1: theirs and freed; 0: no
+/// device's hooks handed it out (nothing changes, no bad free is counted:
+/// the shim passes it on to the real runtime); -1: theirs, but the free
+/// failed (the reason in `vmm_arena_torch_last_error`).
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_release(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return 0;
+    }
+    let (addr, stream) = (ptr as u64, stream as u64);
+    let r = std::panic::catch_unwind(|| {
+        let arenas: Vec<Arc<HookArena>> = registry()
+            .lock()
+            .map_err(|_| Error::Internal("hook registry poisoned".into()))?
+            .values()
+            .cloned()
+            .collect();
+        for a in arenas {
+            if a.book()?.live.contains_key(&addr) {
+                return a.free(addr, stream).map(|()| true);
+            }
+        }
+        Ok(false)
+    });
+    match r {
+        Ok(Ok(freed)) => c_int::from(freed),
+        Ok(Err(e)) => {
+            set_last_error(format!("vmm_arena_torch_release({ptr:p}): {e}"));
+            -1
+        }
+        Err(_) => {
+            set_last_error(format!("vmm_arena_torch_release({ptr:p}): internal panic"));
+            -1
+        }
+    }
+}
+
+/// The LD_PRELOAD library (`libvmm_arena_preload.so`, built from
+/// `ffi/src/preload_shim.c` by build.rs), for `vmm_arena.torch` to write out.
+#[pyfunction]
+pub(crate) fn _hooks_preload_library(py: Python<'_>) -> Bound<'_, pyo3::types::PyBytes> {
+    static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libvmm_arena_preload.so"));
+    pyo3::types::PyBytes::new(py, LIBRARY)
+}
+
 /// This thread's last failure of the hooks (empty when none).
 #[no_mangle]
 pub extern "C" fn vmm_arena_torch_last_error() -> *const c_char {

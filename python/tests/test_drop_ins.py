@@ -2,14 +2,18 @@
 documented behaviours (docs/python-drop-ins.md numbers them: TMS-n, VLLM-n),
 on the host backend through the hooks PyTorch would call. The ones that need
 a GPU (real tensors, MemPools, CUDA graphs) are listed there as GPU-only."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 import vmm_arena as va
 import vmm_arena.torch as vt
-from vmm_arena.torch_memory_saver import TorchMemorySaver, memory_saver, torch_memory_saver
+from vmm_arena.torch_memory_saver import TorchMemorySaver, configure_subprocess, memory_saver, torch_memory_saver
 from vmm_arena.vllm import CuMemAllocator
 
-from conftest import MiB, fill, holds, mapped
+from conftest import CONF, MiB, fill, holds, mapped
 
 tms = torch_memory_saver
 
@@ -134,14 +138,83 @@ def test_tms9_the_object_its_aliases_and_properties():
     assert memory_saver is torch_memory_saver and isinstance(TorchMemorySaver(), TorchMemorySaver)
     assert tms.enabled is True
     tms.hook_mode = "torch"
-    with pytest.raises(NotImplementedError):
+    assert tms.hook_mode == "torch"
+    with pytest.raises(ValueError):
+        tms.hook_mode = "ld_preload"
+    # This process was not started under the preload library (TMS-10 runs
+    # a child that is): said so, and the mode stays.
+    assert not vt.preloaded()
+    with pytest.raises(RuntimeError, match="configure_subprocess"):
         tms.hook_mode = "preload"
-    with pytest.raises(AttributeError):
-        tms.hook_mode
+    assert tms.hook_mode == "torch"
     # Not provided, and said so rather than accepted and ignored.
     with pytest.raises(NotImplementedError):
         tms.memory_margin_bytes = 1 << 30
     assert not hasattr(tms, "get_cpu_backup")
+
+
+# A child started inside configure_subprocess(): its raw cudaMalloc/cudaFree
+# (as NCCL or an extension would call them) are the arena's, with the
+# region's tag; pause/resume cover them; memory outside a region is kept.
+PRELOADED_CHILD = r"""
+import ctypes
+import vmm_arena.torch as vt
+from vmm_arena.torch_memory_saver import torch_memory_saver as tms
+
+tms.hook_mode = "preload"
+assert tms.hook_mode == "preload" and vt.preloaded()
+rt = ctypes.CDLL(None)  # the symbols any library in the process resolves
+rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+rt.cudaFree.argtypes = [ctypes.c_void_p]
+MiB = 1 << 20
+
+
+def malloc(n):
+    p = ctypes.c_void_p()
+    assert rt.cudaMalloc(ctypes.byref(p), n) == 0
+    return p.value
+
+
+outside = malloc(2 * MiB)
+with tms.region("kv"):
+    kv = malloc(4 * MiB)
+with tms.region("weights", enable_cpu_backup=True):
+    w = malloc(4 * MiB)
+for p, byte in ((outside, 1), (kv, 2), (w, 3)):
+    ctypes.memset(p, byte, MiB)
+tags = {p: t for p, _, t in vt.allocations()}
+assert tags == {outside: 0, kv: vt.tag_of("kv"), w: vt.tag_of("weights", True)}, tags
+full = vt.stats().mapped_bytes
+tms.pause("kv")
+assert vt.stats().mapped_bytes == full - 4 * MiB
+tms.pause()
+assert vt.stats().mapped_bytes == full - 8 * MiB
+assert ctypes.string_at(outside, MiB) == bytes([1]) * MiB
+tms.resume()
+assert vt.stats().mapped_bytes == full
+assert ctypes.string_at(w, MiB) == bytes([3]) * MiB
+for p in (outside, kv, w):
+    assert rt.cudaFree(p) == 0
+assert vt.allocations() == [] and vt.stats().bad_frees == 0
+print("preloaded child passed")
+"""
+
+
+def test_tms10_preload_mode_catches_a_child_processs_raw_cuda_allocations(hooks, tmp_path):
+    before = {k: os.environ.get(k) for k in ("LD_PRELOAD", "VMM_ARENA_PRELOAD_HOOKS", "VMM_ARENA_CONF")}
+    with configure_subprocess():
+        env = dict(os.environ)
+    assert {k: os.environ.get(k) for k in before} == before, "configure_subprocess() left the environment changed"
+    library = vt.preload_library()
+    assert os.path.isfile(library) and env["LD_PRELOAD"].split()[0] == library
+    assert env["VMM_ARENA_PRELOAD_HOOKS"] == vt.library_path()
+    assert env["VMM_ARENA_CONF"] == CONF  # what configure() set (the hooks fixture)
+    child = subprocess.run([sys.executable, "-c", PRELOADED_CHILD], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert "preloaded child passed" in child.stdout
+    # A program that never loads CUDA (or Python) runs unchanged under it.
+    assert subprocess.run(["/bin/sh", "-c", "exit 7"], env=env, timeout=60).returncode == 7
 
 
 # vLLM's CuMemAllocator

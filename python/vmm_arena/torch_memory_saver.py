@@ -13,12 +13,16 @@ them): memory allocated outside any region is never paused; `pause(tag)` /
 the CPU backup is chosen per region and so per allocation; `disable()`
 allocates outside the regions while inside one; `keep_resident(tensor)`
 keeps an allocation out of later pauses. It runs on vmm_arena.torch (the
-hooks are in the installed extension module; no LD_PRELOAD).
+hooks are in the installed extension module). `hook_mode = "preload"` in a
+process started inside `configure_subprocess()` (LD_PRELOAD of the preload
+library) also catches raw cudaMalloc/cudaFree calls made in a region.
 """
 
 from . import torch as _vt
 
-__all__ = ["TorchMemorySaver", "torch_memory_saver", "memory_saver"]
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "memory_saver", "configure_subprocess"]
+
+configure_subprocess = _vt.configure_subprocess
 
 
 class TorchMemorySaver:
@@ -58,14 +62,13 @@ class TorchMemorySaver:
 
     @property
     def hook_mode(self):
-        raise AttributeError("hook_mode is write-only")
+        """"torch" (the default) or "preload" (the process runs under the
+        preload library: see configure_subprocess())."""
+        return _vt.hook_mode()
 
     @hook_mode.setter
     def hook_mode(self, mode):
-        if mode not in ("torch", "preload"):
-            raise ValueError(f"hook_mode {mode!r}: 'torch' or 'preload'")
-        if mode == "preload":
-            raise NotImplementedError("vmm_arena has no LD_PRELOAD mode: it hooks PyTorch's allocator only")
+        _vt.set_hook_mode(mode)
 
     @property
     def memory_margin_bytes(self):

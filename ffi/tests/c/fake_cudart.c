@@ -13,7 +13,9 @@ void fake_cudart_set_device(int device) { current_device = device; }
 int fake_cudart_mallocs(void) { return mallocs_seen; }
 int fake_cudart_frees(void) { return frees_seen; }
 
+/* A negative device stands for "no usable device": cudaErrorInsufficientDriver. */
 int cudaGetDevice(int *device) {
+  if (current_device < 0) return 35;
   *device = current_device;
   return 0;
 }

@@ -119,6 +119,14 @@ int main(void) {
   CHECK(cuda_free(on_one) == 0);
   CHECK(stats_of(1).live_allocations == 0);
 
+  /* A runtime without a usable device (no driver): device 0's arena. */
+  fake_cudart_set_device(-1);
+  void *no_device = NULL;
+  CHECK(cuda_malloc(&no_device, 1000) == 0);
+  fake_cudart_set_device(0);
+  CHECK(stats_of(0).live_allocations == 2);
+  CHECK(cuda_free(no_device) == 0);
+
   CHECK(cuda_free(outside) == 0);
   CHECK(stats_of(0).live_allocations == 0);
   /* Only the foreign pointer ever reached the stand-in runtime. */
