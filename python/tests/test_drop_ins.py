@@ -2,6 +2,7 @@
 documented behaviours (docs/python-drop-ins.md numbers them: TMS-n, VLLM-n),
 on the host backend through the hooks PyTorch would call. The ones that need
 a GPU (real tensors, MemPools, CUDA graphs) are listed there as GPU-only."""
+import ctypes
 import os
 import subprocess
 import sys
@@ -147,10 +148,6 @@ def test_tms9_the_object_its_aliases_and_properties():
     with pytest.raises(RuntimeError, match="configure_subprocess"):
         tms.hook_mode = "preload"
     assert tms.hook_mode == "torch"
-    # Not provided, and said so rather than accepted and ignored.
-    with pytest.raises(NotImplementedError):
-        tms.memory_margin_bytes = 1 << 30
-    assert not hasattr(tms, "get_cpu_backup")
 
 
 # A child started inside configure_subprocess(): its raw cudaMalloc/cudaFree
@@ -215,6 +212,88 @@ def test_tms10_preload_mode_catches_a_child_processs_raw_cuda_allocations(hooks,
     assert "preloaded child passed" in child.stdout
     # A program that never loads CUDA (or Python) runs unchanged under it.
     assert subprocess.run(["/bin/sh", "-c", "exit 7"], env=env, timeout=60).returncode == 7
+
+
+def test_tms11_memory_margin_bytes_refuses_an_allocation_that_would_leave_less_free(hooks):
+    assert tms.memory_margin_bytes == 0
+    tms.memory_margin_bytes = 60 * MiB  # of the 64 MiB arena
+    try:
+        assert tms.memory_margin_bytes == 60 * MiB
+        with tms.region():
+            kept = hooks.malloc(4 * MiB)  # leaves 60 MiB: allowed
+            assert hooks.vmm_arena_torch_malloc(2 * MiB, 0, None) is None  # would leave 58
+        assert b"memory_margin_bytes" in hooks.vmm_arena_torch_last_error()
+        assert vt.stats().live_allocations == 1 and mapped() == 4 * MiB
+        # Freed memory counts as free again.
+        hooks.free_(kept)
+        assert hooks.malloc(4 * MiB)
+        tms.memory_margin_bytes = 0
+        assert hooks.malloc(2 * MiB)
+    finally:
+        tms.memory_margin_bytes = 0
+    with pytest.raises(TypeError):
+        tms.memory_margin_bytes = 1.5
+    with pytest.raises(ValueError):
+        tms.memory_margin_bytes = -1
+
+
+class _PausedTensor:
+    """What get_cpu_backup reads of a CUDA tensor (its address, dtype,
+    shape), over memory the hooks handed out: real CUDA tensors need a GPU."""
+
+    def __init__(self, ptr, dtype, shape):
+        import torch
+
+        self.ptr, self.dtype, self.shape = ptr, dtype, torch.Size(shape)
+        self.device = torch.device("cuda", 0)
+
+    def numel(self):
+        return self.shape.numel()
+
+    def element_size(self):
+        import torch
+
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def is_contiguous(self):
+        return True
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def test_tms12_get_cpu_backup_copies_a_paused_tensors_backup(hooks):
+    torch = pytest.importorskip("torch")
+    with tms.region("weights", enable_cpu_backup=True):
+        w = hooks.malloc(4 * MiB)
+    with tms.region("kv"):
+        kv = hooks.malloc(1 * MiB)
+    values = torch.arange(1024, dtype=torch.float32)
+    ctypes.memmove(w + 4096, values.numpy().tobytes(), 4096)
+    x = _PausedTensor(w + 4096, torch.float32, (32, 32))
+    assert tms.get_cpu_backup(x) is None, "not paused: no backup"
+    tms.pause()
+    backup = tms.get_cpu_backup(x)
+    assert backup.device.type == "cpu" and backup.dtype == torch.float32 and backup.shape == (32, 32)
+    assert torch.equal(backup.flatten(), values)
+    assert vt.stats().mapped_bytes == 0, "reading the backup does not resume it"
+    assert tms.get_cpu_backup(_PausedTensor(kv, torch.float32, (16,))) is None, "paused without a backup"
+    assert vt.cpu_backup(0x1000, 16) is None, "not the arena's memory"
+    with pytest.raises(ValueError):
+        vt.cpu_backup(w + 4 * MiB - 8, 16)  # runs past the allocation's end
+    tms.resume()
+
+
+def test_allocation_read_backup_reads_a_sleeping_allocation():
+    with va.Arena(backend="host", capacity_bytes=8 * MiB, chunk_bytes=64 << 10) as arena:
+        a = arena.alloc(100_000, tag=3)
+        a.write(bytes(range(256)) * 10)
+        with pytest.raises(va.InvalidArgument):
+            a.read_backup()
+        arena.sleep(3, backup=True)
+        assert a.read_backup(256, 10) == bytes(range(10))
+        assert a.read_backup()[:2560] == bytes(range(256)) * 10
+        arena.wake(3)
 
 
 # vLLM's CuMemAllocator

@@ -420,6 +420,57 @@ def keep_resident(x, device=None):
     return _ext._hooks_retag(device or 0, ptr, RESIDENT)
 
 
+def set_memory_margin(margin_bytes):
+    """torch_memory_saver's `memory_margin_bytes`: every later allocation
+    through the hooks (on every device) that would leave less than
+    `margin_bytes` of its arena's capacity free (neither mapped nor pooled)
+    is refused, as out of memory; 0 turns the rule off. The capacity is the
+    arena's (`configure("capacity:...")`, by default the device's memory):
+    memory other processes take on the device is not counted."""
+    if isinstance(margin_bytes, bool) or not isinstance(margin_bytes, int):
+        raise TypeError(f"memory_margin_bytes is an int, not {type(margin_bytes).__name__}")
+    if not 0 <= margin_bytes < 1 << 64:
+        from .errors import InvalidArgument
+
+        raise InvalidArgument(f"memory_margin_bytes {margin_bytes} is out of range")
+    _ext._hooks_set_margin(margin_bytes)
+
+
+def memory_margin():
+    """The margin set by set_memory_margin() (0: none)."""
+    return _ext._hooks_margin()
+
+
+def cpu_backup(ptr, nbytes, device=0):
+    """The `nbytes` bytes at address `ptr` from the host backup of the paused
+    allocation holding them, or None when it has none (awake, or paused
+    without a backup) or `ptr` is not memory the hooks handed out."""
+    return _ext._hooks_cpu_backup(device, ptr, nbytes)
+
+
+def get_cpu_backup(x):
+    """torch_memory_saver's get_cpu_backup: a CPU tensor (x's dtype, shape
+    and strides, made contiguous) holding the bytes a paused tensor's
+    backup kept, or None when x is not paused with enable_cpu_backup=True
+    (or not the arena's memory). x stays paused."""
+    torch = _torch()
+    if x.numel() == 0:
+        return None
+    device = x.device.index if x.device.index is not None else 0
+    if x.is_contiguous():
+        nbytes = x.numel() * x.element_size()
+        data = cpu_backup(x.data_ptr(), nbytes, device)
+        if data is None:
+            return None
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(x.dtype).reshape(x.shape)
+    storage = x.untyped_storage()
+    data = cpu_backup(storage.data_ptr(), storage.nbytes(), device)
+    if data is None:
+        return None
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(x.dtype)
+    return flat.as_strided(x.shape, x.stride(), x.storage_offset()).clone()
+
+
 def stats(device=0):
     """The device's arena stats (vmm_arena.Stats), None before its first use;
     `other` holds bad_frees, frees of pointers the hooks never handed out."""

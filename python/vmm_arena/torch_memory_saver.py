@@ -72,13 +72,18 @@ class TorchMemorySaver:
 
     @property
     def memory_margin_bytes(self):
-        raise AttributeError("memory_margin_bytes is write-only")
+        """Bytes of the arena's capacity every allocation must leave free
+        (0: none); see vmm_arena.torch.set_memory_margin."""
+        return _vt.memory_margin()
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value):
-        raise NotImplementedError(
-            "vmm_arena keeps no margin of free device memory: bound the arena with "
-            "vmm_arena.torch.configure('capacity:...') before the first allocation")
+        _vt.set_memory_margin(value)
+
+    def get_cpu_backup(self, x):
+        """A CPU copy of paused tensor `x`'s backed-up bytes (its dtype and
+        shape), None when it has no backup."""
+        return _vt.get_cpu_backup(x)
 
 
 torch_memory_saver = TorchMemorySaver()
