@@ -21,6 +21,7 @@ use vmm_arena::{Arena as RArena, ArenaConfig, Backend, Error, Id, Status, ALL_TA
 
 mod dlpack;
 use dlpack::*;
+mod group;
 mod layout;
 mod torch_hooks;
 
@@ -894,6 +895,7 @@ fn _pinned_by_views(a: PyRef<'_, Allocation>) -> bool {
 #[pymodule]
 fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Arena>()?;
+    m.add_class::<group::Group>()?;
     m.add_class::<Allocation>()?;
     m.add_class::<Buffer>()?;
     m.add_function(wrap_pyfunction!(_pinned_by_views, m)?)?;
