@@ -40,6 +40,7 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use arena::{Arena, ArenaConfig, Backend, Error, Id};
@@ -67,6 +68,10 @@ struct Book {
 const NEEDS_SYNC: u64 = 0;
 
 type Registry = Mutex<HashMap<c_int, Arc<TorchArena>>>;
+
+/// torch_memory_saver's `memory_margin_bytes`, for every device
+/// (`vmm_arena_torch_set_margin`); 0: no margin.
+static MARGIN: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     /// The tag this thread's allocations through the hook carry.
@@ -164,9 +169,36 @@ impl TorchArena {
         Ok(())
     }
 
+    /// Refuses (`OutOfMemory`) `size` more bytes when they would leave less
+    /// than `margin` of the capacity free: memory neither mapped nor pooled,
+    /// less what the pool cannot serve of `size`.
+    fn check_margin(&self, size: u64, margin: u64) -> Result<(), Error> {
+        let s = self.arena.stats()?;
+        let held = s.mapped_bytes.saturating_add(s.pooled_bytes);
+        let left = s.capacity_bytes.saturating_sub(held).saturating_sub(size.saturating_sub(s.pooled_bytes));
+        if left < margin {
+            return Err(Error::OutOfMemory(format!(
+                "{size} bytes would leave {left} of the arena's {} bytes free, under the margin of {margin}",
+                s.capacity_bytes
+            )));
+        }
+        Ok(())
+    }
+
     fn malloc(&self, size: u64) -> Result<u64, Error> {
         let mut book = self.book()?;
         self.reap(&mut book, false)?;
+        let margin = MARGIN.load(Ordering::Relaxed);
+        if margin > 0 {
+            if let Err(e) = self.check_margin(size, margin) {
+                // Memory still waiting for a stream may be what is missing.
+                if book.pending.is_empty() {
+                    return Err(e);
+                }
+                self.reap(&mut book, true)?;
+                self.check_margin(size, margin)?;
+            }
+        }
         let tag = CURRENT_TAG.with(Cell::get);
         let (id, ptr) = match self.arena.alloc_tagged(size, tag) {
             // Memory still waiting for a stream may be what is missing.
@@ -325,6 +357,16 @@ pub extern "C" fn vmm_arena_torch_bad_frees(device: c_int) -> u64 {
 #[no_mangle]
 pub extern "C" fn vmm_arena_torch_set_tag(tag: u32) -> u32 {
     guarded(0, || CURRENT_TAG.with(|t| t.replace(tag)))
+}
+
+/// Sets the margin every later allocation through the hooks keeps free, on
+/// every device (torch_memory_saver's `memory_margin_bytes`): a request
+/// that would leave less than `margin` bytes of its arena's capacity
+/// neither mapped nor pooled fails as out of memory. 0 turns it off.
+/// Returns the margin it replaces.
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_set_margin(margin: u64) -> u64 {
+    guarded(0, || MARGIN.swap(margin, Ordering::Relaxed))
 }
 
 /// The tag this thread's allocations through the hook carry now.
