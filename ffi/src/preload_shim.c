@@ -1,5 +1,5 @@
-/* LD_PRELOAD mode: the CUDA runtime's raw allocation calls routed to the
- * arenas of the PyTorch hooks.
+/* LD_PRELOAD mode: the CUDA runtime's raw allocation calls made inside a
+ * region routed to the arenas of the PyTorch hooks.
  *
  * Built as libvmm_arena_preload.so (by ffi/build.rs next to libvmm_arena.so,
  * and by python/build.rs into the Python extension, which writes it out on
@@ -7,10 +7,16 @@
  * cudaMalloc/cudaFree/cudaMallocAsync/cudaFreeAsync (the runtime API's C
  * signatures and cudaError_t codes) come here first:
  *
- *  - an allocation goes to vmm_arena_torch_malloc: the arena of the current
- *    device (the real runtime's cudaGetDevice; 0 when no runtime is
- *    loaded or it has no usable device), with the calling thread's tag (vmm_arena_torch_set_tag, or a
- *    Python region), so the hooks' sleep/wake (pause/resume) cover it;
+ *  - an allocation made while the calling thread's tag is not 0 (inside a
+ *    region: vmm_arena_torch_set_tag, or a Python region) goes to
+ *    vmm_arena_torch_malloc: the arena of the current device (the real
+ *    runtime's cudaGetDevice; 0 when no runtime is loaded or it has no
+ *    usable device), with that tag, so the hooks' sleep/wake (pause/resume)
+ *    cover it. One made with tag 0 (outside any region) goes to the real
+ *    runtime, as torch_memory_saver's preload mode does, so memory outside
+ *    regions stays ordinary cudaMalloc memory (legacy IPC handles work on
+ *    it); with $VMM_ARENA_PRELOAD_ALL=1, or when no real runtime is loaded,
+ *    it goes to the arena too (tag 0: never paused);
  *  - a free of a pointer the hooks handed out goes back to its arena
  *    (stream-ordered, on the free's stream: stream 0 for cudaFree); any
  *    other pointer goes to the real symbol (dlsym(RTLD_NEXT)), or is
@@ -20,7 +26,8 @@
  * $VMM_ARENA_PRELOAD_HOOKS (dlopen'ed; the Python extension module, which
  * a Python process shares with `import vmm_arena`), or else among the
  * libraries already loaded (a program linked to libvmm_arena.so). With no
- * hooks every call goes to the real runtime.
+ * hooks every call goes to the real runtime. The real symbols are looked up
+ * until found (a runtime may be loaded after the first call).
  *
  * This file links to nothing but libc/libdl, so a process that never loads
  * CUDA (a shell started by a preloaded parent) runs unchanged. */
@@ -31,6 +38,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/types.h>
 
 /* The runtime API's types and the codes returned here. */
@@ -47,6 +55,7 @@ enum {
 
 typedef void *(*hook_malloc_fn)(ssize_t size, int device, void *stream);
 typedef int (*hook_release_fn)(void *ptr, void *stream);
+typedef uint32_t (*hook_tag_fn)(void);
 typedef cudaError_t (*real_malloc_fn)(void **ptr, size_t size);
 typedef cudaError_t (*real_free_fn)(void *ptr);
 typedef cudaError_t (*real_malloc_async_fn)(void **ptr, size_t size, cudaStream_t stream);
@@ -56,10 +65,8 @@ typedef cudaError_t (*real_get_device_fn)(int *device);
 static struct {
   hook_malloc_fn malloc;
   hook_release_fn release;
-  real_malloc_fn real_malloc;
-  real_free_fn real_free;
-  real_malloc_async_fn real_malloc_async;
-  real_free_async_fn real_free_async;
+  hook_tag_fn tag;
+  int route_all;
 } resolved;
 static pthread_once_t resolve_once = PTHREAD_ONCE_INIT;
 
@@ -79,18 +86,41 @@ static void resolve(void) {
   if (found) {
     hook_malloc_fn m = LOOKUP(hooks, "vmm_arena_torch_malloc", hook_malloc_fn);
     hook_release_fn r = LOOKUP(hooks, "vmm_arena_torch_release", hook_release_fn);
-    if (m != NULL && r != NULL) {
+    hook_tag_fn t = LOOKUP(hooks, "vmm_arena_torch_tag", hook_tag_fn);
+    if (m != NULL && r != NULL && t != NULL) {
       resolved.malloc = m;
       resolved.release = r;
+      resolved.tag = t;
     }
   }
-  resolved.real_malloc = LOOKUP(RTLD_NEXT, "cudaMalloc", real_malloc_fn);
-  resolved.real_free = LOOKUP(RTLD_NEXT, "cudaFree", real_free_fn);
-  resolved.real_malloc_async = LOOKUP(RTLD_NEXT, "cudaMallocAsync", real_malloc_async_fn);
-  resolved.real_free_async = LOOKUP(RTLD_NEXT, "cudaFreeAsync", real_free_async_fn);
+  const char *all = getenv("VMM_ARENA_PRELOAD_ALL");
+  resolved.route_all = all != NULL && strcmp(all, "1") == 0;
 }
 
 static void ensure_resolved(void) { (void)pthread_once(&resolve_once, resolve); }
+
+/* The real symbol `name` (the next definition after this library), cached
+ * once found. */
+static void *real_symbol(const char *name, void **cache) {
+  void *f = __atomic_load_n(cache, __ATOMIC_ACQUIRE);
+  if (f == NULL) {
+    f = dlsym(RTLD_NEXT, name);
+    if (f != NULL) __atomic_store_n(cache, f, __ATOMIC_RELEASE);
+  }
+  return f;
+}
+
+#define REAL(name, type)                                            \
+  __extension__({                                                   \
+    static void *cache_;                                            \
+    (type)(uintptr_t)real_symbol(#name, &cache_);                   \
+  })
+
+/* Whether an allocation goes to the arenas (see the top of the file). */
+static int to_arena(int have_real) {
+  if (resolved.malloc == NULL) return 0;
+  return resolved.route_all || !have_real || resolved.tag() != 0;
+}
 
 /* The real runtime's current device; 0 when no runtime is loaded, or when
  * it has no usable device (no driver: the arena then decides, e.g. on the
@@ -126,10 +156,9 @@ static cudaError_t release_status(int released) {
 
 EXPORT cudaError_t cudaMalloc(void **ptr, size_t size) {
   ensure_resolved();
-  if (resolved.malloc == NULL) {
-    return resolved.real_malloc != NULL ? resolved.real_malloc(ptr, size) : cuda_error_memory_allocation;
-  }
-  return arena_malloc(ptr, size, NULL);
+  real_malloc_fn real = REAL(cudaMalloc, real_malloc_fn);
+  if (to_arena(real != NULL)) return arena_malloc(ptr, size, NULL);
+  return real != NULL ? real(ptr, size) : cuda_error_memory_allocation;
 }
 
 EXPORT cudaError_t cudaFree(void *ptr) {
@@ -137,16 +166,15 @@ EXPORT cudaError_t cudaFree(void *ptr) {
   ensure_resolved();
   int released = arena_release(ptr, NULL);
   if (released != 0) return release_status(released);
-  return resolved.real_free != NULL ? resolved.real_free(ptr) : cuda_error_invalid_value;
+  real_free_fn real = REAL(cudaFree, real_free_fn);
+  return real != NULL ? real(ptr) : cuda_error_invalid_value;
 }
 
 EXPORT cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream) {
   ensure_resolved();
-  if (resolved.malloc == NULL) {
-    return resolved.real_malloc_async != NULL ? resolved.real_malloc_async(ptr, size, stream)
-                                              : cuda_error_memory_allocation;
-  }
-  return arena_malloc(ptr, size, stream);
+  real_malloc_async_fn real = REAL(cudaMallocAsync, real_malloc_async_fn);
+  if (to_arena(real != NULL)) return arena_malloc(ptr, size, stream);
+  return real != NULL ? real(ptr, size, stream) : cuda_error_memory_allocation;
 }
 
 EXPORT cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream) {
@@ -154,10 +182,12 @@ EXPORT cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream) {
   ensure_resolved();
   int released = arena_release(ptr, stream);
   if (released != 0) return release_status(released);
-  return resolved.real_free_async != NULL ? resolved.real_free_async(ptr, stream) : cuda_error_invalid_value;
+  real_free_async_fn real = REAL(cudaFreeAsync, real_free_async_fn);
+  return real != NULL ? real(ptr, stream) : cuda_error_invalid_value;
 }
 
-/* 1 when the hooks were found (allocations go to the arenas), else 0. */
+/* 1 when the hooks were found (allocations in regions go to the arenas),
+ * else 0. */
 EXPORT int vmm_arena_preload_active(void) {
   ensure_resolved();
   return resolved.malloc != NULL;

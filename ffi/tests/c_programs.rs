@@ -385,16 +385,20 @@ fn preload_library_routes_raw_cuda_allocations_to_the_arenas() {
     ];
     let exe =
         compile_with("test_preload", Lang::C, &[source("c/test_preload.c")], &our_include(), Link::Shared, &extra);
-    let env = [
-        ("LD_PRELOAD", preload.display().to_string()),
-        ("VMM_ARENA_CONF", "backend:host,capacity:64MiB,chunk:2MiB".to_string()),
-        // The preloaded library comes before the sanitizer runtime; it
-        // allocates nothing, so ASan's interceptors still see every allocation.
-        ("ASAN_OPTIONS", "verify_asan_link_order=0".to_string()),
-    ];
-    let out = run_with_env(&exe, &env);
-    let last = out.lines().last().unwrap_or("");
-    assert!(last.contains("passed") && last.contains(" 0 failed"), "unexpected ending: {last:?}");
+    // Outside a tag to the real runtime (the default), then to the arena too.
+    for route_all in ["0", "1"] {
+        let env = [
+            ("LD_PRELOAD", preload.display().to_string()),
+            ("VMM_ARENA_CONF", "backend:host,capacity:64MiB,chunk:2MiB".to_string()),
+            ("VMM_ARENA_PRELOAD_ALL", route_all.to_string()),
+            // The preloaded library comes before the sanitizer runtime; it
+            // allocates nothing, so ASan's interceptors still see every allocation.
+            ("ASAN_OPTIONS", "verify_asan_link_order=0".to_string()),
+        ];
+        let out = run_with_env(&exe, &env);
+        let last = out.lines().last().unwrap_or("");
+        assert!(last.contains("passed") && last.contains(" 0 failed"), "VMM_ARENA_PRELOAD_ALL={route_all}: {last:?}");
+    }
 }
 
 /// The throwing PyTorch hook (a C++ shim in the shared library).

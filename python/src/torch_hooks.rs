@@ -400,6 +400,13 @@ pub(crate) fn _hooks_set_tag(tag: u32) -> u32 {
     CURRENT_TAG.with(|t| t.replace(tag))
 }
 
+/// This thread's tag for allocations through the hooks (for the LD_PRELOAD
+/// library: a raw allocation with tag 0 goes to the real runtime).
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_tag() -> u32 {
+    CURRENT_TAG.with(Cell::get)
+}
+
 /// This thread's tag for allocations through the hooks.
 #[pyfunction]
 pub(crate) fn _hooks_tag() -> u32 {

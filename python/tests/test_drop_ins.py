@@ -172,6 +172,8 @@ def malloc(n):
     return p.value
 
 
+# Outside a region: the CUDA runtime's memory where one is loaded (as in
+# torch_memory_saver); none is loaded yet here, so the arena's (tag 0).
 outside = malloc(2 * MiB)
 with tms.region("kv"):
     kv = malloc(4 * MiB)

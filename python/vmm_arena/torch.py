@@ -49,7 +49,7 @@ _names = {}  # region name -> index (1, 2, ...); tags 2*index (+1 with backup)
 _pools = {}  # tag -> torch.cuda.MemPool over the arena
 _allocator = None  # the CUDAPluggableAllocator, once made
 _replaced = False  # use() made the arena PyTorch's allocator
-_preload_mode = False  # set_hook_mode("preload"): the process's cudaMalloc is the arena's
+_preload_mode = False  # set_hook_mode("preload"): cudaMalloc in a region is the arena's
 _conf = None  # what configure() set, passed on to children by configure_subprocess()
 _warned = set()
 
@@ -242,9 +242,11 @@ def _write_if_changed(path, data):
 
 def preload_library():
     """The path of the LD_PRELOAD library (libvmm_arena_preload.so): under it,
-    a process's raw cudaMalloc/cudaFree/cudaMallocAsync/cudaFreeAsync go to
-    these hooks' arenas, with the thread's region tag, so pause()/resume()
-    cover them. It is part of the extension module and written out on first
+    a process's raw cudaMalloc/cudaMallocAsync calls made inside a region go
+    to these hooks' arenas, with the region's tag, so pause()/resume() cover
+    them (outside a region they go to the CUDA runtime, as in
+    torch_memory_saver; $VMM_ARENA_PRELOAD_ALL=1 sends them to the arena too,
+    tag 0), and cudaFree/cudaFreeAsync of the arenas' pointers come back. It is part of the extension module and written out on first
     call, next to it (or, where that directory is read-only, into
     $XDG_CACHE_HOME/vmm_arena/, default ~/.cache). See configure_subprocess()."""
     data = _ext._hooks_preload_library()
@@ -266,7 +268,7 @@ def preload_library():
 
 def preloaded():
     """Whether this process runs with the preload library active: its
-    cudaMalloc and cudaFree are the arenas' (see configure_subprocess())."""
+    cudaMalloc calls in regions are the arenas' (see configure_subprocess())."""
     try:
         active = ctypes.CDLL(None).vmm_arena_preload_active
     except AttributeError:

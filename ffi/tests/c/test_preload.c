@@ -1,9 +1,11 @@
 /* LD_PRELOAD mode: run under LD_PRELOAD=libvmm_arena_preload.so with
- * VMM_ARENA_CONF=backend:host,... (ffi/tests/c_programs.rs does), linked to
- * libvmm_arena and to libfake_cudart.so (the "real" runtime). Raw
- * cudaMalloc/cudaFree resolved as any library would get them land in the
- * PyTorch hooks' arenas, carry the thread's tag, sleep and wake with it;
- * foreign pointers reach the real cudaFree. */
+ * VMM_ARENA_CONF=backend:host,... (ffi/tests/c_programs.rs does, once as
+ * is and once with VMM_ARENA_PRELOAD_ALL=1), linked to libvmm_arena and to
+ * libfake_cudart.so (the "real" runtime). Raw cudaMalloc/cudaFree resolved
+ * as any library would get them land, inside a tag, in the PyTorch hooks'
+ * arenas, carry the tag, sleep and wake with it; outside a tag they go to
+ * the real runtime (to the arena with VMM_ARENA_PRELOAD_ALL=1); foreign
+ * pointers reach the real cudaFree. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
@@ -49,6 +51,9 @@ static int all_bytes(const unsigned char *p, size_t n, unsigned char v) {
 int main(void) {
   const char *conf = getenv("VMM_ARENA_CONF");
   CHECK(conf != NULL && strstr(conf, "backend:host") != NULL);
+  const char *all_env = getenv("VMM_ARENA_PRELOAD_ALL");
+  /* Whether allocations outside a tag come to the arena too. */
+  const int all = all_env != NULL && strcmp(all_env, "1") == 0;
 
   /* What a library calling the runtime resolves: the preloaded symbols. */
   malloc_fn cuda_malloc = LOOKUP("cudaMalloc", malloc_fn);
@@ -59,15 +64,17 @@ int main(void) {
   CHECK(cuda_malloc != NULL && cuda_free != NULL && cuda_malloc_async != NULL && cuda_free_async != NULL);
   CHECK(active != NULL && active() == 1);
 
-  /* Outside any tag: tag 0, written and read. */
+  /* Outside any tag: the real runtime's memory (the arena's, tag 0, with
+   * VMM_ARENA_PRELOAD_ALL=1). */
   enum { MIB = 1 << 20 };
   unsigned char *outside = NULL;
   CHECK(cuda_malloc((void **)&outside, 3 * MIB) == 0 && outside != NULL);
   memset(outside, 0x11, 3 * MIB);
-  CHECK(stats_of(0).live_allocations == 1);
-  CHECK(fake_cudart_mallocs() == 0);
+  const uint64_t outside_in_arena = all ? 1 : 0;
+  CHECK(stats_of(0).live_allocations == outside_in_arena);
+  CHECK(fake_cudart_mallocs() == (all ? 0 : 1));
 
-  /* Under tag 5: a backed-up allocation and an async one. */
+  /* Under tag 5: a backed-up allocation and an async one, in the arena. */
   uint32_t previous = vmm_arena_torch_set_tag(5);
   unsigned char *weights = NULL, *cache = NULL;
   CHECK(cuda_malloc((void **)&weights, 4 * MIB) == 0);
@@ -76,7 +83,8 @@ int main(void) {
   memset(weights, 0x5a, 4 * MIB);
   memset(cache, 0x77, 4 * MIB);
   vmm_arena_stats awake = stats_of(0);
-  CHECK(awake.live_allocations == 3);
+  CHECK(awake.live_allocations == outside_in_arena + 2);
+  CHECK(fake_cudart_mallocs() == (all ? 0 : 1));
 
   /* The tag's sleep covers both, and only them. */
   OK(vmm_arena_torch_sleep(0, 5, VMM_ARENA_SLEEP_BACKUP));
@@ -90,17 +98,19 @@ int main(void) {
   /* Frees of the arena's pointers go back to it. */
   CHECK(cuda_free(weights) == 0);
   CHECK(cuda_free_async(cache, NULL) == 0);
-  CHECK(stats_of(0).live_allocations == 1);
+  CHECK(stats_of(0).live_allocations == outside_in_arena);
 
   /* A pointer the arena did not hand out reaches the real cudaFree, and is
    * not a bad free of the hooks. */
   void *foreign = malloc(64);
   CHECK(foreign != NULL);
+  const int frees_before = fake_cudart_frees();
   CHECK(cuda_free(foreign) == 0);
-  CHECK(fake_cudart_frees() == 1);
+  CHECK(fake_cudart_frees() == frees_before + 1);
   CHECK(vmm_arena_torch_bad_frees(0) == 0);
 
-  /* The runtime's argument rules. */
+  /* The runtime's argument rules, inside a tag (the arena's answers). */
+  previous = vmm_arena_torch_set_tag(5);
   CHECK(cuda_malloc(NULL, 10) == 1);
   void *zero = outside;
   CHECK(cuda_malloc(&zero, 0) == 0 && zero == NULL);
@@ -108,7 +118,7 @@ int main(void) {
   /* Out of memory: cudaErrorMemoryAllocation, the pointer untouched. */
   void *huge = outside;
   CHECK(cuda_malloc(&huge, (size_t)1 << 40) == 2 && huge == outside);
-  CHECK(stats_of(0).live_allocations == 1);
+  CHECK(stats_of(0).live_allocations == outside_in_arena);
 
   /* The device is the runtime's current one. */
   fake_cudart_set_device(1);
@@ -124,12 +134,14 @@ int main(void) {
   void *no_device = NULL;
   CHECK(cuda_malloc(&no_device, 1000) == 0);
   fake_cudart_set_device(0);
-  CHECK(stats_of(0).live_allocations == 2);
+  CHECK(stats_of(0).live_allocations == outside_in_arena + 1);
   CHECK(cuda_free(no_device) == 0);
+  CHECK(vmm_arena_torch_set_tag(previous) == 5);
 
   CHECK(cuda_free(outside) == 0);
   CHECK(stats_of(0).live_allocations == 0);
-  /* Only the foreign pointer ever reached the stand-in runtime. */
-  CHECK(fake_cudart_mallocs() == 0 && fake_cudart_frees() == 1);
+  /* The stand-in runtime saw only what was outside a tag and the foreign
+   * pointer. */
+  CHECK(fake_cudart_mallocs() == (all ? 0 : 1) && fake_cudart_frees() == (all ? 1 : 2));
   FINISH("test_preload");
 }
