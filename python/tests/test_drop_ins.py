@@ -4,8 +4,10 @@ on the host backend through the hooks PyTorch would call. The ones that need
 a GPU (real tensors, MemPools, CUDA graphs) are listed there as GPU-only."""
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -296,6 +298,54 @@ def test_allocation_read_backup_reads_a_sleeping_allocation():
         assert a.read_backup(256, 10) == bytes(range(10))
         assert a.read_backup()[:2560] == bytes(range(256)) * 10
         arena.wake(3)
+
+
+# A child with a CUDA runtime loaded (the C tests' stand-in, as PyTorch would
+# load the real one): raw allocations outside a region are the runtime's, as
+# in torch_memory_saver's preload mode; inside one, the arena's.
+ROUTING_CHILD = r"""
+import ctypes, sys
+import vmm_arena.torch as vt
+from vmm_arena.torch_memory_saver import torch_memory_saver as tms
+
+runtime = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+tms.hook_mode = "preload"
+rt = ctypes.CDLL(None)
+rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+rt.cudaFree.argtypes = [ctypes.c_void_p]
+
+
+def malloc(n):
+    p = ctypes.c_void_p()
+    assert rt.cudaMalloc(ctypes.byref(p), n) == 0
+    return p.value
+
+
+outside = malloc(1 << 20)
+assert runtime.fake_cudart_mallocs() == 1 and vt.allocations() == []
+with tms.region("kv"):
+    inside = malloc(1 << 20)
+assert runtime.fake_cudart_mallocs() == 1
+assert [(p, t) for p, _, t in vt.allocations()] == [(inside, vt.tag_of("kv"))]
+assert rt.cudaFree(inside) == 0 and rt.cudaFree(outside) == 0
+assert runtime.fake_cudart_frees() == 1 and vt.allocations() == []
+print("routing child passed")
+"""
+
+
+def test_tms10_preload_mode_leaves_allocations_outside_regions_to_the_cuda_runtime(hooks, tmp_path):
+    source = Path(__file__).resolve().parents[2] / "ffi" / "tests" / "c" / "fake_cudart.c"
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None or not source.is_file():
+        pytest.skip("needs a C compiler and the repository's ffi/tests/c/fake_cudart.c")
+    runtime = tmp_path / "libfake_cudart.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(runtime), str(source)], check=True, timeout=120)
+    with configure_subprocess():
+        env = dict(os.environ)
+    child = subprocess.run([sys.executable, "-c", ROUTING_CHILD, str(runtime)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert "routing child passed" in child.stdout
 
 
 # vLLM's CuMemAllocator
