@@ -167,13 +167,17 @@ pub unsafe extern "C" fn vmm_arena_read_backup(
         if dst.is_null() && len > 0 {
             return Err(Error::InvalidArgument("dst is NULL".into()));
         }
-        let mut bytes = vec![0u8; len];
-        h.live()?.read_backup(id_arg(id), offset, &mut bytes).map_err(with_raw_id(id))?;
-        if len > 0 {
-            // SAFETY: dst is not NULL and has len writable bytes, per this
-            // function's contract; `bytes` is a separate buffer of len bytes.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.cast::<u8>(), len) };
+        if len > isize::MAX as usize {
+            return Err(Error::InvalidArgument(format!("len {len} exceeds any allocation")));
         }
-        Ok(())
+        let out: &mut [u8] = if len == 0 {
+            &mut []
+        } else {
+            // SAFETY: dst is not NULL and points to len writable bytes (at
+            // most isize::MAX), per this function's contract.
+            unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) }
+        };
+        // read_backup writes `out` only once every check has passed.
+        h.live()?.read_backup(id_arg(id), offset, out).map_err(with_raw_id(id))
     })
 }

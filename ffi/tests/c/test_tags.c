@@ -220,6 +220,7 @@ static void read_backup(void) {
   EXPECT(vmm_arena_read_backup(a, big, 0, NULL, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
   EXPECT(vmm_arena_read_backup(a, 12345, 0, out, 1), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
   EXPECT(vmm_arena_read_backup(NULL, big, 0, out, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_read_backup(a, big, 0, out, SIZE_MAX), VMM_ARENA_ERR_INVALID_ARGUMENT);
   CHECK(out[0] == 0xEE);
   OK(vmm_arena_read_backup(a, big, 0, NULL, 0));
   /* Still asleep; waking restores the same bytes. */
