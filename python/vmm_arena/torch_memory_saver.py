@@ -12,7 +12,10 @@ them): memory allocated outside any region is never paused; `pause(tag)` /
 `resume(tag)` act on one tag, or on every tag when None, on every device;
 the CPU backup is chosen per region and so per allocation; `disable()`
 allocates outside the regions while inside one; `keep_resident(tensor)`
-keeps an allocation out of later pauses. It runs on vmm_arena.torch (the
+keeps an allocation out of later pauses; `get_cpu_backup(tensor)` copies a
+paused tensor's backup to the CPU; `memory_margin_bytes` refuses an
+allocation that would leave less of the arena free. It runs on
+vmm_arena.torch (the
 hooks are in the installed extension module). `hook_mode = "preload"` in a
 process started inside `configure_subprocess()` (LD_PRELOAD of the preload
 library) also catches raw cudaMalloc/cudaFree calls made in a region.
