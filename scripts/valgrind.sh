@@ -59,7 +59,11 @@ programs=(
     test_torch_throw:cpp:ffi/tests/cpp/test_torch_throw.cpp
     contract_program:cpp:ffi/tests/cpp/contract_program.cpp
     kv_cache:cpp:ffi/examples/kv_cache_cpp/main.cpp
+    test_preload:c:ffi/tests/c/test_preload.c
 )
+# Run under LD_PRELOAD of libvmm_arena_preload.so (built next to the
+# library), linked to a stand-in CUDA runtime (tests/c/fake_cudart.c).
+preloaded=" test_preload "
 wanted=("$@")
 
 failed=0
@@ -70,16 +74,23 @@ for p in "${programs[@]}"; do
         continue
     fi
     exe=$work/$name
+    extra=()
+    run_env=()
+    if [[ $preloaded == *" $name "* ]]; then
+        "$cc" -std=c11 -Wall -Wextra -Werror -g -fPIC -shared -o "$work/libfake_cudart.so" ffi/tests/c/fake_cudart.c
+        extra=(-L "$work" -lfake_cudart "-Wl,-rpath,$work" -ldl)
+        run_env=(env "LD_PRELOAD=$lib/libvmm_arena_preload.so" "VMM_ARENA_CONF=backend:host,capacity:64MiB,chunk:2MiB")
+    fi
     if [ "$lang" = c ]; then
-        "$cc" -std=c11 -Wstrict-prototypes "${common[@]}" -o "$exe" "${srcs[@]}" "${link[@]}"
+        "$cc" -std=c11 -Wstrict-prototypes "${common[@]}" -o "$exe" "${srcs[@]}" "${link[@]}" "${extra[@]}"
     else
-        "$cxx" -std=c++17 "${common[@]}" -o "$exe" "${srcs[@]}" "${link[@]}"
+        "$cxx" -std=c++17 "${common[@]}" -o "$exe" "${srcs[@]}" "${link[@]}" "${extra[@]}"
     fi
     log=$work/$name.log
     start=$(date +%s)
     # --num-callers: deep enough that a suppression's frame (the torch
     # entry points, under the arena's call layers) is in the stack it sees.
-    if timeout --kill-after=10 "${VMM_ARENA_VALGRIND_TIMEOUT_S:-300}" \
+    if timeout --kill-after=10 "${VMM_ARENA_VALGRIND_TIMEOUT_S:-300}" "${run_env[@]}" \
         valgrind --fair-sched=yes --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite,possible \
         --num-callers=64 --track-origins=yes --suppressions=scripts/valgrind.supp --log-file="$log" "$exe" >"$work/$name.out" 2>&1; then
         verdict=ok

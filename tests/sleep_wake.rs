@@ -361,3 +361,50 @@ fn a_backup_buffer_refused_leaves_everything_awake() {
         check_consistent(&a, &d);
     }
 }
+
+/// `Arena::read_backup`: a sleeping allocation's backed-up bytes (a small
+/// one's from its slab's backup) read without waking it; an awake one, one
+/// asleep without a backup, a span past the end and an unknown id are
+/// errors, and nothing changes.
+#[test]
+fn read_backup_reads_a_sleepers_bytes_without_waking_it() {
+    let (d, a, c) = arena(16, 64);
+    let (big, _) = a.alloc_tagged(2 * c + 100, 1).unwrap();
+    let (small, _) = a.alloc_tagged(300, 1).unwrap();
+    let (bare, _) = a.alloc_tagged(c, 2).unwrap();
+    for (id, seed) in [(big, 1), (small, 2), (bare, 3)] {
+        fill(&a, id, seed);
+    }
+    let mut out = vec![0u8; 50];
+    let awake = a.read_backup(big, 0, &mut out).unwrap_err();
+    assert_eq!(awake.status(), Status::InvalidArgument, "{awake}");
+
+    a.sleep(1, SLEEP_BACKUP).unwrap();
+    a.sleep(2, 0).unwrap();
+    let mut whole = vec![0u8; (2 * c + 100) as usize];
+    a.read_backup(big, 0, &mut whole).unwrap();
+    assert_eq!(whole, pattern(1, 2 * c + 100));
+    a.read_backup(big, c + 10, &mut out).unwrap();
+    assert_eq!(out, pattern(1, 2 * c + 100)[(c + 10) as usize..(c + 60) as usize]);
+    let mut s = vec![0u8; 300];
+    a.read_backup(small, 0, &mut s).unwrap();
+    assert_eq!(s, pattern(2, 300), "a small allocation's bytes, from its slab's backup");
+
+    let none = a.read_backup(bare, 0, &mut out).unwrap_err();
+    assert_eq!(none.status(), Status::InvalidArgument, "{none}");
+    assert!(none.to_string().contains("no sleep backup"), "{none}");
+    let past = a.read_backup(big, 2 * c + 60, &mut out).unwrap_err();
+    assert_eq!(past.status(), Status::InvalidArgument, "{past}");
+    a.free(bare).unwrap();
+    assert_eq!(a.read_backup(bare, 0, &mut out).unwrap_err().status(), Status::UnknownAllocation);
+
+    let before = a.stats().unwrap();
+    a.read_backup(big, 0, &mut whole).unwrap();
+    let after = a.stats().unwrap();
+    assert_eq!((after.asleep_bytes, after.backup_bytes), (before.asleep_bytes, before.backup_bytes));
+    assert!(a.query(big).unwrap().asleep, "reading the backup does not wake it");
+    a.wake(1).unwrap();
+    assert_eq!(read_all(&a, big), pattern(1, 2 * c + 100));
+    assert_eq!(read_all(&a, small), pattern(2, 300));
+    check_consistent(&a, &d);
+}

@@ -1027,6 +1027,25 @@ enum vmm_arena_status vmm_arena_release_backup_cache(struct vmm_arena *arena,
                                                      uint64_t *out_released);
 
 /**
+ * Copies len bytes at offset of a sleeping allocation's backup (the bytes
+ * it had when it fell asleep with VMM_ARENA_SLEEP_BACKUP) into dst,
+ * without waking it; a small allocation's bytes come from its slab's
+ * backup. INVALID_ARGUMENT when it has no backup (it is awake, or slept
+ * without VMM_ARENA_SLEEP_BACKUP), when offset + len exceeds its size, or
+ * dst is NULL with len > 0; UNKNOWN_ALLOCATION for an unknown id. Reads
+ * only: nothing in the arena changes; dst is written only on OK.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `dst` is NULL or points to `len`
+ * writable bytes.
+ */
+enum vmm_arena_status vmm_arena_read_backup(struct vmm_arena *arena,
+                                            vmm_arena_id id,
+                                            uint64_t offset,
+                                            void *dst,
+                                            size_t len);
+
+/**
  * Moves unpinned allocations by remapping to close address-space holes.
  * report may be NULL. On failure the arena is exactly as it was; the plan
  * depends on the arena's books alone, so tensor-parallel ranks with

@@ -141,3 +141,43 @@ pub unsafe extern "C" fn vmm_arena_release_backup_cache(
         Ok(())
     })
 }
+
+/// Copies len bytes at offset of a sleeping allocation's backup (the bytes
+/// it had when it fell asleep with VMM_ARENA_SLEEP_BACKUP) into dst,
+/// without waking it; a small allocation's bytes come from its slab's
+/// backup. INVALID_ARGUMENT when it has no backup (it is awake, or slept
+/// without VMM_ARENA_SLEEP_BACKUP), when offset + len exceeds its size, or
+/// dst is NULL with len > 0; UNKNOWN_ALLOCATION for an unknown id. Reads
+/// only: nothing in the arena changes; dst is written only on OK.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `dst` is NULL or points to `len`
+/// writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_read_backup(
+    arena: *mut vmm_arena,
+    id: vmm_arena_id,
+    offset: u64,
+    dst: *mut c_void,
+    len: usize,
+) -> vmm_arena_status {
+    boundary("vmm_arena_read_backup", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        if dst.is_null() && len > 0 {
+            return Err(Error::InvalidArgument("dst is NULL".into()));
+        }
+        if len > isize::MAX as usize {
+            return Err(Error::InvalidArgument(format!("len {len} exceeds any allocation")));
+        }
+        let out: &mut [u8] = if len == 0 {
+            &mut []
+        } else {
+            // SAFETY: dst is not NULL and points to len writable bytes (at
+            // most isize::MAX), per this function's contract.
+            unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) }
+        };
+        // read_backup writes `out` only once every check has passed.
+        h.live()?.read_backup(id_arg(id), offset, out).map_err(with_raw_id(id))
+    })
+}

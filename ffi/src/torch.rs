@@ -40,6 +40,7 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use arena::{Arena, ArenaConfig, Backend, Error, Id};
@@ -67,6 +68,10 @@ struct Book {
 const NEEDS_SYNC: u64 = 0;
 
 type Registry = Mutex<HashMap<c_int, Arc<TorchArena>>>;
+
+/// torch_memory_saver's `memory_margin_bytes`, for every device
+/// (`vmm_arena_torch_set_margin`); 0: no margin.
+static MARGIN: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     /// The tag this thread's allocations through the hook carry.
@@ -164,9 +169,36 @@ impl TorchArena {
         Ok(())
     }
 
+    /// Refuses (`OutOfMemory`) `size` more bytes when they would leave less
+    /// than `margin` of the capacity free: memory neither mapped nor pooled,
+    /// less what the pool cannot serve of `size`.
+    fn check_margin(&self, size: u64, margin: u64) -> Result<(), Error> {
+        let s = self.arena.stats()?;
+        let held = s.mapped_bytes.saturating_add(s.pooled_bytes);
+        let left = s.capacity_bytes.saturating_sub(held).saturating_sub(size.saturating_sub(s.pooled_bytes));
+        if left < margin {
+            return Err(Error::OutOfMemory(format!(
+                "{size} bytes would leave {left} of the arena's {} bytes free, under the margin of {margin}",
+                s.capacity_bytes
+            )));
+        }
+        Ok(())
+    }
+
     fn malloc(&self, size: u64) -> Result<u64, Error> {
         let mut book = self.book()?;
         self.reap(&mut book, false)?;
+        let margin = MARGIN.load(Ordering::Relaxed);
+        if margin > 0 {
+            if let Err(e) = self.check_margin(size, margin) {
+                // Memory still waiting for a stream may be what is missing.
+                if book.pending.is_empty() {
+                    return Err(e);
+                }
+                self.reap(&mut book, true)?;
+                self.check_margin(size, margin)?;
+            }
+        }
         let tag = CURRENT_TAG.with(Cell::get);
         let (id, ptr) = match self.arena.alloc_tagged(size, tag) {
             // Memory still waiting for a stream may be what is missing.
@@ -247,6 +279,45 @@ pub extern "C" fn vmm_arena_torch_free(ptr: *mut c_void, size: isize, device: c_
     })
 }
 
+/// The free of the LD_PRELOAD shim (`preload_shim.c`), which does not know
+/// the device: frees `ptr` on whichever device's hooks handed it out, after
+/// `stream` (a `cudaStream_t`) has passed this point. Returns 1 when it was
+/// theirs and is freed, 0 when no device's hooks handed it out (nothing
+/// changes and no bad free is counted: the shim passes it on to the real
+/// runtime), -1 when it was theirs but the free failed (the reason in
+/// `vmm_arena_last_error`).
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_release(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    guarded(-1, || {
+        if ptr.is_null() {
+            return 0;
+        }
+        let arenas: Vec<(c_int, Arc<TorchArena>)> = match registry().lock() {
+            Ok(reg) => reg.iter().map(|(d, a)| (*d, a.clone())).collect(),
+            Err(_) => {
+                set_last_error("vmm_arena_torch_release: torch registry poisoned".into());
+                return -1;
+            }
+        };
+        for (device, a) in arenas {
+            let owned = a.book().map(|b| b.live.contains_key(&(ptr as u64)));
+            let freed = match owned {
+                Ok(false) => continue,
+                Ok(true) => a.free(ptr as u64, stream as u64),
+                Err(e) => Err(e),
+            };
+            return match freed {
+                Ok(()) => 1,
+                Err(e) => {
+                    set_last_error(format!("vmm_arena_torch_release({ptr:p}, device {device}): {e}"));
+                    -1
+                }
+            };
+        }
+        0
+    })
+}
+
 /// Stats of `device`'s arena (created if needed). `stats->struct_size` must
 /// be `sizeof(vmm_arena_stats)`.
 ///
@@ -286,6 +357,16 @@ pub extern "C" fn vmm_arena_torch_bad_frees(device: c_int) -> u64 {
 #[no_mangle]
 pub extern "C" fn vmm_arena_torch_set_tag(tag: u32) -> u32 {
     guarded(0, || CURRENT_TAG.with(|t| t.replace(tag)))
+}
+
+/// Sets the margin every later allocation through the hooks keeps free, on
+/// every device (torch_memory_saver's `memory_margin_bytes`): a request
+/// that would leave less than `margin` bytes of its arena's capacity
+/// neither mapped nor pooled fails as out of memory. 0 turns it off.
+/// Returns the margin it replaces.
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_set_margin(margin: u64) -> u64 {
+    guarded(0, || MARGIN.swap(margin, Ordering::Relaxed))
 }
 
 /// The tag this thread's allocations through the hook carry now.

@@ -115,6 +115,11 @@ fn test_api_sources() -> Vec<PathBuf> {
 
 /// Compiles `sources` into `name` with `include` first on the include path.
 fn compile(name: &str, lang: Lang, sources: &[PathBuf], include: &Path, link: Link) -> PathBuf {
+    compile_with(name, lang, sources, include, link, &[])
+}
+
+/// `compile`, with `extra` arguments for the compiler after the sources.
+fn compile_with(name: &str, lang: Lang, sources: &[PathBuf], include: &Path, link: Link, extra: &[String]) -> PathBuf {
     let t = toolchain();
     let out = t.work.join(name);
     let mut cmd = Command::new(if lang == Lang::C { &t.cc } else { &t.cxx });
@@ -142,6 +147,7 @@ fn compile(name: &str, lang: Lang, sources: &[PathBuf], include: &Path, link: Li
         }
         Link::None => {}
     }
+    cmd.args(extra);
     let res = cmd.output().expect("run the compiler");
     assert!(
         res.status.success(),
@@ -155,8 +161,19 @@ fn compile(name: &str, lang: Lang, sources: &[PathBuf], include: &Path, link: Li
 /// Runs a program; returns its stdout. Fails the test on a non-zero exit,
 /// a sanitizer report, or after two minutes.
 fn run(program: &Path) -> String {
+    run_with_env(program, &[])
+}
+
+/// `run`, with `env` added to the program's environment (an
+/// `ASAN_OPTIONS` there is appended to the default one).
+fn run_with_env(program: &Path, env: &[(&str, String)]) -> String {
+    let mut asan = "detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1".to_string();
+    for (_, v) in env.iter().filter(|(k, _)| *k == "ASAN_OPTIONS") {
+        asan = format!("{asan}:{v}");
+    }
     let mut child = Command::new(program)
-        .env("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1")
+        .envs(env.iter().filter(|(k, _)| *k != "ASAN_OPTIONS").map(|(k, v)| (*k, v.as_str())))
+        .env("ASAN_OPTIONS", asan)
         .env("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -341,6 +358,47 @@ fn c_stream_test() {
 fn torch_entry_points_on_the_host_backend() {
     let exe = compile("test_torch", Lang::C, &[source("c/test_torch.c")], &our_include(), Link::Shared);
     run_and_expect_pass(&exe);
+}
+
+/// LD_PRELOAD mode: libvmm_arena_preload.so (built by build.rs next to
+/// libvmm_arena.so) catches a program's raw cudaMalloc/cudaFree, routes them
+/// to the hooks' arenas, and passes foreign frees to the real runtime (here
+/// libfake_cudart.so, a stand-in the program links).
+#[test]
+fn preload_library_routes_raw_cuda_allocations_to_the_arenas() {
+    let t = toolchain();
+    let preload = t.lib_dir.join("libvmm_arena_preload.so");
+    assert!(preload.is_file(), "{} was not built", preload.display());
+    let fake = t.work.join("libfake_cudart.so");
+    let out = Command::new(&t.cc)
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-g", "-fPIC", "-shared", "-o"])
+        .arg(&fake)
+        .arg(source("c/fake_cudart.c"))
+        .output()
+        .expect("run the C compiler");
+    assert!(out.status.success(), "compiling fake_cudart.c failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let extra = [
+        format!("-L{}", t.work.display()),
+        "-lfake_cudart".to_string(),
+        format!("-Wl,-rpath,{}", t.work.display()),
+        "-ldl".to_string(),
+    ];
+    let exe =
+        compile_with("test_preload", Lang::C, &[source("c/test_preload.c")], &our_include(), Link::Shared, &extra);
+    // Outside a tag to the real runtime (the default), then to the arena too.
+    for route_all in ["0", "1"] {
+        let env = [
+            ("LD_PRELOAD", preload.display().to_string()),
+            ("VMM_ARENA_CONF", "backend:host,capacity:64MiB,chunk:2MiB".to_string()),
+            ("VMM_ARENA_PRELOAD_ALL", route_all.to_string()),
+            // The preloaded library comes before the sanitizer runtime; it
+            // allocates nothing, so ASan's interceptors still see every allocation.
+            ("ASAN_OPTIONS", "verify_asan_link_order=0".to_string()),
+        ];
+        let out = run_with_env(&exe, &env);
+        let last = out.lines().last().unwrap_or("");
+        assert!(last.contains("passed") && last.contains(" 0 failed"), "VMM_ARENA_PRELOAD_ALL={route_all}: {last:?}");
+    }
 }
 
 /// The throwing PyTorch hook (a C++ shim in the shared library).

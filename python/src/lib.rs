@@ -21,6 +21,7 @@ use vmm_arena::{Arena as RArena, ArenaConfig, Backend, Error, Id, Status, ALL_TA
 
 mod dlpack;
 use dlpack::*;
+mod group;
 mod layout;
 mod torch_hooks;
 
@@ -776,6 +777,29 @@ impl Allocation {
         py.allow_threads(|| self.shared.arena.read(id, off, &mut out)).map_err(to_py)?;
         Ok(pyo3::types::PyBytes::new(py, &out))
     }
+    /// `length` bytes from `offset` (default: all of it) of the backup a
+    /// sleeping allocation took with `sleep(tag, backup=True)`, without
+    /// waking it; `InvalidArgument` when it has none (awake, or slept
+    /// without a backup).
+    #[pyo3(signature = (offset=None, length=None))]
+    fn read_backup<'py>(
+        &self,
+        py: Python<'py>,
+        offset: Option<&Bound<'_, PyAny>>,
+        length: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let id = self.rid()?;
+        let off = opt_u64(offset, "offset", 0)?;
+        let size = self.info(py)?.size;
+        let len = opt_u64(length, "length", size.saturating_sub(off))?;
+        let len = usize::try_from(len).map_err(|_| py_err("InvalidArgument", "length too large"))?;
+        if len as u64 > size {
+            return Err(py_err("InvalidArgument", format!("length {len} exceeds the allocation's {size} bytes")));
+        }
+        let mut out = vec![0u8; len];
+        py.allow_threads(|| self.shared.arena.read_backup(id, off, &mut out)).map_err(to_py)?;
+        Ok(pyo3::types::PyBytes::new(py, &out))
+    }
     fn __repr__(&self, py: Python<'_>) -> String {
         match self.info(py) {
             Ok(i) => format!("<vmm_arena allocation {:#x}: {} bytes at {:#x}, tag {}>", self.id, i.size, i.ptr, i.tag),
@@ -871,6 +895,7 @@ fn _pinned_by_views(a: PyRef<'_, Allocation>) -> bool {
 #[pymodule]
 fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Arena>()?;
+    m.add_class::<group::Group>()?;
     m.add_class::<Allocation>()?;
     m.add_class::<Buffer>()?;
     m.add_function(wrap_pyfunction!(_pinned_by_views, m)?)?;
@@ -888,6 +913,10 @@ fn _vmm_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_hooks_retag, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_stats, m)?)?;
     m.add_function(wrap_pyfunction!(_hooks_release, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_preload_library, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_set_margin, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_margin, m)?)?;
+    m.add_function(wrap_pyfunction!(_hooks_cpu_backup, m)?)?;
     m.add("ALL_TAGS", ALL_TAGS)?;
     Ok(())
 }

@@ -18,6 +18,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use pyo3::prelude::*;
@@ -45,6 +46,11 @@ struct Book {
 }
 
 type Registry = Mutex<HashMap<c_int, Arc<HookArena>>>;
+
+/// torch_memory_saver's `memory_margin_bytes`, for every device: an
+/// allocation through the hooks that would leave less than this much of its
+/// arena's capacity free is refused (0: no margin).
+static MARGIN: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static CURRENT_TAG: Cell<u32> = const { Cell::new(0) };
@@ -170,9 +176,36 @@ impl HookArena {
         Ok(())
     }
 
+    /// Refuses (`OutOfMemory`) `size` more bytes when they would leave less
+    /// than `margin` of the capacity free: memory neither mapped nor pooled,
+    /// less what the pool cannot serve of `size`.
+    fn check_margin(&self, size: u64, margin: u64) -> Result<(), Error> {
+        let s = self.arena.stats()?;
+        let held = s.mapped_bytes.saturating_add(s.pooled_bytes);
+        let left = s.capacity_bytes.saturating_sub(held).saturating_sub(size.saturating_sub(s.pooled_bytes));
+        if left < margin {
+            return Err(Error::OutOfMemory(format!(
+                "{size} bytes would leave {left} of the arena's {} bytes free, under memory_margin_bytes ({margin})",
+                s.capacity_bytes
+            )));
+        }
+        Ok(())
+    }
+
     fn malloc(&self, size: u64) -> Result<u64, Error> {
         let mut book = self.book()?;
         self.reap(&mut book, false)?;
+        let margin = MARGIN.load(Ordering::Relaxed);
+        if margin > 0 {
+            if let Err(e) = self.check_margin(size, margin) {
+                // Memory still waiting for a stream may be what is missing.
+                if book.pending.is_empty() {
+                    return Err(e);
+                }
+                self.reap(&mut book, true)?;
+                self.check_margin(size, margin)?;
+            }
+        }
         let tag = CURRENT_TAG.with(Cell::get);
         let (id, ptr) = match self.arena.alloc_tagged(size, tag) {
             // Memory still waiting for a stream may be what is missing.
@@ -289,6 +322,53 @@ pub extern "C" fn vmm_arena_torch_free(ptr: *mut c_void, size: isize, device: c_
     }
 }
 
+/// The free of the LD_PRELOAD library (`ffi/src/preload_shim.c`), which does
+/// not know the device: frees `ptr` on whichever device's hooks handed it
+/// out, once `stream` has passed this point. 1: theirs and freed; 0: no
+/// device's hooks handed it out (nothing changes, no bad free is counted:
+/// the shim passes it on to the real runtime); -1: theirs, but the free
+/// failed (the reason in `vmm_arena_torch_last_error`).
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_release(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return 0;
+    }
+    let (addr, stream) = (ptr as u64, stream as u64);
+    let r = std::panic::catch_unwind(|| {
+        let arenas: Vec<Arc<HookArena>> = registry()
+            .lock()
+            .map_err(|_| Error::Internal("hook registry poisoned".into()))?
+            .values()
+            .cloned()
+            .collect();
+        for a in arenas {
+            if a.book()?.live.contains_key(&addr) {
+                return a.free(addr, stream).map(|()| true);
+            }
+        }
+        Ok(false)
+    });
+    match r {
+        Ok(Ok(freed)) => c_int::from(freed),
+        Ok(Err(e)) => {
+            set_last_error(format!("vmm_arena_torch_release({ptr:p}): {e}"));
+            -1
+        }
+        Err(_) => {
+            set_last_error(format!("vmm_arena_torch_release({ptr:p}): internal panic"));
+            -1
+        }
+    }
+}
+
+/// The LD_PRELOAD library (`libvmm_arena_preload.so`, built from
+/// `ffi/src/preload_shim.c` by build.rs), for `vmm_arena.torch` to write out.
+#[pyfunction]
+pub(crate) fn _hooks_preload_library(py: Python<'_>) -> Bound<'_, pyo3::types::PyBytes> {
+    static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libvmm_arena_preload.so"));
+    pyo3::types::PyBytes::new(py, LIBRARY)
+}
+
 /// This thread's last failure of the hooks (empty when none).
 #[no_mangle]
 pub extern "C" fn vmm_arena_torch_last_error() -> *const c_char {
@@ -318,6 +398,13 @@ pub(crate) fn _hooks_configure(conf: &str) -> PyResult<()> {
 #[pyfunction]
 pub(crate) fn _hooks_set_tag(tag: u32) -> u32 {
     CURRENT_TAG.with(|t| t.replace(tag))
+}
+
+/// This thread's tag for allocations through the hooks (for the LD_PRELOAD
+/// library: a raw allocation with tag 0 goes to the real runtime).
+#[no_mangle]
+pub extern "C" fn vmm_arena_torch_tag() -> u32 {
+    CURRENT_TAG.with(Cell::get)
 }
 
 /// This thread's tag for allocations through the hooks.
@@ -407,6 +494,54 @@ pub(crate) fn _hooks_retag(py: Python<'_>, device: i64, ptr: u64, tag: u32) -> P
         Ok(size)
     })
     .map_err(to_py)
+}
+
+/// Sets the margin (`memory_margin_bytes`) every later allocation through
+/// the hooks keeps free, on every device; 0 turns it off.
+#[pyfunction]
+pub(crate) fn _hooks_set_margin(margin: u64) {
+    MARGIN.store(margin, Ordering::Relaxed);
+}
+
+/// The margin every allocation through the hooks keeps free (0: none).
+#[pyfunction]
+pub(crate) fn _hooks_margin() -> u64 {
+    MARGIN.load(Ordering::Relaxed)
+}
+
+/// The `nbytes` bytes at `ptr` from the sleep backup of the hooks'
+/// allocation containing them on `device`, or None when it has none (awake,
+/// or paused without a backup) or `ptr` is not the hooks' memory.
+/// `InvalidArgument` when the bytes run past the allocation's end.
+#[pyfunction]
+pub(crate) fn _hooks_cpu_backup<'py>(
+    py: Python<'py>,
+    device: i64,
+    ptr: u64,
+    nbytes: u64,
+) -> PyResult<Option<Bound<'py, pyo3::types::PyBytes>>> {
+    let Some(a) = existing(dev(device)?) else { return Ok(None) };
+    let len = usize::try_from(nbytes).map_err(|_| py_err("InvalidArgument", "nbytes too large"))?;
+    let read = py.allow_threads(|| {
+        let book = a.book()?;
+        let Some((base, id, size, _)) = HookArena::containing(&book, ptr) else { return Ok(None) };
+        if (ptr - base).checked_add(nbytes).map_or(true, |end| end > size) {
+            return Err(Error::InvalidArgument(format!(
+                "{nbytes} bytes at {ptr:#x} run past the allocation's end ({size} bytes at {base:#x})"
+            )));
+        }
+        if !a.arena.query(id)?.asleep {
+            return Ok(None);
+        }
+        let mut out = vec![0u8; len];
+        match a.arena.read_backup(id, ptr - base, &mut out) {
+            Ok(()) => Ok(Some(out)),
+            // Asleep without a backup (the span was checked above).
+            Err(Error::InvalidArgument(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    });
+    Ok(read.map_err(to_py)?.map(|out| pyo3::types::PyBytes::new(py, &out)))
 }
 
 /// The stats of `device`'s arena as a dict (None when it does not exist),

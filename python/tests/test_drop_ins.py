@@ -2,14 +2,21 @@
 documented behaviours (docs/python-drop-ins.md numbers them: TMS-n, VLLM-n),
 on the host backend through the hooks PyTorch would call. The ones that need
 a GPU (real tensors, MemPools, CUDA graphs) are listed there as GPU-only."""
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import vmm_arena as va
 import vmm_arena.torch as vt
-from vmm_arena.torch_memory_saver import TorchMemorySaver, memory_saver, torch_memory_saver
+from vmm_arena.torch_memory_saver import TorchMemorySaver, configure_subprocess, memory_saver, torch_memory_saver
 from vmm_arena.vllm import CuMemAllocator
 
-from conftest import MiB, fill, holds, mapped
+from conftest import CONF, MiB, fill, holds, mapped
 
 tms = torch_memory_saver
 
@@ -134,14 +141,211 @@ def test_tms9_the_object_its_aliases_and_properties():
     assert memory_saver is torch_memory_saver and isinstance(TorchMemorySaver(), TorchMemorySaver)
     assert tms.enabled is True
     tms.hook_mode = "torch"
-    with pytest.raises(NotImplementedError):
+    assert tms.hook_mode == "torch"
+    with pytest.raises(ValueError):
+        tms.hook_mode = "ld_preload"
+    # This process was not started under the preload library (TMS-10 runs
+    # a child that is): said so, and the mode stays.
+    assert not vt.preloaded()
+    with pytest.raises(RuntimeError, match="configure_subprocess"):
         tms.hook_mode = "preload"
-    with pytest.raises(AttributeError):
-        tms.hook_mode
-    # Not provided, and said so rather than accepted and ignored.
-    with pytest.raises(NotImplementedError):
-        tms.memory_margin_bytes = 1 << 30
-    assert not hasattr(tms, "get_cpu_backup")
+    assert tms.hook_mode == "torch"
+
+
+# A child started inside configure_subprocess(): its raw cudaMalloc/cudaFree
+# (as NCCL or an extension would call them) are the arena's, with the
+# region's tag; pause/resume cover them; memory outside a region is kept.
+PRELOADED_CHILD = r"""
+import ctypes
+import vmm_arena.torch as vt
+from vmm_arena.torch_memory_saver import torch_memory_saver as tms
+
+tms.hook_mode = "preload"
+assert tms.hook_mode == "preload" and vt.preloaded()
+rt = ctypes.CDLL(None)  # the symbols any library in the process resolves
+rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+rt.cudaFree.argtypes = [ctypes.c_void_p]
+MiB = 1 << 20
+
+
+def malloc(n):
+    p = ctypes.c_void_p()
+    assert rt.cudaMalloc(ctypes.byref(p), n) == 0
+    return p.value
+
+
+# Outside a region: the CUDA runtime's memory where one is loaded (as in
+# torch_memory_saver); none is loaded yet here, so the arena's (tag 0).
+outside = malloc(2 * MiB)
+with tms.region("kv"):
+    kv = malloc(4 * MiB)
+with tms.region("weights", enable_cpu_backup=True):
+    w = malloc(4 * MiB)
+for p, byte in ((outside, 1), (kv, 2), (w, 3)):
+    ctypes.memset(p, byte, MiB)
+tags = {p: t for p, _, t in vt.allocations()}
+assert tags == {outside: 0, kv: vt.tag_of("kv"), w: vt.tag_of("weights", True)}, tags
+full = vt.stats().mapped_bytes
+tms.pause("kv")
+assert vt.stats().mapped_bytes == full - 4 * MiB
+tms.pause()
+assert vt.stats().mapped_bytes == full - 8 * MiB
+assert ctypes.string_at(outside, MiB) == bytes([1]) * MiB
+tms.resume()
+assert vt.stats().mapped_bytes == full
+assert ctypes.string_at(w, MiB) == bytes([3]) * MiB
+for p in (outside, kv, w):
+    assert rt.cudaFree(p) == 0
+assert vt.allocations() == [] and vt.stats().bad_frees == 0
+print("preloaded child passed")
+"""
+
+
+def test_tms10_preload_mode_catches_a_child_processs_raw_cuda_allocations(hooks, tmp_path):
+    before = {k: os.environ.get(k) for k in ("LD_PRELOAD", "VMM_ARENA_PRELOAD_HOOKS", "VMM_ARENA_CONF")}
+    with configure_subprocess():
+        env = dict(os.environ)
+    assert {k: os.environ.get(k) for k in before} == before, "configure_subprocess() left the environment changed"
+    library = vt.preload_library()
+    assert os.path.isfile(library) and env["LD_PRELOAD"].split()[0] == library
+    assert env["VMM_ARENA_PRELOAD_HOOKS"] == vt.library_path()
+    assert env["VMM_ARENA_CONF"] == CONF  # what configure() set (the hooks fixture)
+    child = subprocess.run([sys.executable, "-c", PRELOADED_CHILD], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert "preloaded child passed" in child.stdout
+    # A program that never loads CUDA (or Python) runs unchanged under it.
+    assert subprocess.run(["/bin/sh", "-c", "exit 7"], env=env, timeout=60).returncode == 7
+
+
+def test_tms11_memory_margin_bytes_refuses_an_allocation_that_would_leave_less_free(hooks):
+    assert tms.memory_margin_bytes == 0
+    tms.memory_margin_bytes = 60 * MiB  # of the 64 MiB arena
+    try:
+        assert tms.memory_margin_bytes == 60 * MiB
+        with tms.region():
+            kept = hooks.malloc(4 * MiB)  # leaves 60 MiB: allowed
+            assert hooks.vmm_arena_torch_malloc(2 * MiB, 0, None) is None  # would leave 58
+        assert b"memory_margin_bytes" in hooks.vmm_arena_torch_last_error()
+        assert vt.stats().live_allocations == 1 and mapped() == 4 * MiB
+        # Freed memory counts as free again.
+        hooks.free_(kept)
+        assert hooks.malloc(4 * MiB)
+        tms.memory_margin_bytes = 0
+        assert hooks.malloc(2 * MiB)
+    finally:
+        tms.memory_margin_bytes = 0
+    with pytest.raises(TypeError):
+        tms.memory_margin_bytes = 1.5
+    with pytest.raises(ValueError):
+        tms.memory_margin_bytes = -1
+
+
+class _PausedTensor:
+    """What get_cpu_backup reads of a CUDA tensor (its address, dtype,
+    shape), over memory the hooks handed out: real CUDA tensors need a GPU."""
+
+    def __init__(self, ptr, dtype, shape):
+        import torch
+
+        self.ptr, self.dtype, self.shape = ptr, dtype, torch.Size(shape)
+        self.device = torch.device("cuda", 0)
+
+    def numel(self):
+        return self.shape.numel()
+
+    def element_size(self):
+        import torch
+
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def is_contiguous(self):
+        return True
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def test_tms12_get_cpu_backup_copies_a_paused_tensors_backup(hooks):
+    torch = pytest.importorskip("torch")
+    with tms.region("weights", enable_cpu_backup=True):
+        w = hooks.malloc(4 * MiB)
+    with tms.region("kv"):
+        kv = hooks.malloc(1 * MiB)
+    values = torch.arange(1024, dtype=torch.float32)
+    ctypes.memmove(w + 4096, values.numpy().tobytes(), 4096)
+    x = _PausedTensor(w + 4096, torch.float32, (32, 32))
+    assert tms.get_cpu_backup(x) is None, "not paused: no backup"
+    tms.pause()
+    backup = tms.get_cpu_backup(x)
+    assert backup.device.type == "cpu" and backup.dtype == torch.float32 and backup.shape == (32, 32)
+    assert torch.equal(backup.flatten(), values)
+    assert vt.stats().mapped_bytes == 0, "reading the backup does not resume it"
+    assert tms.get_cpu_backup(_PausedTensor(kv, torch.float32, (16,))) is None, "paused without a backup"
+    assert vt.cpu_backup(0x1000, 16) is None, "not the arena's memory"
+    with pytest.raises(ValueError):
+        vt.cpu_backup(w + 4 * MiB - 8, 16)  # runs past the allocation's end
+    tms.resume()
+
+
+def test_allocation_read_backup_reads_a_sleeping_allocation():
+    with va.Arena(backend="host", capacity_bytes=8 * MiB, chunk_bytes=64 << 10) as arena:
+        a = arena.alloc(100_000, tag=3)
+        a.write(bytes(range(256)) * 10)
+        with pytest.raises(va.InvalidArgument):
+            a.read_backup()
+        arena.sleep(3, backup=True)
+        assert a.read_backup(256, 10) == bytes(range(10))
+        assert a.read_backup()[:2560] == bytes(range(256)) * 10
+        arena.wake(3)
+
+
+# A child with a CUDA runtime loaded (the C tests' stand-in, as PyTorch would
+# load the real one): raw allocations outside a region are the runtime's, as
+# in torch_memory_saver's preload mode; inside one, the arena's.
+ROUTING_CHILD = r"""
+import ctypes, sys
+import vmm_arena.torch as vt
+from vmm_arena.torch_memory_saver import torch_memory_saver as tms
+
+runtime = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+tms.hook_mode = "preload"
+rt = ctypes.CDLL(None)
+rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+rt.cudaFree.argtypes = [ctypes.c_void_p]
+
+
+def malloc(n):
+    p = ctypes.c_void_p()
+    assert rt.cudaMalloc(ctypes.byref(p), n) == 0
+    return p.value
+
+
+outside = malloc(1 << 20)
+assert runtime.fake_cudart_mallocs() == 1 and vt.allocations() == []
+with tms.region("kv"):
+    inside = malloc(1 << 20)
+assert runtime.fake_cudart_mallocs() == 1
+assert [(p, t) for p, _, t in vt.allocations()] == [(inside, vt.tag_of("kv"))]
+assert rt.cudaFree(inside) == 0 and rt.cudaFree(outside) == 0
+assert runtime.fake_cudart_frees() == 1 and vt.allocations() == []
+print("routing child passed")
+"""
+
+
+def test_tms10_preload_mode_leaves_allocations_outside_regions_to_the_cuda_runtime(hooks, tmp_path):
+    source = Path(__file__).resolve().parents[2] / "ffi" / "tests" / "c" / "fake_cudart.c"
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None or not source.is_file():
+        pytest.skip("needs a C compiler and the repository's ffi/tests/c/fake_cudart.c")
+    runtime = tmp_path / "libfake_cudart.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(runtime), str(source)], check=True, timeout=120)
+    with configure_subprocess():
+        env = dict(os.environ)
+    child = subprocess.run([sys.executable, "-c", ROUTING_CHILD, str(runtime)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert "routing child passed" in child.stdout
 
 
 # vLLM's CuMemAllocator

@@ -62,9 +62,10 @@ from .errors import (  # noqa: F401
     VmmArenaError,
 )
 from ._vmm_arena import Arena as _Arena
+from ._vmm_arena import Group as _Group
 
 __all__ = [
-    "ALL_TAGS", "Allocation", "Arena", "Asleep", "Buffer", "DriverError", "InternalError",
+    "ALL_TAGS", "Allocation", "Arena", "Asleep", "Buffer", "DriverError", "Group", "InternalError",
     "InvalidArgument", "InvalidType", "OutOfAddressSpace", "OutOfMemory", "Pinned", "Stale", "Stats", "Unsupported",
     "UnknownAllocation", "VmmArenaError",
 ]
@@ -145,4 +146,21 @@ class Arena(_Arena):
 
     def snapshot(self) -> dict:
         """The JSON snapshot, parsed: {"ranges": [...], "stats": {...}}."""
+        return _json.loads(self.snapshot_json())
+
+
+class Group(_Group):
+    """One arena per device, for tensor parallelism: Group(devices,
+    backend="host"|"cuda", capacity_bytes=None, reserve_bytes=None,
+    chunk_bytes=None, retain_bytes=None, peer_access=False). `alloc(size)`
+    and `alloc_growable(size, max_size)` return (group id, [address per
+    member]); `resize(id, new_size)` and `free(id)` act on every member, all
+    or nothing (a failure names the member, the others are as they were)."""
+
+    def stats(self) -> list:
+        """Each member's stats (typed `Stats`), in member order."""
+        return [Stats._from_dict(d) for d in self.stats_dicts()]
+
+    def snapshot(self) -> dict:
+        """The members' JSON snapshot, parsed."""
         return _json.loads(self.snapshot_json())

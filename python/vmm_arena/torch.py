@@ -34,6 +34,8 @@ addresses. Every allocation PyTorch makes is pinned: nothing moves.
 
 import contextlib
 import ctypes
+import hashlib
+import os
 import threading
 import warnings
 
@@ -47,6 +49,8 @@ _names = {}  # region name -> index (1, 2, ...); tags 2*index (+1 with backup)
 _pools = {}  # tag -> torch.cuda.MemPool over the arena
 _allocator = None  # the CUDAPluggableAllocator, once made
 _replaced = False  # use() made the arena PyTorch's allocator
+_preload_mode = False  # set_hook_mode("preload"): cudaMalloc in a region is the arena's
+_conf = None  # what configure() set, passed on to children by configure_subprocess()
 _warned = set()
 
 
@@ -74,7 +78,9 @@ def _load(library=None):
 def configure(conf):
     """Sets the arenas' configuration (VMM_ARENA_CONF's syntax, e.g.
     "backend:host,capacity:8GiB"); only before the first allocation."""
+    global _conf
     _ext._hooks_configure(conf)
+    _conf = conf
 
 
 def _index(name):
@@ -146,10 +152,12 @@ def mem_pool(tag=None, enable_cpu_backup=False):
     torch = _torch()
     if _cuda() is None or not hasattr(torch.cuda, "MemPool"):
         raise RuntimeError("a MemPool needs CUDA and a PyTorch with torch.cuda.MemPool")
-    alloc = _pluggable()
+    # In preload mode PyTorch's own allocator serves the pool: its cudaMalloc
+    # calls are the arena's, with the region's tag.
+    alloc = None if _preload_mode else _pluggable()
     with _lock:
         if t not in _pools:
-            _pools[t] = torch.cuda.MemPool(alloc.allocator())
+            _pools[t] = torch.cuda.MemPool() if alloc is None else torch.cuda.MemPool(alloc.allocator())
         return _pools[t]
 
 
@@ -207,6 +215,119 @@ def cuda_graph(cuda_graph, pool=None, stream=None, capture_error_mode="global", 
             pool = mem_pool(tag, enable_cpu_backup).id
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             yield cuda_graph
+
+
+PRELOAD_LIBRARY_NAME = "libvmm_arena_preload.so"
+
+
+def _write_if_changed(path, data):
+    """Makes `path` hold `data` (written aside, then renamed over it)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    except OSError:
+        pass
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def preload_library():
+    """The path of the LD_PRELOAD library (libvmm_arena_preload.so): under it,
+    a process's raw cudaMalloc/cudaMallocAsync calls made inside a region go
+    to these hooks' arenas, with the region's tag, so pause()/resume() cover
+    them (outside a region they go to the CUDA runtime, as in
+    torch_memory_saver; $VMM_ARENA_PRELOAD_ALL=1 sends them to the arena too,
+    tag 0), and cudaFree/cudaFreeAsync of the arenas' pointers come back. It is part of the extension module and written out on first
+    call, next to it (or, where that directory is read-only, into
+    $XDG_CACHE_HOME/vmm_arena/, default ~/.cache). See configure_subprocess()."""
+    data = _ext._hooks_preload_library()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    candidates = [
+        os.path.join(os.path.dirname(library_path()), PRELOAD_LIBRARY_NAME),
+        os.path.join(cache, "vmm_arena", digest, PRELOAD_LIBRARY_NAME),
+    ]
+    errors = []
+    for path in candidates:
+        try:
+            _write_if_changed(path, data)
+            return path
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    raise RuntimeError("vmm_arena: cannot write the preload library: " + "; ".join(errors))
+
+
+def preloaded():
+    """Whether this process runs with the preload library active: its
+    cudaMalloc calls in regions are the arenas' (see configure_subprocess())."""
+    try:
+        active = ctypes.CDLL(None).vmm_arena_preload_active
+    except AttributeError:
+        return False
+    active.restype = ctypes.c_int
+    return active() == 1
+
+
+@contextlib.contextmanager
+def configure_subprocess():
+    """Inside, child processes (subprocess, multiprocessing) start with the
+    preload library: $LD_PRELOAD gets preload_library() (in front of what it
+    held), $VMM_ARENA_PRELOAD_HOOKS names the extension module holding the
+    hooks, and $VMM_ARENA_CONF what configure() set, if it was called. The
+    environment is restored on exit. A child that never loads CUDA (a shell)
+    runs unchanged under it."""
+    env = {"LD_PRELOAD": preload_library(), "VMM_ARENA_PRELOAD_HOOKS": library_path()}
+    previous = os.environ.get("LD_PRELOAD")
+    if previous:
+        env["LD_PRELOAD"] += " " + previous
+    if _conf is not None:
+        env["VMM_ARENA_CONF"] = _conf
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def hook_mode():
+    """"torch" (regions allocate through a MemPool over the hooks) or
+    "preload" (this process runs under the preload library)."""
+    return "preload" if _preload_mode else "torch"
+
+
+def set_hook_mode(mode):
+    """Chooses how regions catch allocations: "torch", the default (a
+    MemPool over the hooks, as CUDAPluggableAllocator), or "preload" (a
+    MemPool of PyTorch's own allocator, whose cudaMalloc calls the preload
+    library routes to the arenas with the region's tag; raw cudaMalloc from
+    NCCL or extensions inside a region is caught too). "preload" needs this
+    process started under the library (configure_subprocess()); without it
+    a RuntimeError says so. Before the first region."""
+    global _preload_mode
+    if mode not in ("torch", "preload"):
+        raise ValueError(f"hook_mode {mode!r}: 'torch' or 'preload'")
+    if mode == "preload" and not preloaded():
+        raise RuntimeError(
+            "hook_mode 'preload' needs this process started with LD_PRELOAD=vmm_arena.torch.preload_library() "
+            "(start it inside vmm_arena.torch.configure_subprocess())")
+    with _lock:
+        if _pools and (mode == "preload") != _preload_mode:
+            raise RuntimeError("set the hook mode before the first region")
+        _preload_mode = mode == "preload"
 
 
 def devices():
@@ -299,6 +420,57 @@ def keep_resident(x, device=None):
     else:
         ptr = int(x)
     return _ext._hooks_retag(device or 0, ptr, RESIDENT)
+
+
+def set_memory_margin(margin_bytes):
+    """torch_memory_saver's `memory_margin_bytes`: every later allocation
+    through the hooks (on every device) that would leave less than
+    `margin_bytes` of its arena's capacity free (neither mapped nor pooled)
+    is refused, as out of memory; 0 turns the rule off. The capacity is the
+    arena's (`configure("capacity:...")`, by default the device's memory):
+    memory other processes take on the device is not counted."""
+    if isinstance(margin_bytes, bool) or not isinstance(margin_bytes, int):
+        raise TypeError(f"memory_margin_bytes is an int, not {type(margin_bytes).__name__}")
+    if not 0 <= margin_bytes < 1 << 64:
+        from .errors import InvalidArgument
+
+        raise InvalidArgument(f"memory_margin_bytes {margin_bytes} is out of range")
+    _ext._hooks_set_margin(margin_bytes)
+
+
+def memory_margin():
+    """The margin set by set_memory_margin() (0: none)."""
+    return _ext._hooks_margin()
+
+
+def cpu_backup(ptr, nbytes, device=0):
+    """The `nbytes` bytes at address `ptr` from the host backup of the paused
+    allocation holding them, or None when it has none (awake, or paused
+    without a backup) or `ptr` is not memory the hooks handed out."""
+    return _ext._hooks_cpu_backup(device, ptr, nbytes)
+
+
+def get_cpu_backup(x):
+    """torch_memory_saver's get_cpu_backup: a CPU tensor (x's dtype, shape
+    and strides, made contiguous) holding the bytes a paused tensor's
+    backup kept, or None when x is not paused with enable_cpu_backup=True
+    (or not the arena's memory). x stays paused."""
+    torch = _torch()
+    if x.numel() == 0:
+        return None
+    device = x.device.index if x.device.index is not None else 0
+    if x.is_contiguous():
+        nbytes = x.numel() * x.element_size()
+        data = cpu_backup(x.data_ptr(), nbytes, device)
+        if data is None:
+            return None
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(x.dtype).reshape(x.shape)
+    storage = x.untyped_storage()
+    data = cpu_backup(storage.data_ptr(), storage.nbytes(), device)
+    if data is None:
+        return None
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(x.dtype)
+    return flat.as_strided(x.shape, x.stride(), x.storage_offset()).clone()
 
 
 def stats(device=0):

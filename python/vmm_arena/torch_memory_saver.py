@@ -12,13 +12,20 @@ them): memory allocated outside any region is never paused; `pause(tag)` /
 `resume(tag)` act on one tag, or on every tag when None, on every device;
 the CPU backup is chosen per region and so per allocation; `disable()`
 allocates outside the regions while inside one; `keep_resident(tensor)`
-keeps an allocation out of later pauses. It runs on vmm_arena.torch (the
-hooks are in the installed extension module; no LD_PRELOAD).
+keeps an allocation out of later pauses; `get_cpu_backup(tensor)` copies a
+paused tensor's backup to the CPU; `memory_margin_bytes` refuses an
+allocation that would leave less of the arena free. It runs on
+vmm_arena.torch (the
+hooks are in the installed extension module). `hook_mode = "preload"` in a
+process started inside `configure_subprocess()` (LD_PRELOAD of the preload
+library) also catches raw cudaMalloc/cudaFree calls made in a region.
 """
 
 from . import torch as _vt
 
-__all__ = ["TorchMemorySaver", "torch_memory_saver", "memory_saver"]
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "memory_saver", "configure_subprocess"]
+
+configure_subprocess = _vt.configure_subprocess
 
 
 class TorchMemorySaver:
@@ -58,24 +65,28 @@ class TorchMemorySaver:
 
     @property
     def hook_mode(self):
-        raise AttributeError("hook_mode is write-only")
+        """"torch" (the default) or "preload" (the process runs under the
+        preload library: see configure_subprocess())."""
+        return _vt.hook_mode()
 
     @hook_mode.setter
     def hook_mode(self, mode):
-        if mode not in ("torch", "preload"):
-            raise ValueError(f"hook_mode {mode!r}: 'torch' or 'preload'")
-        if mode == "preload":
-            raise NotImplementedError("vmm_arena has no LD_PRELOAD mode: it hooks PyTorch's allocator only")
+        _vt.set_hook_mode(mode)
 
     @property
     def memory_margin_bytes(self):
-        raise AttributeError("memory_margin_bytes is write-only")
+        """Bytes of the arena's capacity every allocation must leave free
+        (0: none); see vmm_arena.torch.set_memory_margin."""
+        return _vt.memory_margin()
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value):
-        raise NotImplementedError(
-            "vmm_arena keeps no margin of free device memory: bound the arena with "
-            "vmm_arena.torch.configure('capacity:...') before the first allocation")
+        _vt.set_memory_margin(value)
+
+    def get_cpu_backup(self, x):
+        """A CPU copy of paused tensor `x`'s backed-up bytes (its dtype and
+        shape), None when it has no backup."""
+        return _vt.get_cpu_backup(x)
 
 
 torch_memory_saver = TorchMemorySaver()

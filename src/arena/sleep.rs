@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::Id;
 
 use super::alias;
-use super::alloc::{copy_small, Target};
+use super::alloc::{copy_small, small_ptr, Target};
 use super::backup_cache::BackupCache;
 use super::moves::release_retired_into;
 use super::state::{self, Alloc, Owner, State};
@@ -141,6 +141,46 @@ impl Arena {
     /// Bytes of host memory the backup cache keeps.
     pub fn backup_cache_bytes(&self) -> Result<u64> {
         Ok(self.lock()?.backups.bytes())
+    }
+
+    /// Copies bytes of a sleeping allocation's backup (the bytes it had when
+    /// it fell asleep with [`SLEEP_BACKUP`]) at `offset` into `out`, without
+    /// waking it. A small allocation's bytes are read from its slab's backup.
+    /// `Error::InvalidArgument` when it has no backup (it is awake, or slept
+    /// without [`SLEEP_BACKUP`]) or the span exceeds its size;
+    /// `Error::UnknownAllocation` for an unknown id. Reads only.
+    pub fn read_backup(&self, id: Id, offset: u64, out: &mut [u8]) -> Result<()> {
+        let inner = self.lock()?;
+        let st = &inner.st;
+        #[cfg(unix)]
+        if inner.shares.span(st, id).is_some() {
+            return Err(Error::invalid(format!("allocation {:#x} is an import: it never sleeps", id.get())));
+        }
+        // (the slot holding the backup, where the allocation starts in it, its size)
+        let (slot, start, size) = match st.resolve(id)? {
+            Target::Chunks(slot) => (slot, 0, st.alloc(slot).size),
+            Target::Small(ss) => {
+                let slab =
+                    st.small.slab_of(ss).ok_or_else(|| Error::Internal("a small allocation without a slab".into()))?;
+                let base = st.addr(st.alloc(slab.alloc_slot).start);
+                (slab.alloc_slot, small_ptr(st, ss) - base, st.small.size_of(ss))
+            }
+        };
+        let end = offset.checked_add(out.len() as u64).filter(|&end| end <= size).ok_or_else(|| {
+            Error::invalid(format!("span {offset}+{} exceeds the allocation's {size} bytes", out.len()))
+        })?;
+        let backup = st.alloc(slot).sleep.as_ref().and_then(|s| s.backup.as_ref()).ok_or_else(|| {
+            Error::invalid(format!(
+                "allocation {:#x} has no sleep backup (it is awake, or slept without SLEEP_BACKUP)",
+                id.get()
+            ))
+        })?;
+        let range = usize::try_from(start + offset).ok().zip(usize::try_from(start + end).ok());
+        let bytes = range
+            .and_then(|(from, to)| backup.as_slice().get(from..to))
+            .ok_or_else(|| Error::Internal("a backup shorter than its allocation".into()))?;
+        out.copy_from_slice(bytes);
+        Ok(())
     }
 }
 

@@ -190,8 +190,53 @@ static void backup_cache(void) {
   vmm_arena_destroy(a);
 }
 
+/* A sleeper's backup read without waking it; a small one's from its
+ * slab's backup; refusals leave dst and the arena as they were. */
+static void read_backup(void) {
+  vmm_arena *a = make();
+  vmm_arena_id big, small, bare;
+  uint64_t p, q, r;
+  OK(vmm_arena_alloc_tagged(a, 2 * K + 10, 4, &big, &p));
+  OK(vmm_arena_alloc_tagged(a, 200, 4, &small, &q));
+  OK(vmm_arena_alloc_tagged(a, K, 5, &bare, &r));
+  fill(p, 7, 2 * K + 10);
+  fill(q, 8, 200);
+  fill(r, 6, K);
+  unsigned char out[300];
+  memset(out, 0xEE, sizeof out);
+  /* Awake: no backup, dst untouched. */
+  EXPECT(vmm_arena_read_backup(a, big, 0, out, 10), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(out[0] == 0xEE);
+  OK(vmm_arena_sleep(a, 4, VMM_ARENA_SLEEP_BACKUP));
+  OK(vmm_arena_sleep(a, 5, 0));
+  OK(vmm_arena_read_backup(a, big, 2 * K - 5, out, 15));
+  for (int i = 0; i < 15; i++) CHECK(out[i] == 7);
+  OK(vmm_arena_read_backup(a, small, 0, out, 200));
+  for (int i = 0; i < 200; i++) CHECK(out[i] == 8);
+  memset(out, 0xEE, sizeof out);
+  EXPECT(vmm_arena_read_backup(a, bare, 0, out, 10), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(vmm_arena_last_error(), "no sleep backup") != NULL);
+  EXPECT(vmm_arena_read_backup(a, big, 2 * K, out, 11), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_read_backup(a, big, 0, NULL, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_read_backup(a, 12345, 0, out, 1), VMM_ARENA_ERR_UNKNOWN_ALLOCATION);
+  EXPECT(vmm_arena_read_backup(NULL, big, 0, out, 1), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  EXPECT(vmm_arena_read_backup(a, big, 0, out, SIZE_MAX), VMM_ARENA_ERR_INVALID_ARGUMENT);
+  CHECK(out[0] == 0xEE);
+  OK(vmm_arena_read_backup(a, big, 0, NULL, 0));
+  /* Still asleep; waking restores the same bytes. */
+  CHECK(stats(a).mapped_bytes == 0);
+  OK(vmm_arena_wake(a, 4));
+  CHECK(((unsigned char *)(uintptr_t)p)[2 * K + 9] == 7);
+  OK(vmm_arena_wake(a, 5));
+  OK(vmm_arena_free(a, big));
+  OK(vmm_arena_free(a, small));
+  OK(vmm_arena_free(a, bare));
+  vmm_arena_destroy(a);
+}
+
 int main(void) {
   backup_cache();
+  read_backup();
   all_tags_as_a_tag_is_selected_by_every_tag();
   two_tags_side_by_side();
   set_tag_moves_a_small_allocation();

@@ -13,6 +13,7 @@ void *vmm_arena_torch_malloc(ssize_t size, int device, void *stream);
 void vmm_arena_torch_free(void *ptr, ssize_t size, int device, void *stream);
 vmm_arena_status vmm_arena_torch_stats(int device, vmm_arena_stats *stats);
 uint64_t vmm_arena_torch_bad_frees(int device);
+uint64_t vmm_arena_torch_set_margin(uint64_t margin);
 
 static vmm_arena_stats stats_of(int device) {
   vmm_arena_stats s;
@@ -81,6 +82,25 @@ int main(void) {
   vmm_arena_torch_free(big, 0, 0, NULL);
   CHECK(stats_of(0).live_allocations == 0);
   CHECK(vmm_arena_torch_bad_frees(0) == 2);
+
+  /* A margin, on a fresh arena (device 2, 256 MiB): a request leaving less
+   * of the capacity free is refused with a reason and changes nothing;
+   * freed memory counts as free again; 0 turns the margin off. */
+  CHECK(vmm_arena_torch_set_margin((uint64_t)250 << 20) == 0);
+  void *fits = vmm_arena_torch_malloc(4 << 20, 2, NULL); /* leaves 252 MiB */
+  CHECK(fits != NULL);
+  CHECK(vmm_arena_torch_malloc(4 << 20, 2, NULL) == NULL); /* would leave 248 */
+  CHECK(strstr(vmm_arena_last_error(), "under the margin") != NULL);
+  CHECK(stats_of(2).live_allocations == 1);
+  vmm_arena_torch_free(fits, 0, 2, NULL);
+  void *again = vmm_arena_torch_malloc(4 << 20, 2, NULL);
+  CHECK(again != NULL);
+  CHECK(vmm_arena_torch_set_margin(0) == (uint64_t)250 << 20);
+  void *after = vmm_arena_torch_malloc(4 << 20, 2, NULL);
+  CHECK(after != NULL);
+  vmm_arena_torch_free(again, 0, 2, NULL);
+  vmm_arena_torch_free(after, 0, 2, NULL);
+  CHECK(stats_of(2).live_allocations == 0);
 
   /* A bad configuration is an error, not a crash (device 7 is new). */
   CHECK(setenv("VMM_ARENA_CONF", "backend:tpu", 1) == 0);

@@ -115,6 +115,8 @@ WRAP(vmm_arena_status, vmm_arena_set_tag, (vmm_arena * a, vmm_arena_id id, uint3
 WRAP(vmm_arena_status, vmm_arena_sleep, (vmm_arena * a, uint32_t tag, uint32_t flags), (a, tag, flags))
 WRAP(vmm_arena_status, vmm_arena_set_backup_cache, (vmm_arena * a, uint32_t keep), (a, keep))
 WRAP(vmm_arena_status, vmm_arena_release_backup_cache, (vmm_arena * a, uint64_t *released), (a, released))
+WRAP(vmm_arena_status, vmm_arena_read_backup, (vmm_arena * a, vmm_arena_id id, uint64_t offset, void *dst, size_t len),
+     (a, id, offset, dst, len))
 WRAP(vmm_arena_status, vmm_arena_kv_layout_get,
      (const vmm_arena_kv_geometry *g, uint64_t chunk, uint64_t block_tokens, vmm_arena_kv_layout *out),
      (g, chunk, block_tokens, out))
