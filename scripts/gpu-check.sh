@@ -93,6 +93,7 @@ PY
     cp "$root/scripts/gpu-check.sh" "$dir/gpu-check.sh"
     cp "$root/scripts/torch_check.py" "$dir/torch_check.py"
     cp "$root/scripts/torch_rl_cycle.py" "$dir/torch_rl_cycle.py"
+    cp "$root/scripts/torch_preload_check.py" "$dir/torch_preload_check.py"
     chmod +x "$dir/gpu-check.sh"
     [[ -f $root/scripts/README-gpu-check.md ]] && cp "$root/scripts/README-gpu-check.md" "$dir/"
     # The fuzz replay reads fuzz/corpus/ops relative to its working directory
@@ -143,6 +144,9 @@ PY
 #                          gets what is left, the rest SKIPPED
 #                 -----
 #                  380 s
+#
+# Where the Python package and PyTorch are installed beside it, two more
+# steps: torch_rl_cycle (300 s) and torch_preload_check (120 s).
 #
 # GPU_CHECK_MAX_STEP_S caps every step's limit (for testing the script).
 
@@ -411,6 +415,17 @@ cmd_run() {
     else
         run_step torch_rl_cycle 300 "$WORK/torch-rl-cycle.log" \
             python3 "$BUNDLE/torch_rl_cycle.py"
+    fi
+
+    # 4c. torch_memory_saver's preload mode (LD_PRELOAD of the package's
+    # shim in a child process: raw cudaMalloc inside regions on the arena).
+    if [[ -n $nogpu ]]; then
+        skip torch_preload_check "$nogpu"
+    elif ! timeout 60 python3 -c 'import vmm_arena.torch, torch' 2>/dev/null; then
+        skip torch_preload_check "python3 lacks vmm_arena (pip install ./python) or torch"
+    else
+        run_step torch_preload_check 120 "$WORK/torch-preload-check.log" \
+            python3 "$BUNDLE/torch_preload_check.py"
     fi
 
     # 5. The fuzz corpus replay.
