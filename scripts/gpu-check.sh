@@ -94,6 +94,7 @@ PY
     cp "$root/scripts/torch_check.py" "$dir/torch_check.py"
     cp "$root/scripts/torch_rl_cycle.py" "$dir/torch_rl_cycle.py"
     cp "$root/scripts/torch_preload_check.py" "$dir/torch_preload_check.py"
+    cp "$root/scripts/vllm_cumem_check.py" "$dir/vllm_cumem_check.py"
     chmod +x "$dir/gpu-check.sh"
     [[ -f $root/scripts/README-gpu-check.md ]] && cp "$root/scripts/README-gpu-check.md" "$dir/"
     # The fuzz replay reads fuzz/corpus/ops relative to its working directory
@@ -146,7 +147,8 @@ PY
 #                  380 s
 #
 # Where the Python package and PyTorch are installed beside it, two more
-# steps: torch_rl_cycle (300 s) and torch_preload_check (120 s).
+# steps: torch_rl_cycle (300 s), torch_preload_check (120 s) and
+# vllm_cumem_check (120 s).
 #
 # GPU_CHECK_MAX_STEP_S caps every step's limit (for testing the script).
 
@@ -426,6 +428,17 @@ cmd_run() {
     else
         run_step torch_preload_check 120 "$WORK/torch-preload-check.log" \
             python3 "$BUNDLE/torch_preload_check.py"
+    fi
+
+    # 4d. vLLM's CuMemAllocator behaviours through vmm_arena.vllm (levels 1
+    # and 2 of sleep, memory outside the pool untouched).
+    if [[ -n $nogpu ]]; then
+        skip vllm_cumem_check "$nogpu"
+    elif ! timeout 60 python3 -c 'import vmm_arena.vllm, torch' 2>/dev/null; then
+        skip vllm_cumem_check "python3 lacks vmm_arena (pip install ./python) or torch"
+    else
+        run_step vllm_cumem_check 120 "$WORK/vllm-cumem-check.log" \
+            python3 "$BUNDLE/vllm_cumem_check.py"
     fi
 
     # 5. The fuzz corpus replay.
