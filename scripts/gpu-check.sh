@@ -226,6 +226,19 @@ report() {
     case $2 in ok | SKIPPED*) ;; *) FAILED_STEPS=$((FAILED_STEPS + 1)) ;; esac
 }
 
+# One step running a Python script of the bundle where the package and
+# PyTorch import: python_step NAME LIMIT LOG SCRIPT.
+python_step() {
+    local name=$1 limit=$2 log=$3 script=$4
+    if [[ -n $nogpu ]]; then
+        skip "$name" "$nogpu"
+    elif ! timeout 60 python3 -c 'import vmm_arena.torch, vmm_arena.vllm, torch' 2>/dev/null; then
+        skip "$name" "python3 lacks vmm_arena (pip install ./python) or torch"
+    else
+        run_step "$name" "$limit" "$WORK/$log" python3 "$BUNDLE/$script"
+    fi
+}
+
 skip() {
     printf '%-22s SKIPPED %s\n' "$1:" "$2" >>"$WORK/status.txt"
     echo "gpu-check run: $1: SKIPPED $2" >&2
@@ -408,38 +421,14 @@ cmd_run() {
         TORCH_STATUS=$STEP_STATUS
     fi
 
-    # 4b. An RL cycle through the Python package's vmm_arena.torch (pause
-    # and resume by tag): where the package is installed beside PyTorch.
-    if [[ -n $nogpu ]]; then
-        skip torch_rl_cycle "$nogpu"
-    elif ! timeout 60 python3 -c 'import vmm_arena.torch, torch' 2>/dev/null; then
-        skip torch_rl_cycle "python3 lacks vmm_arena (pip install ./python) or torch"
-    else
-        run_step torch_rl_cycle 300 "$WORK/torch-rl-cycle.log" \
-            python3 "$BUNDLE/torch_rl_cycle.py"
-    fi
-
-    # 4c. torch_memory_saver's preload mode (LD_PRELOAD of the package's
-    # shim in a child process: raw cudaMalloc inside regions on the arena).
-    if [[ -n $nogpu ]]; then
-        skip torch_preload_check "$nogpu"
-    elif ! timeout 60 python3 -c 'import vmm_arena.torch, torch' 2>/dev/null; then
-        skip torch_preload_check "python3 lacks vmm_arena (pip install ./python) or torch"
-    else
-        run_step torch_preload_check 120 "$WORK/torch-preload-check.log" \
-            python3 "$BUNDLE/torch_preload_check.py"
-    fi
-
-    # 4d. vLLM's CuMemAllocator behaviours through vmm_arena.vllm (levels 1
-    # and 2 of sleep, memory outside the pool untouched).
-    if [[ -n $nogpu ]]; then
-        skip vllm_cumem_check "$nogpu"
-    elif ! timeout 60 python3 -c 'import vmm_arena.vllm, torch' 2>/dev/null; then
-        skip vllm_cumem_check "python3 lacks vmm_arena (pip install ./python) or torch"
-    else
-        run_step vllm_cumem_check 120 "$WORK/vllm-cumem-check.log" \
-            python3 "$BUNDLE/vllm_cumem_check.py"
-    fi
+    # 4b-4d. The Python package's scripts, where it is installed beside
+    # PyTorch: an RL cycle through vmm_arena.torch (pause and resume by tag,
+    # the backup copy rate), torch_memory_saver's preload mode (LD_PRELOAD of
+    # the package's shim in a child: raw cudaMalloc inside regions on the
+    # arena), vLLM's CuMemAllocator behaviours through vmm_arena.vllm.
+    python_step torch_rl_cycle 300 torch-rl-cycle.log torch_rl_cycle.py
+    python_step torch_preload_check 120 torch-preload-check.log torch_preload_check.py
+    python_step vllm_cumem_check 120 vllm-cumem-check.log vllm_cumem_check.py
 
     # 5. The fuzz corpus replay.
     if [[ ! -x $bin/test-fuzz_replay ]]; then

@@ -174,8 +174,7 @@ impl TorchArena {
     /// less what the pool cannot serve of `size`.
     fn check_margin(&self, size: u64, margin: u64) -> Result<(), Error> {
         let s = self.arena.stats()?;
-        let held = s.mapped_bytes.saturating_add(s.pooled_bytes);
-        let left = s.capacity_bytes.saturating_sub(held).saturating_sub(size.saturating_sub(s.pooled_bytes));
+        let left = s.capacity_free_after(size);
         if left < margin {
             return Err(Error::OutOfMemory(format!(
                 "{size} bytes would leave {left} of the arena's {} bytes free, under the margin of {margin}",

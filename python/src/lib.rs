@@ -674,6 +674,28 @@ impl Allocation {
         let id = self.rid()?;
         py.allow_threads(|| self.shared.arena.query(id)).map_err(to_py)
     }
+
+    /// `length` bytes from `offset` (default: to the end) through `read`,
+    /// which is `Arena::read` or `Arena::read_backup`.
+    fn read_with<'py>(
+        &self,
+        py: Python<'py>,
+        offset: Option<&Bound<'_, PyAny>>,
+        length: Option<&Bound<'_, PyAny>>,
+        read: impl Fn(&vmm_arena::Arena, Id, u64, &mut [u8]) -> vmm_arena::Result<()> + Send + Sync,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let id = self.rid()?;
+        let off = opt_u64(offset, "offset", 0)?;
+        let size = self.info(py)?.size;
+        let len = opt_u64(length, "length", size.saturating_sub(off))?;
+        let len = usize::try_from(len).map_err(|_| py_err("InvalidArgument", "length too large"))?;
+        if len as u64 > size {
+            return Err(py_err("InvalidArgument", format!("length {len} exceeds the allocation's {size} bytes")));
+        }
+        let mut out = vec![0u8; len];
+        py.allow_threads(|| read(&self.shared.arena, id, off, &mut out)).map_err(to_py)?;
+        Ok(pyo3::types::PyBytes::new(py, &out))
+    }
 }
 
 #[pymethods]
@@ -765,17 +787,7 @@ impl Allocation {
         offset: Option<&Bound<'_, PyAny>>,
         length: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-        let id = self.rid()?;
-        let off = opt_u64(offset, "offset", 0)?;
-        let size = self.info(py)?.size;
-        let len = opt_u64(length, "length", size.saturating_sub(off))?;
-        let len = usize::try_from(len).map_err(|_| py_err("InvalidArgument", "length too large"))?;
-        if len as u64 > size {
-            return Err(py_err("InvalidArgument", format!("length {len} exceeds the allocation's {size} bytes")));
-        }
-        let mut out = vec![0u8; len];
-        py.allow_threads(|| self.shared.arena.read(id, off, &mut out)).map_err(to_py)?;
-        Ok(pyo3::types::PyBytes::new(py, &out))
+        self.read_with(py, offset, length, |a, id, off, out| a.read(id, off, out))
     }
     /// `length` bytes from `offset` (default: all of it) of the backup a
     /// sleeping allocation took with `sleep(tag, backup=True)`, without
@@ -788,17 +800,7 @@ impl Allocation {
         offset: Option<&Bound<'_, PyAny>>,
         length: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-        let id = self.rid()?;
-        let off = opt_u64(offset, "offset", 0)?;
-        let size = self.info(py)?.size;
-        let len = opt_u64(length, "length", size.saturating_sub(off))?;
-        let len = usize::try_from(len).map_err(|_| py_err("InvalidArgument", "length too large"))?;
-        if len as u64 > size {
-            return Err(py_err("InvalidArgument", format!("length {len} exceeds the allocation's {size} bytes")));
-        }
-        let mut out = vec![0u8; len];
-        py.allow_threads(|| self.shared.arena.read_backup(id, off, &mut out)).map_err(to_py)?;
-        Ok(pyo3::types::PyBytes::new(py, &out))
+        self.read_with(py, offset, length, |a, id, off, out| a.read_backup(id, off, out))
     }
     fn __repr__(&self, py: Python<'_>) -> String {
         match self.info(py) {

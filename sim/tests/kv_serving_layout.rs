@@ -6,8 +6,9 @@
 
 use std::process::Command;
 
-/// The arena row of `kv_serving --quick --managers arena` with `extra`.
-fn arena_row(tag: &str, extra: &[&str]) -> serde_json::Value {
+/// The JSON report and the stderr of `kv_serving --quick --managers arena`
+/// with `extra`.
+fn report(tag: &str, extra: &[&str]) -> (serde_json::Value, String) {
     let dir = std::env::temp_dir().join(format!("kv_serving_layout_{}_{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("report.json");
@@ -20,7 +21,12 @@ fn arena_row(tag: &str, extra: &[&str]) -> serde_json::Value {
     assert!(out.status.success(), "kv_serving failed: {}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    let arena = report["managers"][0].clone();
+    (report, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The arena row of `kv_serving --quick --managers arena` with `extra`.
+fn arena_row(tag: &str, extra: &[&str]) -> serde_json::Value {
+    let arena = report(tag, extra).0["managers"][0].clone();
     assert_eq!(arena["name"], "arena");
     arena
 }
@@ -72,31 +78,20 @@ fn block_in_chunk_refuses_tokens_that_do_not_fill_a_chunk() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("whole number"), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// The workload's layout in the JSON report of `kv_serving --quick` with `extra`.
-fn default_layout(extra: &[&str]) -> (String, String) {
-    let dir = std::env::temp_dir().join(format!("kv_serving_layout_{}_default_{}", std::process::id(), extra.len()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("report.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_kv_serving"))
-        .args(["--quick", "--managers", "arena", "--json"])
-        .arg(&json)
-        .args(extra)
-        .output()
-        .expect("kv_serving runs");
-    assert!(out.status.success(), "kv_serving failed: {}", String::from_utf8_lossy(&out.stderr));
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let layout = report["workload"]["layout"].as_str().expect("layout").to_string();
-    (layout, String::from_utf8_lossy(&out.stderr).into_owned())
+/// The workload's layout in the JSON report of `kv_serving --quick` with
+/// `extra`, and the run's stderr.
+fn default_layout(tag: &str, extra: &[&str]) -> (String, String) {
+    let (report, stderr) = report(tag, extra);
+    (report["workload"]["layout"].as_str().expect("layout").to_string(), stderr)
 }
 
 #[test]
 fn block_in_chunk_is_the_default_where_a_chunk_holds_whole_tokens() {
     // Llama-3-8B's 128 KiB tokens: 16 in a 2 MiB chunk.
-    let (layout, _) = default_layout(&[]);
+    let (layout, _) = default_layout("default", &[]);
     assert_eq!(layout, "block-in-chunk");
     // 96 KiB tokens do not fill one: token-major, and the run says why.
-    let (layout, stderr) = default_layout(&["--kv-bytes-per-token", "98304"]);
+    let (layout, stderr) = default_layout("default_96k", &["--kv-bytes-per-token", "98304"]);
     assert_eq!(layout, "token-major");
     assert!(stderr.contains("whole number"), "{stderr}");
 }

@@ -122,6 +122,17 @@ pub struct Stats {
     pub shared_bytes: u64,
 }
 
+impl Stats {
+    /// Capacity left neither mapped nor pooled once `size` more bytes are
+    /// allocated, the pool serving what it can of them (the rule behind
+    /// torch_memory_saver's `memory_margin_bytes`, checked against the
+    /// arena's capacity rather than the device's free memory).
+    pub fn capacity_free_after(&self, size: u64) -> u64 {
+        let held = self.mapped_bytes.saturating_add(self.pooled_bytes);
+        self.capacity_bytes.saturating_sub(held).saturating_sub(size.saturating_sub(self.pooled_bytes))
+    }
+}
+
 /// What [`Arena::compact`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CompactReport {
