@@ -2,7 +2,10 @@
 //! workload whose calls can be counted by hand: three requests, each
 //! arriving after the one before has finished, each of 20 prompt tokens
 //! and 10 output tokens (Llama-3-8B's 128 KiB per token, token-major: 16
-//! tokens per 2 MiB chunk).
+//! tokens per 2 MiB chunk); and, with the prefix cache on, three
+//! requests of unique 600-token prompts in an arena that holds one at a
+//! time, each admission adopting the previous request's prefix entry in
+//! place.
 
 use std::sync::atomic::AtomicU64;
 
@@ -79,4 +82,54 @@ fn the_arenas_prefetch_calls_between_steps_of_the_first_request_only() {
     assert_eq!(w.steps, 20);
     assert_eq!(w.total.max, 0, "{w:?}");
     assert!(r.decode_step_calls.total.max > 5);
+}
+
+/// Three requests of 600 prompt tokens (one full hash block, unique to
+/// each) and 10 output tokens, one after the other, prefix caching on, in
+/// an arena of 48 chunks: each needs 39 (38 at admission), and the one
+/// before it is a prefix entry of 32 chunks (its hash block) with its 7
+/// others cached in its reservation's tail.
+fn run_prefix_entries() -> RunResult {
+    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
+    let requests: Vec<Request> = (0..3)
+        .map(|i| Request { arrival_s: 100.0 * i as f64, prompt: 600, output: 10, hash_ids: vec![1000 + i].into() })
+        .collect();
+    let capacity = 48 * (2 << 20);
+    let arena = ArenaOptions {
+        precreate_bytes: 0,
+        map_ahead_bytes: 0,
+        ..ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 4))
+    };
+    let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 10 };
+    let mut m = managers::build("arena", shape, opts).expect("manager");
+    let cfg = SchedConfig {
+        max_batch: 4,
+        kv_bytes_per_token: shape.kv_bytes_per_token,
+        profile: Profile::h200(),
+        max_num_batched_tokens: 0,
+    };
+    let r = replay(m.as_mut(), &requests, &cfg, &AtomicU64::new(0));
+    assert_eq!((r.completed_requests, r.integrity_errors, r.output_tokens), (3, 0, 30));
+    r
+}
+
+#[test]
+fn admissions_adopt_the_previous_requests_prefix_entry_in_place() {
+    let r = run_prefix_entries();
+    let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
+    assert_eq!(extra("take_overs"), "2", "the second and third admissions take the entry before them over");
+    assert_eq!(extra("prefix_hits"), "0", "unique prompts");
+    // Only the first request's steps call the driver; the entries' chunks
+    // are adopted where they lie (no unmap anywhere).
+    let w = r.warm_decode_step_calls;
+    assert_eq!(w.steps, 20, "{w:?}");
+    assert_eq!((w.total.max, w.total.zero_fraction), (0, 1.0), "{w:?}");
+    assert_eq!(r.decode_step_calls.unmap.max, 0);
+    // The calls by engine action add up to the driver's count, all of them
+    // from the first admission and its growth.
+    let phases: serde_json::Value = serde_json::from_str(&extra("arena_calls_by_phase")).expect("JSON");
+    let maps: u64 = phases.as_object().expect("object").values().map(|p| p["map_chunks"].as_u64().unwrap()).sum();
+    assert_eq!(maps.to_string(), extra("arena_driver_maps"));
+    assert_eq!(phases["free"]["map_chunks"], 0);
+    assert_eq!(phases["upkeep"]["unmap_chunks"], 0);
 }
