@@ -8,7 +8,9 @@
 //! - the old owner's pending work is respected: on another stream, the
 //!   freed range is not adopted until its event completes;
 //! - a live allocation's cached reservation tail is its own growth's:
-//!   another allocation's growth takes a free range's cached chunks first.
+//!   another allocation's growth takes a free range's cached chunks first;
+//! - a freed range that joined a longer free range is adopted before an
+//!   exact fit with nothing cached.
 
 mod common;
 
@@ -126,4 +128,25 @@ fn growth_takes_a_free_ranges_cached_chunks_before_another_allocations_tail() {
     assert_eq!(driver_calls(&a.stats().unwrap()), before, "t's tail adopted in place");
     Snap::of(&a).check_structure(a.va_range());
     let _ = g_ptr;
+}
+
+#[test]
+fn a_freed_range_merged_into_a_longer_free_range_is_adopted_before_an_empty_exact_fit() {
+    let (_d, a) = stream_arena(16, 256);
+    // h, s and b side by side, 16 pages reserved each; b maps 4 chunks.
+    let (h, _) = a.alloc_growable(C, 16 * C).unwrap();
+    let (_s, _) = a.alloc_growable(C, 16 * C).unwrap();
+    let (b, b_ptr) = a.alloc_growable(4 * C, 16 * C).unwrap();
+    // h's hole is an exact fit with nothing cached in it; b's range joins
+    // the free space after it, its 4 chunks cached at its start.
+    a.free(h).unwrap();
+    a.trim(0).unwrap();
+    a.free(b).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.cached_mapped_bytes, 4 * C);
+    let before = driver_calls(&s);
+    let (_, ptr) = a.alloc_growable(4 * C, 16 * C).unwrap();
+    assert_eq!(ptr, b_ptr, "placed where b's chunks lie, not in the empty exact fit");
+    assert_eq!(driver_calls(&a.stats().unwrap()), before, "its 4 chunks adopted: no driver call");
+    Snap::of(&a).check_structure(a.va_range());
 }
