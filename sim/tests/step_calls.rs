@@ -84,17 +84,21 @@ fn the_arenas_prefetch_calls_between_steps_of_the_first_request_only() {
     assert!(r.decode_step_calls.total.max > 5);
 }
 
-/// Three requests of 600 prompt tokens (one full hash block, unique to
-/// each) and 10 output tokens, one after the other, prefix caching on, in
-/// an arena of 48 chunks: each needs 39 (38 at admission), and the one
-/// before it is a prefix entry of 32 chunks (its hash block) with its 7
-/// others cached in its reservation's tail.
-fn run_prefix_entries() -> RunResult {
+/// `requests` (prompt tokens, output tokens, hash ids), one after the
+/// other, prefix caching on, in an arena of `chunks` chunks.
+fn run_prefix_entries(chunks: u64, requests: &[(u64, u64, &[u64])]) -> RunResult {
     let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
-    let requests: Vec<Request> = (0..3)
-        .map(|i| Request { arrival_s: 100.0 * i as f64, prompt: 600, output: 10, hash_ids: vec![1000 + i].into() })
+    let requests: Vec<Request> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, &(prompt, output, hash_ids))| Request {
+            arrival_s: 100.0 * i as f64,
+            prompt,
+            output,
+            hash_ids: hash_ids.to_vec().into(),
+        })
         .collect();
-    let capacity = 48 * (2 << 20);
+    let capacity = chunks * (2 << 20);
     let arena = ArenaOptions {
         precreate_bytes: 0,
         map_ahead_bytes: 0,
@@ -109,13 +113,22 @@ fn run_prefix_entries() -> RunResult {
         max_num_batched_tokens: 0,
     };
     let r = replay(m.as_mut(), &requests, &cfg, &AtomicU64::new(0));
-    assert_eq!((r.completed_requests, r.integrity_errors, r.output_tokens), (3, 0, 30));
+    assert_eq!((r.completed_requests, r.integrity_errors), (requests.len() as u64, 0));
     r
+}
+
+fn extra(r: &RunResult, k: &str) -> String {
+    r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default()
 }
 
 #[test]
 fn admissions_adopt_the_previous_requests_prefix_entry_in_place() {
-    let r = run_prefix_entries();
+    // Three requests of 600 prompt tokens (one full hash block, unique to
+    // each) and 10 output tokens in an arena of 48 chunks: each needs 39
+    // (38 at admission), and the one before it is a prefix entry of 32
+    // chunks (its hash block) with its 7 others cached in its tail.
+    let r = run_prefix_entries(48, &[(600, 10, &[1000]), (600, 10, &[1001]), (600, 10, &[1002])]);
+    let extra = |k: &str| extra(&r, k);
     let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
     assert_eq!(extra("take_overs"), "2", "the second and third admissions take the entry before them over");
     assert_eq!(extra("prefix_hits"), "0", "unique prompts");
@@ -132,4 +145,27 @@ fn admissions_adopt_the_previous_requests_prefix_entry_in_place() {
     assert_eq!(maps.to_string(), extra("arena_driver_maps"));
     assert_eq!(phases["free"]["map_chunks"], 0);
     assert_eq!(phases["upkeep"]["unmap_chunks"], 0);
+}
+
+#[test]
+fn with_memory_full_an_admission_takes_the_oldest_entry_over_rather_than_map_elsewhere() {
+    // 80 chunks. A (600 tokens, one hash block) becomes an entry of 32
+    // chunks, 7 more cached in its tail; B (300 tokens, no full hash
+    // block: nothing cached) takes 20 chunks more and leaves them cached
+    // where it was; C (600 tokens, another hash block) needs 38 at
+    // admission: free memory (80 - 32) would serve it, but only 21 of it
+    // is neither backing nor cached, so a new allocation would map chunks
+    // (created or taken from B's range). It takes A's entry over instead.
+    let (a, b, c): ((u64, u64, &[u64]), (u64, u64, &[u64]), (u64, u64, &[u64])) =
+        ((600, 10, &[1000]), (300, 10, &[]), (600, 10, &[1002]));
+    let r = run_prefix_entries(80, &[a, b, c]);
+    assert_eq!(extra(&r, "take_overs"), "1", "C takes A's entry over");
+    assert_eq!(extra(&r, "prefix_hits"), "0");
+    // C adopts A's 32 chunks where they lie: it maps only the 7 beyond
+    // them (A's tail went to B), and creates nothing.
+    let ab = run_prefix_entries(80, &[a, b]);
+    let count = |r: &RunResult, k: &str| extra(r, k).parse::<u64>().expect("a count");
+    assert_eq!(count(&r, "arena_driver_creates"), count(&ab, "arena_driver_creates"));
+    let c_maps = count(&r, "arena_driver_maps") - count(&ab, "arena_driver_maps");
+    assert!(c_maps <= 39 - 32, "C mapped {c_maps} chunks");
 }
