@@ -84,9 +84,13 @@ fn the_arenas_prefetch_calls_between_steps_of_the_first_request_only() {
     assert!(r.decode_step_calls.total.max > 5);
 }
 
-/// `requests` (prompt tokens, output tokens, hash ids), one after the
-/// other, prefix caching on, in an arena of `chunks` chunks.
-fn run_prefix_entries(chunks: u64, requests: &[(u64, u64, &[u64])]) -> RunResult {
+/// A request of the prefix-cache runs: prompt tokens, output tokens,
+/// hash ids.
+type Req = (u64, u64, &'static [u64]);
+
+/// `requests`, one after the other, prefix caching on, in an arena of
+/// `chunks` chunks.
+fn run_prefix_entries(chunks: u64, requests: &[Req]) -> RunResult {
     let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
     let requests: Vec<Request> = requests
         .iter()
@@ -129,7 +133,6 @@ fn admissions_adopt_the_previous_requests_prefix_entry_in_place() {
     // chunks (its hash block) with its 7 others cached in its tail.
     let r = run_prefix_entries(48, &[(600, 10, &[1000]), (600, 10, &[1001]), (600, 10, &[1002])]);
     let extra = |k: &str| extra(&r, k);
-    let extra = |k: &str| r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
     assert_eq!(extra("take_overs"), "2", "the second and third admissions take the entry before them over");
     assert_eq!(extra("prefix_hits"), "0", "unique prompts");
     // Only the first request's steps call the driver; the entries' chunks
@@ -156,8 +159,7 @@ fn with_memory_full_an_admission_takes_the_oldest_entry_over_rather_than_map_els
     // admission: free memory (80 - 32) would serve it, but only 21 of it
     // is neither backing nor cached, so a new allocation would map chunks
     // (created or taken from B's range). It takes A's entry over instead.
-    let (a, b, c): ((u64, u64, &[u64]), (u64, u64, &[u64]), (u64, u64, &[u64])) =
-        ((600, 10, &[1000]), (300, 10, &[]), (600, 10, &[1002]));
+    let (a, b, c): (Req, Req, Req) = ((600, 10, &[1000]), (300, 10, &[]), (600, 10, &[1002]));
     let r = run_prefix_entries(80, &[a, b, c]);
     assert_eq!(extra(&r, "take_overs"), "1", "C takes A's entry over");
     assert_eq!(extra(&r, "prefix_hits"), "0");
