@@ -263,8 +263,20 @@ impl ArenaPrefixCache {
     /// already maps up to `size` if that is more (no driver call).
     fn take_over(&mut self, arena: &Arena, hit: &[u32], size: u64, now_size: u64, discard: bool) -> Option<Id> {
         let s = arena.stats().ok()?;
-        let need = (size - hit.len() as u64 * self.unit_bytes).saturating_sub(s.capacity_bytes - s.mapped_bytes);
-        let (id, others) = self.books.take_over(hit, need.div_ceil(self.unit_bytes))?;
+        let fresh = size - hit.len() as u64 * self.unit_bytes;
+        let need = fresh.saturating_sub(s.capacity_bytes - s.mapped_bytes).div_ceil(self.unit_bytes);
+        // With no hit, where the memory no chunk holds cannot serve the
+        // admission, a new allocation would take chunks held elsewhere
+        // (cached, pooled or pending) and map them at its address, even
+        // with nothing to evict. The least recently used entry, when its
+        // units are the oldest queued (those LRU eviction gives up next),
+        // is taken over instead, its chunks adopted where they lie: as if
+        // one unit were to be evicted, which its own units cover (an entry
+        // taken over for a hit may have none past it, and then would
+        // evict another's unit early).
+        let room = s.capacity_bytes.saturating_sub(s.mapped_bytes + s.pooled_bytes);
+        let need = if need == 0 && hit.is_empty() && fresh > room { 1 } else { need };
+        let (id, others) = self.books.take_over(hit, need)?;
         for (k, r) in others {
             match r {
                 Release::Keep(_) => self.evict_resizes += 1,

@@ -2,7 +2,10 @@
 //! workload whose calls can be counted by hand: three requests, each
 //! arriving after the one before has finished, each of 20 prompt tokens
 //! and 10 output tokens (Llama-3-8B's 128 KiB per token, token-major: 16
-//! tokens per 2 MiB chunk).
+//! tokens per 2 MiB chunk); and, with the prefix cache on, three
+//! requests of unique 600-token prompts in an arena that holds one at a
+//! time, each admission adopting the previous request's prefix entry in
+//! place.
 
 use std::sync::atomic::AtomicU64;
 
@@ -79,4 +82,92 @@ fn the_arenas_prefetch_calls_between_steps_of_the_first_request_only() {
     assert_eq!(w.steps, 20);
     assert_eq!(w.total.max, 0, "{w:?}");
     assert!(r.decode_step_calls.total.max > 5);
+}
+
+/// A request of the prefix-cache runs: prompt tokens, output tokens,
+/// hash ids.
+type Req = (u64, u64, &'static [u64]);
+
+/// `requests`, one after the other, prefix caching on, in an arena of
+/// `chunks` chunks.
+fn run_prefix_entries(chunks: u64, requests: &[Req]) -> RunResult {
+    let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::TokenMajor, max_context: 8192 };
+    let requests: Vec<Request> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, &(prompt, output, hash_ids))| Request {
+            arrival_s: 100.0 * i as f64,
+            prompt,
+            output,
+            hash_ids: hash_ids.to_vec().into(),
+        })
+        .collect();
+    let capacity = chunks * (2 << 20);
+    let arena = ArenaOptions {
+        precreate_bytes: 0,
+        map_ahead_bytes: 0,
+        ..ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 4))
+    };
+    let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 10 };
+    let mut m = managers::build("arena", shape, opts).expect("manager");
+    let cfg = SchedConfig {
+        max_batch: 4,
+        kv_bytes_per_token: shape.kv_bytes_per_token,
+        profile: Profile::h200(),
+        max_num_batched_tokens: 0,
+    };
+    let r = replay(m.as_mut(), &requests, &cfg, &AtomicU64::new(0));
+    assert_eq!((r.completed_requests, r.integrity_errors), (requests.len() as u64, 0));
+    r
+}
+
+fn extra(r: &RunResult, k: &str) -> String {
+    r.extra.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default()
+}
+
+#[test]
+fn admissions_adopt_the_previous_requests_prefix_entry_in_place() {
+    // Three requests of 600 prompt tokens (one full hash block, unique to
+    // each) and 10 output tokens in an arena of 48 chunks: each needs 39
+    // (38 at admission), and the one before it is a prefix entry of 32
+    // chunks (its hash block) with its 7 others cached in its tail.
+    let r = run_prefix_entries(48, &[(600, 10, &[1000]), (600, 10, &[1001]), (600, 10, &[1002])]);
+    let extra = |k: &str| extra(&r, k);
+    assert_eq!(extra("take_overs"), "2", "the second and third admissions take the entry before them over");
+    assert_eq!(extra("prefix_hits"), "0", "unique prompts");
+    // Only the first request's steps call the driver; the entries' chunks
+    // are adopted where they lie (no unmap anywhere).
+    let w = r.warm_decode_step_calls;
+    assert_eq!(w.steps, 20, "{w:?}");
+    assert_eq!((w.total.max, w.total.zero_fraction), (0, 1.0), "{w:?}");
+    assert_eq!(r.decode_step_calls.unmap.max, 0);
+    // The calls by engine action add up to the driver's count, all of them
+    // from the first admission and its growth.
+    let phases: serde_json::Value = serde_json::from_str(&extra("arena_calls_by_phase")).expect("JSON");
+    let maps: u64 = phases.as_object().expect("object").values().map(|p| p["map_chunks"].as_u64().unwrap()).sum();
+    assert_eq!(maps.to_string(), extra("arena_driver_maps"));
+    assert_eq!(phases["free"]["map_chunks"], 0);
+    assert_eq!(phases["upkeep"]["unmap_chunks"], 0);
+}
+
+#[test]
+fn with_memory_full_an_admission_takes_the_oldest_entry_over_rather_than_map_elsewhere() {
+    // 80 chunks. A (600 tokens, one hash block) becomes an entry of 32
+    // chunks, 7 more cached in its tail; B (300 tokens, no full hash
+    // block: nothing cached) takes 20 chunks more and leaves them cached
+    // where it was; C (600 tokens, another hash block) needs 38 at
+    // admission: free memory (80 - 32) would serve it, but only 21 of it
+    // is neither backing nor cached, so a new allocation would map chunks
+    // (created or taken from B's range). It takes A's entry over instead.
+    let (a, b, c): (Req, Req, Req) = ((600, 10, &[1000]), (300, 10, &[]), (600, 10, &[1002]));
+    let r = run_prefix_entries(80, &[a, b, c]);
+    assert_eq!(extra(&r, "take_overs"), "1", "C takes A's entry over");
+    assert_eq!(extra(&r, "prefix_hits"), "0");
+    // C adopts A's 32 chunks where they lie: it maps only the 7 beyond
+    // them (A's tail went to B), and creates nothing.
+    let ab = run_prefix_entries(80, &[a, b]);
+    let count = |r: &RunResult, k: &str| extra(r, k).parse::<u64>().expect("a count");
+    assert_eq!(count(&r, "arena_driver_creates"), count(&ab, "arena_driver_creates"));
+    let c_maps = count(&r, "arena_driver_maps") - count(&ab, "arena_driver_maps");
+    assert!(c_maps <= 39 - 32, "C mapped {c_maps} chunks");
 }

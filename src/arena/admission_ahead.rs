@@ -5,7 +5,8 @@
 //! A new allocation of whole chunks reserving `R` pages is placed by best
 //! fit: among the free ranges of the best length for `R` (at most 16 looked
 //! at), the one whose first pages hold the most cached chunks, lowest
-//! address on ties (`alloc::best_fit_adopting`); a cached chunk there is
+//! address on ties, or a longer range where it would adopt more
+//! (`alloc::best_fit_adopting`); a cached chunk there is
 //! adopted with no driver call. So the place is known before the
 //! allocation is asked for, and `maintain` can map chunks there while the
 //! device computes: [`windows`] predicts the next `count` places exactly as

@@ -539,7 +539,10 @@ fn alloc_pages(
 /// Best fit for a reservation of `reserved` pages whose first `pages` are
 /// backed: among the free ranges of the best length (at most 16 looked at),
 /// the one whose first `pages` pages hold the most cached chunks, lowest
-/// address on ties. Each cached chunk is adopted with no driver call, where
+/// address on ties; a longer free range is taken instead only where more
+/// of its cached chunks would be adopted (placed at its first cached
+/// chunk, or as near as the range allows: a freed range that joined its
+/// free neighbours). Each cached chunk is adopted with no driver call, where
 /// an unmapped page costs a map, a share of an access call and maybe a
 /// create (the time model's costliest calls): with fits otherwise equal,
 /// adoption is never slower. `free` is `st.free`, or a copy of it on which
@@ -555,6 +558,20 @@ pub(super) fn best_fit_adopting(st: &State, free: &FreeRanges, reserved: u64, pa
     let cached_at = |t: u64| st.cached.range(t..t + pages).count();
     let mut best: Option<(usize, u64)> = None;
     for t in candidates {
+        let n = cached_at(t);
+        if best.map_or(true, |(b, _)| n > b) {
+            best = Some((n, t));
+        }
+    }
+    // A longer free range whose cached chunks it would adopt more of (a
+    // freed range coalesced with free neighbours): placed at its first
+    // cached chunk, or as near it as the range allows.
+    for (start, len) in free.iter() {
+        if len < reserved {
+            continue;
+        }
+        let Some(&first) = st.cached.range(start..start + len).next() else { continue };
+        let t = first.min(start + len - reserved);
         let n = cached_at(t);
         if best.map_or(true, |(b, _)| n > b) {
             best = Some((n, t));

@@ -390,14 +390,16 @@ fn spare_idle(st: &State, ahead: u64, want: usize) -> Vec<u64> {
         let from = a.start + a.backed;
         (from..from + ahead.min(a.reserved - a.backed)).contains(&p)
     };
-    // Deepest into their free range (or allocation) first: a new
-    // allocation placed there adopts the cached chunks at its start, so
-    // those are the likeliest to save a caller's driver calls.
+    // Free ranges' chunks before those of a live allocation's reservation
+    // tail (its own growth adopts those with no driver call), and deepest
+    // into their free range (or allocation) first: a new allocation placed
+    // there adopts the cached chunks at its start, so those are the
+    // likeliest to save a caller's driver calls.
     let depth = |p: u64| match st.free.containing(p) {
-        Some((s, _)) => p - s,
-        None => st.by_start.range(..=p).next_back().map_or(0, |(&s, _)| p - s),
+        Some((s, _)) => (1, p - s),
+        None => (0, st.by_start.range(..=p).next_back().map_or(0, |(&s, _)| p - s)),
     };
-    let mut spare: Vec<(u64, u64)> =
+    let mut spare: Vec<((u64, u64), u64)> =
         st.idle.iter().filter(|p| st.cached.contains(p) && !in_window(**p)).map(|&p| (depth(p), p)).collect();
     if spare.len() > want {
         spare.select_nth_unstable_by(want, |a, b| b.cmp(a));

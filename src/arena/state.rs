@@ -531,6 +531,21 @@ enum Source {
     Fresh,
 }
 
+/// Cached pages to steal, in the order given, except that pages in a live
+/// allocation's reservation (beyond its backed prefix: chunks its own
+/// growth adopts with no driver call) come after every page of a free
+/// range: a chunk stolen from a tail is one its owner's growth must map
+/// again, one stolen from a free range only one a later placement there
+/// might have adopted.
+fn steal_order<'a>(st: &'a State, pages: impl Iterator<Item = &'a u64> + Clone + 'a) -> impl Iterator<Item = u64> + 'a {
+    let in_tail = move |p: u64| {
+        st.by_start.range(..=p).next_back().is_some_and(|(&start, &slot)| p < start + st.alloc(slot).reserved)
+    };
+    let free = pages.clone().copied().filter(move |&p| !in_tail(p));
+    let tails = pages.copied().filter(move |&p| in_tail(p));
+    free.chain(tails)
+}
+
 /// The driver work that places chunks at a run of pages, computed from the
 /// state without changing it, then executed, then applied.
 #[derive(Debug, Default)]
@@ -638,13 +653,11 @@ impl Plan {
             let windows = &st.admit_windows;
             let usable = |p: &&u64| st.cached.contains(p) && outside(p);
             let in_window = |p: &&u64| super::admission_ahead::in_windows(windows, **p);
-            let idle: Vec<u64> = st
-                .idle
-                .iter()
-                .rev()
-                .filter(|p| usable(p) && !in_window(p))
-                .chain(st.idle.iter().rev().filter(|p| usable(p) && in_window(p)))
-                .copied()
+            // A live allocation's reservation tail is its own growth's to
+            // adopt: cached chunks of free ranges go first (see
+            // `steal_order`).
+            let idle: Vec<u64> = steal_order(st, st.idle.iter().rev().filter(|p| usable(p) && !in_window(p)))
+                .chain(st.idle.iter().rev().filter(|p| usable(p) && in_window(p)).copied())
                 .take(want)
                 .collect();
             have += idle.len() as u64;
@@ -661,14 +674,12 @@ impl Plan {
             // the extra chunks going to the unmapped pool, so that growth
             // token by token synchronizes once per batch, not per chunk.
             let want = ((fresh_needed - have) as usize).max(STEAL_BATCH);
-            let stolen: Vec<u64> = st
-                .cached
-                .iter()
-                .rev()
-                .filter(|p| !st.idle.contains(p) && outside(p) && !plan.reuse.takes(**p))
-                .copied()
-                .take(want)
-                .collect();
+            let stolen: Vec<u64> = steal_order(
+                st,
+                st.cached.iter().rev().filter(|p| !st.idle.contains(p) && outside(p) && !plan.reuse.takes(**p)),
+            )
+            .take(want)
+            .collect();
             have += stolen.len() as u64;
             plan.unmap.extend(stolen);
         }

@@ -6,8 +6,10 @@
 
 use super::*;
 
+mod phase_calls;
 mod prefetch_sizing;
 mod staged;
+use phase_calls::{Phase, PhaseCalls};
 use prefetch_sizing::{AdmissionRate, GrowthRate};
 use staged::{StageStats, Staged, MAX_STAGE_WAIT};
 
@@ -77,6 +79,8 @@ pub struct ArenaMgr {
     /// Whole prompts: growths made between steps by
     /// `prepare_decode_growth` (with no chunk mapped ahead, `--map-ahead 0`).
     prepared_decode_growths: u64,
+    /// The driver calls of each engine action (see `phase_calls.rs`).
+    phase_calls: PhaseCalls,
 }
 
 /// How the engine drives the arena (see [`ArenaMgr`]).
@@ -215,6 +219,7 @@ impl ArenaMgr {
             admission_windows: true,
             waiting: 0,
             prepared_decode_growths: 0,
+            phase_calls: PhaseCalls::default(),
         })
     }
 
@@ -458,6 +463,109 @@ impl ArenaMgr {
     }
 }
 
+/// The bodies of the `KvManager` calls whose driver calls are counted by
+/// engine action (see `phase_calls.rs`).
+impl ArenaMgr {
+    fn grow_counted(&mut self, seq: usize, tokens: u64, stored: u64) -> Result<(), Fail> {
+        match self.grow_once(seq, tokens, stored) {
+            // A running request comes before one not admitted yet: the
+            // staged admission gives its memory up, and growth tries again.
+            Err(_) if self.staged.is_some() => {
+                self.stage_give_up(true);
+                self.grow_once(seq, tokens, stored)
+            }
+            r => r,
+        }?;
+        self.cache_chunk(seq, tokens);
+        Ok(())
+    }
+
+    fn prepare_growth_counted(&mut self, grows: &[(usize, u64, u64)], _budget: &StepBudget<'_>) {
+        self.growth_pending = false;
+        self.chunked = true;
+        if self.mode == ArenaMode::Sync || !self.prepare {
+            return;
+        }
+        let (batch, more) = self.growth_needing_chunks(grows);
+        if !batch.is_empty() {
+            // As for prepared admissions: memory freed on the stream in this
+            // step serves the growth at once (same stream), but growth that
+            // cannot fit even so is left to the next step.
+            if !self.fits_beside_live(more) {
+                self.growth_pending = true;
+                return;
+            }
+            self.prepared_growth.0 += batch.len() as u64;
+            if self.grow_batch_once(&batch).is_err() {
+                // Unchanged (all or nothing): the next step's growth tries
+                // again, and preempts where it must.
+                self.prepared_growth.1 += batch.len() as u64;
+                self.growth_pending = true;
+                return;
+            }
+        }
+        // The next step's growth is made, and it cannot fail now: the hash
+        // blocks its chunks compute are cached now, as the next step's
+        // admission will find them (its `grow` calls find this done).
+        for &(seq, tokens, _) in grows {
+            self.cache_chunk(seq, tokens);
+        }
+    }
+
+    fn prepare_decode_growth_counted(&mut self, grows: &[(usize, u64, u64)]) {
+        // With a chunk mapped ahead of each tensor, growth adopts it instead.
+        let mapping_ahead = self.base_prefetch.1 > 0;
+        if self.mode == ArenaMode::Sync || !self.prepare || mapping_ahead || self.staged.is_some() {
+            return;
+        }
+        let (batch, more) = self.growth_needing_chunks(grows);
+        if batch.is_empty() {
+            return;
+        }
+        // The next step admits before it grows: made now, the growth must
+        // leave what those admissions may take (the prepared ones hold
+        // theirs already; a request arriving meanwhile may be as large as
+        // the largest admitted lately) and evict nothing from the prefix
+        // cache. Otherwise the step grows as before.
+        let Ok(st) = self.arena.stats() else { return };
+        let room_for_admission = self.admissions.recent.iter().copied().max().unwrap_or(0);
+        let held = st.mapped_bytes + st.pending_free_bytes;
+        if held + more + room_for_admission > st.capacity_bytes {
+            return;
+        }
+        if self.grow_batch_once(&batch).is_ok() {
+            self.prepared_decode_growths += batch.len() as u64;
+        }
+    }
+
+    fn grow_batch_counted(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
+        match self.grow_batch_once(grows) {
+            Err(_) if self.staged.is_some() => {
+                self.stage_give_up(true);
+                self.grow_batch_once(grows)
+            }
+            r => r,
+        }
+    }
+
+    fn free_counted(&mut self, seq: usize) {
+        if let Some(s) = self.seqs[seq].take() {
+            if let Some(p) = self.prefix.as_mut() {
+                p.release(&self.arena, s.ids[0], self.discard);
+                return;
+            }
+            for id in s.ids {
+                if self.discard {
+                    if let Ok(q) = self.arena.query(id) {
+                        discard(q.ptr, q.mapped_bytes);
+                    }
+                }
+                self.free_one(id).expect("free of a live allocation");
+            }
+        }
+    }
+}
+
 impl KvManager for ArenaMgr {
     fn name(&self) -> &'static str {
         self.name
@@ -482,7 +590,7 @@ impl KvManager for ArenaMgr {
             return self.stage_finish(q).1;
         }
         self.stage_give_up(false);
-        self.admit_now(seq, tokens, q)
+        self.in_phase(Phase::Admit, |m| m.admit_now(seq, tokens, q))
     }
 
     fn admission_ready(&mut self, seq: usize, tokens: u64) -> bool {
@@ -543,7 +651,7 @@ impl KvManager for ArenaMgr {
                 break;
             }
             let shared_before = self.shared_live_bytes_all();
-            let outcome = self.admit_now(seq, tokens, q);
+            let outcome = self.in_phase(Phase::PreparedAdmit, |m| m.admit_now(seq, tokens, q));
             let shared_bytes = self.shared_live_bytes_all().saturating_sub(shared_before);
             let failed = outcome.is_err();
             self.prepared.push(Prepared { seq, tokens, outcome, shared_bytes });
@@ -554,17 +662,7 @@ impl KvManager for ArenaMgr {
     }
 
     fn grow(&mut self, seq: usize, tokens: u64, stored: u64) -> Result<(), Fail> {
-        match self.grow_once(seq, tokens, stored) {
-            // A running request comes before one not admitted yet: the
-            // staged admission gives its memory up, and growth tries again.
-            Err(_) if self.staged.is_some() => {
-                self.stage_give_up(true);
-                self.grow_once(seq, tokens, stored)
-            }
-            r => r,
-        }?;
-        self.cache_chunk(seq, tokens);
-        Ok(())
+        self.in_phase(Phase::Grow, |m| m.grow_counted(seq, tokens, stored))
     }
 
     fn prefix_hit(&mut self, seq: usize, q: &Request) -> u64 {
@@ -577,89 +675,20 @@ impl KvManager for ArenaMgr {
         self.prefix.as_ref().map_or(0, |p| p.hit_tokens(q))
     }
 
-    fn prepare_growth(&mut self, grows: &[(usize, u64, u64)], _budget: &StepBudget<'_>) {
-        self.growth_pending = false;
-        self.chunked = true;
-        if self.mode == ArenaMode::Sync || !self.prepare {
-            return;
-        }
-        let (batch, more) = self.growth_needing_chunks(grows);
-        if !batch.is_empty() {
-            // As for prepared admissions: memory freed on the stream in this
-            // step serves the growth at once (same stream), but growth that
-            // cannot fit even so is left to the next step.
-            if !self.fits_beside_live(more) {
-                self.growth_pending = true;
-                return;
-            }
-            self.prepared_growth.0 += batch.len() as u64;
-            if self.grow_batch_once(&batch).is_err() {
-                // Unchanged (all or nothing): the next step's growth tries
-                // again, and preempts where it must.
-                self.prepared_growth.1 += batch.len() as u64;
-                self.growth_pending = true;
-                return;
-            }
-        }
-        // The next step's growth is made, and it cannot fail now: the hash
-        // blocks its chunks compute are cached now, as the next step's
-        // admission will find them (its `grow` calls find this done).
-        for &(seq, tokens, _) in grows {
-            self.cache_chunk(seq, tokens);
-        }
+    fn prepare_growth(&mut self, grows: &[(usize, u64, u64)], budget: &StepBudget<'_>) {
+        self.in_phase(Phase::PreparedGrow, |m| m.prepare_growth_counted(grows, budget))
     }
 
     fn prepare_decode_growth(&mut self, grows: &[(usize, u64, u64)]) {
-        // With a chunk mapped ahead of each tensor, growth adopts it instead.
-        let mapping_ahead = self.base_prefetch.1 > 0;
-        if self.mode == ArenaMode::Sync || !self.prepare || mapping_ahead || self.staged.is_some() {
-            return;
-        }
-        let (batch, more) = self.growth_needing_chunks(grows);
-        if batch.is_empty() {
-            return;
-        }
-        // The next step admits before it grows: made now, the growth must
-        // leave what those admissions may take (the prepared ones hold
-        // theirs already; a request arriving meanwhile may be as large as
-        // the largest admitted lately) and evict nothing from the prefix
-        // cache. Otherwise the step grows as before.
-        let Ok(st) = self.arena.stats() else { return };
-        let room_for_admission = self.admissions.recent.iter().copied().max().unwrap_or(0);
-        let held = st.mapped_bytes + st.pending_free_bytes;
-        if held + more + room_for_admission > st.capacity_bytes {
-            return;
-        }
-        if self.grow_batch_once(&batch).is_ok() {
-            self.prepared_decode_growths += batch.len() as u64;
-        }
+        self.in_phase(Phase::PreparedGrow, |m| m.prepare_decode_growth_counted(grows))
     }
 
     fn grow_batch(&mut self, grows: &[(usize, u64, u64)]) -> Result<(), Fail> {
-        match self.grow_batch_once(grows) {
-            Err(_) if self.staged.is_some() => {
-                self.stage_give_up(true);
-                self.grow_batch_once(grows)
-            }
-            r => r,
-        }
+        self.in_phase(Phase::Grow, |m| m.grow_batch_counted(grows))
     }
 
     fn free(&mut self, seq: usize) {
-        if let Some(s) = self.seqs[seq].take() {
-            if let Some(p) = self.prefix.as_mut() {
-                p.release(&self.arena, s.ids[0], self.discard);
-                return;
-            }
-            for id in s.ids {
-                if self.discard {
-                    if let Ok(q) = self.arena.query(id) {
-                        discard(q.ptr, q.mapped_bytes);
-                    }
-                }
-                self.free_one(id).expect("free of a live allocation");
-            }
-        }
+        self.in_phase(Phase::Free, |m| m.free_counted(seq))
     }
 
     fn write_tag(&mut self, seq: usize, t: u64, tag: u64) -> bool {
@@ -701,6 +730,25 @@ impl KvManager for ArenaMgr {
     }
 
     fn between_steps(&mut self) {
+        self.in_phase(Phase::Upkeep, |m| m.upkeep())
+    }
+
+    fn extra(&self) -> Vec<(String, String)> {
+        let mut v = self.extra_arena();
+        v.push(("arena_calls_by_phase".into(), self.phase_calls.json()));
+        v
+    }
+
+    fn shared_live_bytes(&self) -> u64 {
+        // Prepared and staged admissions are not running yet.
+        let staged = self.staged.as_ref().map_or(0, |s| s.shared_bytes);
+        self.shared_live_bytes_all() - self.prepared.shared_bytes() - staged
+    }
+}
+
+impl ArenaMgr {
+    /// Between steps: retired ranges released, prefetch targets kept.
+    fn upkeep(&mut self) {
         // `prepare_growth`'s word is for this step's `prepare_admissions`
         // only (the next step may have no running request to grow).
         self.growth_pending = false;
@@ -726,7 +774,7 @@ impl KvManager for ArenaMgr {
         }
     }
 
-    fn extra(&self) -> Vec<(String, String)> {
+    fn extra_arena(&self) -> Vec<(String, String)> {
         let Ok(s) = self.arena.stats() else { return Vec::new() };
         let mut v: Vec<(String, String)> = vec![
             ("arena_peak_physical_bytes".into(), s.peak_physical_bytes.to_string()),
@@ -774,11 +822,5 @@ impl KvManager for ArenaMgr {
             v.extend(p.extra(&self.arena));
         }
         v
-    }
-
-    fn shared_live_bytes(&self) -> u64 {
-        // Prepared and staged admissions are not running yet.
-        let staged = self.staged.as_ref().map_or(0, |s| s.shared_bytes);
-        self.shared_live_bytes_all() - self.prepared.shared_bytes() - staged
     }
 }
