@@ -8,7 +8,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use vmm_arena::{ArenaConfig, Backend, Error, Group as RGroup, GroupConfig, GroupId};
+use vmm_arena::{ArenaConfig, Error, Group as RGroup, GroupConfig, GroupId};
 
 use crate::{opt_positive, opt_u64, py_err, stats_to_dict, to_py, u64_arg};
 
@@ -43,17 +43,7 @@ impl Group {
         retain_bytes: Option<&Bound<'_, PyAny>>,
         peer_access: bool,
     ) -> PyResult<Group> {
-        let backend = match backend {
-            "cuda" => Backend::Cuda,
-            "host" => Backend::Host,
-            "host-sparse" => Backend::HostSparse,
-            other => {
-                return Err(py_err(
-                    "InvalidArgument",
-                    format!("backend {other:?}: one of 'cuda', 'host', 'host-sparse'"),
-                ))
-            }
-        };
+        let backend = crate::backend_arg(backend)?;
         let devices = devices
             .iter()
             .map(|d| {

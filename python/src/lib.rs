@@ -178,6 +178,16 @@ impl Shared {
     }
 }
 
+/// A backend's name as the constructors take it.
+pub(crate) fn backend_arg(name: &str) -> PyResult<Backend> {
+    match name {
+        "cuda" => Ok(Backend::Cuda),
+        "host" => Ok(Backend::Host),
+        "host-sparse" => Ok(Backend::HostSparse),
+        other => Err(py_err("InvalidArgument", format!("backend {other:?}: one of 'cuda', 'host', 'host-sparse'"))),
+    }
+}
+
 fn id_of(v: &Bound<'_, PyAny>, arena: &Arc<Shared>) -> PyResult<Id> {
     if let Ok(a) = v.downcast::<Allocation>() {
         let a = a.borrow();
@@ -222,17 +232,7 @@ impl Arena {
         background: bool,
         exportable: bool,
     ) -> PyResult<Arena> {
-        let backend = match backend {
-            "cuda" => Backend::Cuda,
-            "host" => Backend::Host,
-            "host-sparse" => Backend::HostSparse,
-            other => {
-                return Err(py_err(
-                    "InvalidArgument",
-                    format!("backend {other:?}: one of 'cuda', 'host', 'host-sparse'"),
-                ))
-            }
-        };
+        let backend = backend_arg(backend)?;
         let device = opt_u64(device, "device", 0)?;
         let device = i32::try_from(device)
             .map_err(|_| py_err("InvalidArgument", format!("device = {device} is out of range (0 .. 2**31)")))?;

@@ -176,33 +176,18 @@ impl HookArena {
         Ok(())
     }
 
-    /// Refuses (`OutOfMemory`) `size` more bytes when they would leave less
-    /// than `margin` of the capacity free: memory neither mapped nor pooled,
-    /// less what the pool cannot serve of `size`.
-    fn check_margin(&self, size: u64, margin: u64) -> Result<(), Error> {
-        let s = self.arena.stats()?;
-        let left = s.capacity_free_after(size);
-        if left < margin {
-            return Err(Error::OutOfMemory(format!(
-                "{size} bytes would leave {left} of the arena's {} bytes free, under memory_margin_bytes ({margin})",
-                s.capacity_bytes
-            )));
-        }
-        Ok(())
-    }
-
     fn malloc(&self, size: u64) -> Result<u64, Error> {
         let mut book = self.book()?;
         self.reap(&mut book, false)?;
         let margin = MARGIN.load(Ordering::Relaxed);
         if margin > 0 {
-            if let Err(e) = self.check_margin(size, margin) {
+            if let Err(e) = self.arena.stats()?.check_margin(size, margin) {
                 // Memory still waiting for a stream may be what is missing.
                 if book.pending.is_empty() {
                     return Err(e);
                 }
                 self.reap(&mut book, true)?;
-                self.check_margin(size, margin)?;
+                self.arena.stats()?.check_margin(size, margin)?;
             }
         }
         let tag = CURRENT_TAG.with(Cell::get);

@@ -122,14 +122,7 @@ impl Arena {
     /// [`Arena::free_on_stream`], which keeps the memory until the stream's
     /// earlier work completes.
     pub fn free(&self, id: Id) -> Result<()> {
-        self.free_checked(id, |_| Ok(()))
-    }
-
-    /// [`Arena::free`] after `precondition` holds, checked under the same
-    /// lock as the free; when it fails, nothing is done.
-    pub(super) fn free_checked(&self, id: Id, precondition: impl Fn(&super::Inner) -> Result<()>) -> Result<()> {
         self.run(Touch::Nothing, |inner, _ctx, _| {
-            precondition(inner)?;
             #[cfg(unix)]
             if let Some(r) = super::export::free_shared(inner, _ctx, id) {
                 return r;
@@ -140,10 +133,12 @@ impl Arena {
         })
     }
 
-    /// `free_checked` for a two-phase commit: nothing in it can fail for a
-    /// driver call (an exported allocation whose chunks cannot be given back
-    /// now is held and finished by the next call; see
-    /// `export::free_exported_or_hold`). Imports are never prepared.
+    /// [`Arena::free`] for a two-phase commit, after `precondition` holds
+    /// (checked under the same lock; when it fails, nothing is done).
+    /// Nothing in it can fail for a driver call: an exported allocation
+    /// whose chunks cannot be given back now is held and finished by the
+    /// next call (`export::free_exported_or_hold`). Imports are never
+    /// prepared.
     pub(super) fn free_committed(&self, id: Id, precondition: impl Fn(&super::Inner) -> Result<()>) -> Result<()> {
         self.run(Touch::Nothing, |inner, _ctx, _| {
             precondition(inner)?;

@@ -131,6 +131,19 @@ impl Stats {
         let held = self.mapped_bytes.saturating_add(self.pooled_bytes);
         self.capacity_bytes.saturating_sub(held).saturating_sub(size.saturating_sub(self.pooled_bytes))
     }
+
+    /// `OutOfMemory` when `size` more bytes would leave less than `margin`
+    /// of the capacity free ([`Stats::capacity_free_after`]).
+    pub fn check_margin(&self, size: u64, margin: u64) -> Result<()> {
+        let left = self.capacity_free_after(size);
+        if left < margin {
+            return Err(crate::Error::OutOfMemory(format!(
+                "{size} bytes would leave {left} of the arena's {} bytes free, under the margin of {margin}",
+                self.capacity_bytes
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// What [`Arena::compact`] did.
