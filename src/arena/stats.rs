@@ -138,7 +138,7 @@ impl Stats {
         let left = self.capacity_free_after(size);
         if left < margin {
             return Err(crate::Error::OutOfMemory(format!(
-                "{size} bytes would leave {left} of the arena's {} bytes free, under the margin of {margin}",
+                "{size} bytes would leave {left} of the arena's {} bytes free, under the margin of {margin} (memory_margin_bytes)",
                 self.capacity_bytes
             )));
         }
