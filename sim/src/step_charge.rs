@@ -28,12 +28,13 @@ use crate::timing::{Profile, StepTime, StepWork};
 
 /// The KV layout attention kernels see under manager `name`, in every
 /// replay: vLLM's block pool is paged, and so is kvcached's (it keeps
-/// vLLM's blocks; `static` in `multi_model` is vLLM's pool); every other
+/// vLLM's blocks; `static` in `multi_model` is vLLM's pool; `arena-paged`
+/// reads its chunks through a block table); every other
 /// manager lays a request's KV out as `layout` says (block-in-chunk is
 /// read by the paged kernel: a chunk is one block of its block table).
 pub fn attn_layout(name: &str, layout: Layout) -> AttnLayout {
     match (name, layout) {
-        ("vllm-paged" | "static" | "kvcached", _) => AttnLayout::Paged,
+        ("vllm-paged" | "arena-paged" | "static" | "kvcached", _) => AttnLayout::Paged,
         (_, Layout::TokenMajor) => AttnLayout::TokenMajor,
         (_, Layout::PerLayer) => AttnLayout::PerLayer,
         (_, Layout::BlockInChunk) => AttnLayout::Paged,

@@ -322,7 +322,8 @@ pub fn check_host_memory(
     let hashes = requests.iter().any(|q| !q.hash_ids.is_empty());
     // Both prefix caches (vLLM's, and the arena's in a one-allocation
     // layout) keep the tags of cached blocks resident.
-    let caches = |m: &str| m == "vllm-paged" || (m.starts_with("arena") && shape.layout.one_allocation());
+    let caches =
+        |m: &str| m == "vllm-paged" || m == "arena-paged" || (m.starts_with("arena") && shape.layout.one_allocation());
     let worst = |m: &str| if caches(m) && prefix_caching && hashes { device_tokens * TAG_PAGE_BYTES } else { live };
     let mut per: Vec<u64> = managers.iter().map(|m| worst(m) + host_budget_for(capacity, ram)).collect();
     per.sort_unstable_by(|a, b| b.cmp(a));
@@ -380,20 +381,24 @@ fn slot_vec<T>(v: &mut Vec<Option<T>>, seq: usize) -> &mut Option<T> {
 }
 
 mod arena;
+mod arena_paged;
 mod ideal;
 pub mod kvcached;
 pub mod kvcached_pool;
+pub mod paged;
 mod torch;
 mod vllm;
 
 pub use arena::*;
+pub use arena_paged::*;
 pub use ideal::*;
 pub use torch::*;
 pub use vllm::*;
 
 /// Every manager name the replay knows, in report order.
-pub const ALL_MANAGERS: [&str; 9] = [
+pub const ALL_MANAGERS: [&str; 10] = [
     "arena",
+    "arena-paged",
     "arena-no-moves",
     "arena-staged",
     "arena-sync",
@@ -470,6 +475,7 @@ pub fn build(name: &str, shape: KvShape, o: BuildOptions) -> Result<Box<dyn KvMa
             ArenaMgr::new("arena-sync", shape, ArenaOptions { no_implicit_moves: false, ..arena }, ArenaMode::Sync)?
                 .with_prefix_cache(o.prefix_caching),
         ),
+        "arena-paged" => Box::new(ArenaPagedMgr::new(shape, arena, o.prefix_caching)?),
         "pytorch-caching" => Box::new(TorchMgr::new("pytorch-caching", shape, cap, false)?),
         "pytorch-expandable" => Box::new(TorchMgr::new("pytorch-expandable", shape, cap, true)?),
         "vllm-paged" => Box::new(VllmMgr::new(shape, cap, o.prefix_caching)?),

@@ -496,6 +496,7 @@ fn main() {
     }
     println!(
         "  managers  arena: {} chunks, virtual range {}, retain {}, prefix cache {}, prefetch {} created + {} mapped ahead per tensor (arena-sync: none); \
+         arena-paged: vLLM's block pool over the arena's chunks, {}-token blocks (a chunk each, read through a block table); \
          vllm-paged: prefix caching {}; contiguous-max: room for {} output tokens",
         fmt_bytes(o.workload.chunk_bytes()),
         fmt_bytes(s.build.arena.reserve),
@@ -510,6 +511,8 @@ fn main() {
         },
         fmt_bytes(o.precreate),
         fmt_bytes(o.map_ahead),
+        managers::paged_block_tokens(o.workload.chunk_bytes(), s.shape.kv_bytes_per_token)
+            .map_or_else(|e| format!("no ({e})"), |t| t.to_string()),
         if s.build.prefix_caching { "on" } else { "off" },
         s.build.max_tokens
     );
