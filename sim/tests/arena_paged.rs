@@ -86,6 +86,10 @@ fn blocks_are_mapped_once_and_reused_where_they_lie() {
     assert_eq!(c.map, c.create, "{c:?}");
     assert_eq!((c.unmap, c.release), (0, 0), "{c:?}");
     assert_eq!(c.create_chunks * 2 * MIB, a.peak_physical_bytes, "{c:?}");
+    // Blocks are read and written on the engine's one stream, which
+    // orders a chunk's next owner after its old one: no event is recorded
+    // or polled for that (each would be charged to the step).
+    assert_eq!((c.event_record, c.event_query, c.event_destroy), (0, 0, 0), "{c:?}");
     // The footprint grows only while the cache fills: in the median
     // decode step, once live KV has peaked, no call.
     let w = a.warm_decode_step_calls;

@@ -7,12 +7,18 @@
 //! fails are decided by the one policy of `paged.rs`, as for `vllm-paged`;
 //! only the memory differs:
 //!
-//! - a block gets its chunk when first taken (`Arena::alloc_on_stream` of
-//!   one chunk: a chunk the arena holds mapped at a free address is adopted
-//!   where it lies, with no driver call; otherwise one is created and
-//!   mapped), and gives it back (`free_on_stream`) when freed holding
-//!   nothing cached. An evicted cached block is reused in place: its chunk
-//!   stays where it is, and the new owner's block table names it;
+//! - a block gets its chunk when first taken (`Arena::alloc` of one chunk:
+//!   a chunk the arena holds mapped at a free address is adopted where it
+//!   lies, with no driver call; otherwise one is created and mapped), and
+//!   gives it back (`Arena::free`) when freed holding nothing cached. An
+//!   evicted cached block is reused in place: its chunk stays where it is,
+//!   and the new owner's block table names it;
+//! - every read and write of KV is on the engine's one stream, so a chunk's
+//!   next owner is ordered after its old owner's queued work by the stream
+//!   itself, as a vLLM block reused at once is: the plain `free`/`alloc`
+//!   pair is the right one, and `free_on_stream` (an event recorded per
+//!   free, polled per alloc) would only pay for an ordering the stream
+//!   already gives. A second stream reading KV would need it;
 //! - between steps, while the GPU computes, the blocks the next step's
 //!   growth and admissions will take get their chunks (driver calls there
 //!   are hidden up to the step's GPU time). No chunk is created ahead
@@ -105,7 +111,7 @@ impl BlockMemory for ArenaBlocks {
         if self.held[b as usize].is_some() {
             return Ok(()); // an evicted cached block, reused where it lies
         }
-        match self.arena.alloc_on_stream(self.chunk, ENGINE_STREAM) {
+        match self.arena.alloc(self.chunk) {
             Ok(placed) => {
                 self.held[b as usize] = Some(placed);
                 Ok(())
@@ -122,9 +128,9 @@ impl BlockMemory for ArenaBlocks {
         if discard_pages {
             discard(addr, self.chunk);
         }
-        // The engine's stream: the chunk serves that stream's next
-        // allocation at once. A free of a live id does not fail.
-        if let Err(e) = self.arena.free_on_stream(id, ENGINE_STREAM) {
+        // Stream order keeps the next owner after this one's queued work
+        // (module docs). A free of a live id does not fail.
+        if let Err(e) = self.arena.free(id) {
             self.last_error = Some(e.to_string());
         }
     }
