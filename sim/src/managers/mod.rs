@@ -1,8 +1,11 @@
 //! KV-cache managers driven by the replay: vmm-arena (with and without
 //! implicit moves, driven with stream-ordered frees, prefetch and batch
-//! growth; and `arena-sync`, driven as before) and the baselines — PyTorch's caching allocator (native
-//! and expandable segments) holding each request's KV as contiguous tensors
-//! grown by doubling with a copy, and vLLM's static block pool.
+//! growth; and `arena-sync`, driven as before), `arena-paged` (vLLM's block
+//! pool over the arena's chunks, read through a block table:
+//! `arena_paged.rs`, policy shared with `vllm-paged` in `paged.rs`) and the
+//! baselines — PyTorch's caching allocator (native and expandable segments)
+//! holding each request's KV as contiguous tensors grown by doubling with a
+//! copy, and vLLM's static block pool.
 //!
 //! Every manager runs on its own [`Counted`] host driver in sparse mode, with
 //! the same device capacity, so driver calls and physical memory are counted
