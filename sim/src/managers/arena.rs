@@ -160,6 +160,22 @@ impl ArenaOptions {
             chunk_bytes: 0,
         }
     }
+
+    /// A counted device of `capacity` bytes and an arena over it, as these
+    /// options say (the prefetch targets are the caller's to set).
+    pub fn arena(&self) -> Result<(Arena, Dev), String> {
+        let dev = new_device(self.capacity)?;
+        let cfg = ArenaConfig {
+            capacity_bytes: self.capacity,
+            reserve_bytes: self.reserve,
+            retain_bytes: self.retain,
+            no_implicit_moves: self.no_implicit_moves,
+            chunk_bytes: self.chunk_bytes,
+            ..ArenaConfig::default()
+        };
+        let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
+        Ok((arena, dev))
+    }
 }
 
 /// Default prefetch targets of the `arena` rows: nothing mapped ahead of
@@ -173,16 +189,7 @@ pub const DEFAULT_PRECREATE: u64 = 8 << 20;
 
 impl ArenaMgr {
     pub fn new(name: &'static str, shape: KvShape, o: ArenaOptions, mode: ArenaMode) -> Result<ArenaMgr, String> {
-        let dev = new_device(o.capacity)?;
-        let cfg = ArenaConfig {
-            capacity_bytes: o.capacity,
-            reserve_bytes: o.reserve,
-            retain_bytes: o.retain,
-            no_implicit_moves: o.no_implicit_moves,
-            chunk_bytes: o.chunk_bytes,
-            ..ArenaConfig::default()
-        };
-        let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
+        let (arena, dev) = o.arena()?;
         if mode == ArenaMode::Stream {
             arena.set_prefetch(o.precreate_bytes, o.map_ahead_bytes).map_err(|e| format!("set_prefetch: {e}"))?;
         }

@@ -62,15 +62,8 @@ impl ArenaPagedMgr {
     /// The arena of `o.capacity` bytes under a pool of as many blocks as
     /// whole chunks fit in it (block 0 is the null block, as in vLLM's).
     pub fn new(shape: KvShape, o: ArenaOptions, prefix_caching: bool) -> Result<ArenaPagedMgr, String> {
-        let dev = new_device(o.capacity)?;
-        let cfg = ArenaConfig {
-            capacity_bytes: o.capacity,
-            reserve_bytes: o.reserve,
-            retain_bytes: o.retain,
-            chunk_bytes: o.chunk_bytes,
-            ..ArenaConfig::default()
-        };
-        let arena = Arena::with_driver(dev.clone(), cfg).map_err(|e| format!("arena: {e}"))?;
+        // One-chunk allocations never move, whatever `no_implicit_moves`.
+        let (arena, dev) = o.arena()?;
         let chunk = arena.chunk_bytes();
         let block_tokens = paged_block_tokens(chunk, shape.kv_bytes_per_token)?;
         let num_blocks = o.capacity / chunk;
