@@ -181,7 +181,9 @@ struct Opts {
     profile_json: Option<String>,
     /// Replay arena and vllm-paged over the grid of the unmeasured
     /// constants (paged-attention overhead x token-major penalty x driver
-    /// pricing) and write sweep.json, sweep.md and sweep.svg into DIR.
+    /// pricing) and write sweep.json, sweep.md and sweep.svg into DIR. The
+    /// arena row is `arena`, or `arena-paged` where --managers names it
+    /// and not `arena`.
     #[arg(long, value_name = "DIR")]
     sweep: Option<PathBuf>,
     #[command(flatten)]
@@ -422,8 +424,17 @@ fn main() {
     let matches = Opts::command().after_long_help(help).get_matches();
     let mut o = Opts::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     o.managers = manager_names(&o);
+    // A sweep replays one arena row and vllm-paged (see `--sweep`).
+    let sweep_row = {
+        let has = |m: &str| o.managers.iter().any(|x| x == m);
+        if has("arena-paged") && !has("arena") {
+            "arena-paged"
+        } else {
+            "arena"
+        }
+    };
     if o.sweep.is_some() {
-        o.managers = vec!["arena".into(), "vllm-paged".into()];
+        o.managers = vec![sweep_row.into(), "vllm-paged".into()];
     }
     let capacities = o.capacity_sweep.as_deref().map(|r| {
         let caps = vmm_sim::capacity_sweep::parse_range(r).unwrap_or_else(|e| die(&format!("--capacity-sweep: {e}")));
@@ -552,7 +563,7 @@ fn main() {
                 n => format!("chunked prefill {n}"),
             }
         );
-        sweep::run(dir, &s, s.jobs, &title);
+        sweep::run(dir, &s, s.jobs, &format!("{sweep_row}, {title}"), sweep_row);
         return;
     }
     if let Some(caps) = &capacities {

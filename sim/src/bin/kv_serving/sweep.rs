@@ -51,7 +51,8 @@ fn args(m: serde_json::Map<String, serde_json::Value>) -> Vec<String> {
     vec!["--profile-json".into(), serde_json::Value::Object(m).to_string()]
 }
 
-pub fn run(dir: &Path, s: &Setup, jobs: usize, title: &str) {
+/// The sweep of `row` (`arena` or `arena-paged`) against vllm-paged.
+pub fn run(dir: &Path, s: &Setup, jobs: usize, title: &str, row: &str) {
     std::fs::create_dir_all(dir).unwrap_or_else(|e| die(&format!("cannot create {}: {e}", dir.display())));
     let base = &s.cfg.profile;
     let per_call =
@@ -60,15 +61,16 @@ pub fn run(dir: &Path, s: &Setup, jobs: usize, title: &str) {
     // First pass: the arena at every (penalty, pricing), vLLM at every
     // overhead with per-chunk pricing.
     let mut runs: Vec<(String, Vec<String>)> = Vec::new();
-    // The arena's axis: the token-major penalty, or (block-in-chunk, read
-    // by the paged kernel) the paged overhead, which then applies to both.
-    let paged_arena = s.shape.layout == Layout::BlockInChunk;
+    // The arena's axis: the token-major penalty, or (block-in-chunk, or
+    // arena-paged's blocks, read by the paged kernel) the paged overhead,
+    // which then applies to both.
+    let paged_arena = s.shape.layout == Layout::BlockInChunk || row == "arena-paged";
     let arena_axis: &[f64] = if paged_arena { &PAGED_OVERHEADS } else { &TOKEN_MAJOR_PENALTIES };
     for pricing in PRICINGS {
         for &x in arena_axis {
             let mut m = pricing_overrides(pricing, base);
             efficiency_overrides(&mut m, if paged_arena { "paged" } else { "token_major" }, x);
-            runs.push(("arena".into(), args(m)));
+            runs.push((row.into(), args(m)));
         }
     }
     for po in PAGED_OVERHEADS {
@@ -77,7 +79,7 @@ pub fn run(dir: &Path, s: &Setup, jobs: usize, title: &str) {
         runs.push(("vllm-paged".into(), args(m)));
     }
     eprintln!(
-        "sweep: {} replays (arena x {} {} x {} pricings, vllm-paged x {} overheads)",
+        "sweep: {} replays ({row} x {} {} x {} pricings, vllm-paged x {} overheads)",
         runs.len(),
         arena_axis.len(),
         if paged_arena { "paged overheads" } else { "token-major penalties" },
