@@ -317,3 +317,38 @@ def test_export_send_and_import_recv_share_the_memory_across_arenas():
     im.free(y)
     ex.free(x)
     assert im.stats().live_allocations == 0
+
+
+def test_a_block_pool_of_one_chunk_allocations_makes_no_driver_call_once_warm():
+    """An engine's paged KV pool over the arena (examples/block_pool.rs):
+    a block is a one-chunk allocation, its block-table entry the chunk's
+    number from the arena's base. Freed blocks' chunks stay mapped where
+    they lie, so a second wave needing no more blocks at once is served
+    with no driver call, from the same chunks; trim gives them back."""
+    a = arena(cap=64)
+    base, _ = a.va_range
+
+    def calls():
+        s = a.stats()
+        return s.driver_creates + s.driver_maps + s.driver_unmaps + s.driver_releases + s.driver_access_calls
+
+    def wave(blocks):
+        held = [a.alloc(K) for _ in range(blocks)]
+        for i, b in enumerate(held):
+            b.write(i.to_bytes(8, "little"))
+        chunks = {(b.ptr - base) // K for b in held}
+        assert all(b.ptr % K == base % K for b in held), "a block is a whole chunk"
+        for i, b in enumerate(held):
+            assert b.read(0, 8) == i.to_bytes(8, "little")
+        for b in held[::2] + held[1::2]:  # freed out of order
+            a.free(b)
+        return chunks
+
+    first = wave(40)
+    cold = calls()
+    assert a.stats().driver_creates == 40
+    second = wave(33)
+    assert calls() == cold, "a warm pool makes no driver call"
+    assert second <= first, "every block of the second wave is a chunk of the first"
+    assert a.trim(0) == 40 * K
+    assert a.stats().pooled_bytes == 0
