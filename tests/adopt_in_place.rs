@@ -10,7 +10,10 @@
 //! - a live allocation's cached reservation tail is its own growth's:
 //!   another allocation's growth takes a free range's cached chunks first;
 //! - a freed range that joined a longer free range is adopted before an
-//!   exact fit with nothing cached.
+//!   exact fit with nothing cached;
+//! - a block pool of one-chunk allocations (a paged engine's blocks read
+//!   through a block table) freed in any order serves later blocks from
+//!   the same chunks, where they lie.
 
 mod common;
 
@@ -148,5 +151,25 @@ fn a_freed_range_merged_into_a_longer_free_range_is_adopted_before_an_empty_exac
     let (_, ptr) = a.alloc_growable(4 * C, 16 * C).unwrap();
     assert_eq!(ptr, b_ptr, "placed where b's chunks lie, not in the empty exact fit");
     assert_eq!(driver_calls(&a.stats().unwrap()), before, "its 4 chunks adopted: no driver call");
+    Snap::of(&a).check_structure(a.va_range());
+}
+
+#[test]
+fn one_chunk_blocks_freed_in_any_order_are_taken_again_where_they_lie() {
+    let (_d, a) = stream_arena(16, 64);
+    let first: Vec<(vmm_arena::Id, u64)> = (0..12).map(|_| a.alloc(C).unwrap()).collect();
+    let mut chunks: Vec<u64> = first.iter().map(|&(_, p)| p).collect();
+    // Finished requests give their blocks back interleaved.
+    for &(id, _) in
+        first.iter().step_by(3).chain(first.iter().skip(1).step_by(3)).chain(first.iter().skip(2).step_by(3))
+    {
+        a.free(id).unwrap();
+    }
+    let before = driver_calls(&a.stats().unwrap());
+    let mut second: Vec<u64> = (0..12).map(|_| a.alloc(C).unwrap().1).collect();
+    assert_eq!(driver_calls(&a.stats().unwrap()), before, "every block adopted a mapped chunk");
+    chunks.sort_unstable();
+    second.sort_unstable();
+    assert_eq!(second, chunks, "the same chunks, where they lie");
     Snap::of(&a).check_structure(a.va_range());
 }
