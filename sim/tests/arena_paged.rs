@@ -19,8 +19,16 @@ const MIB: u64 = 1 << 20;
 /// 128 KiB to a 2 MiB chunk, as vLLM's blocks; max batch 8, whole
 /// prompts, prefix caching on), every request completed intact.
 fn replay_paged(name: &str, capacity: u64, requests: &[Request]) -> RunResult {
+    replay_warm(name, capacity, 0, requests)
+}
+
+/// [`replay_paged`] with `warm` bytes mapped at start-up for arena-paged.
+fn replay_warm(name: &str, capacity: u64, warm: u64, requests: &[Request]) -> RunResult {
     let shape = KvShape { kv_bytes_per_token: 128 << 10, layers: 32, layout: Layout::BlockInChunk, max_context: 8192 };
-    let arena = ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 8));
+    let arena = ArenaOptions {
+        paged_warm_bytes: warm,
+        ..ArenaOptions::new(capacity, managers::arena_reserve(shape, capacity, 8))
+    };
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 64 };
     let mut m = managers::build(name, shape, opts).expect("manager");
     let cfg = SchedConfig {
@@ -106,4 +114,29 @@ fn a_chunk_that_holds_no_whole_hash_tile_of_tokens_pads_to_a_power_of_two() {
     assert_eq!(managers::paged_block_tokens(20 * MIB, 320 << 10), Ok(64));
     assert_eq!(managers::paged_block_tokens(2 * MIB, 128 << 10), Ok(16));
     assert!(managers::paged_block_tokens(MIB, 2 * MIB).is_err());
+}
+
+#[test]
+fn a_start_up_pool_is_adopted_by_the_first_blocks_and_no_step_creates() {
+    let reqs = crowded();
+    let cold = replay_paged("arena-paged", 160 * MIB, &reqs);
+    let warm = replay_warm("arena-paged", 160 * MIB, 160 * MIB, &reqs);
+    let steps = |r: &RunResult| r.critical_calls.plus(&r.between_calls);
+    assert!(steps(&cold).create > 0, "cold, the steps create the chunks");
+    // Warm, the start-up pool (the capacity) serves every block: no step
+    // creates or maps a chunk, and its steps are charged no driver time.
+    let c = steps(&warm);
+    assert_eq!((c.create, c.map, c.set_access, c.unmap, c.release), (0, 0, 0, 0, 0), "{c:?}");
+    assert_eq!(warm.critical_path_alloc_s, 0.0);
+    assert_eq!(warm.peak_physical_bytes, 160 * MIB);
+    // The same decisions as vLLM's, whose pool is built at start-up too.
+    let v = replay_paged("vllm-paged", 160 * MIB, &reqs);
+    let decisions = |r: &RunResult| (r.preemptions, r.prefix_hit_tokens, r.recomputed_tokens, r.steps, r.output_tokens);
+    assert_eq!(decisions(&warm), decisions(&v));
+    // A pool smaller than the workload's peak: the first blocks adopt it,
+    // later ones are created; nothing is created twice.
+    let part = replay_warm("arena-paged", 160 * MIB, 32 * MIB, &reqs);
+    let p = steps(&part);
+    assert_eq!(p.create * 2 * MIB + 32 * MIB, part.peak_physical_bytes, "{p:?}");
+    assert!(p.create < steps(&cold).create);
 }

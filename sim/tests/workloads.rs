@@ -145,6 +145,7 @@ fn arena_prefix_cache_under_pressure_keeps_its_books_and_every_tag() {
         precreate_bytes: 0,
         map_ahead_bytes: 0,
         chunk_bytes: 0,
+        paged_warm_bytes: 0,
     };
     let cfg = SchedConfig {
         max_batch: 16,
@@ -312,6 +313,7 @@ fn run_shape(name: &str, s: KvShape, capacity: u64, requests: &[trace::Request])
         precreate_bytes: 0,
         map_ahead_bytes: 0,
         chunk_bytes: 0,
+        paged_warm_bytes: 0,
     };
     let opts = BuildOptions { arena, prefix_caching: true, max_tokens: 100 };
     let mut m = managers::build(name, s, opts).expect("manager");

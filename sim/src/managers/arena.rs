@@ -143,6 +143,11 @@ pub struct ArenaOptions {
     /// The arena's chunk size (0: the library's default, 2 MiB); larger
     /// ones are super-pages (`kv_serving --chunk-mib`).
     pub chunk_bytes: u64,
+    /// `arena-paged`'s start-up pool: bytes mapped before the first
+    /// request and kept pooled for blocks to adopt (`kv_serving
+    /// --paged-warm`). Start-up work, not charged to a step, as vLLM's pool
+    /// is built before serving; it is the arena's footprint while idle.
+    pub paged_warm_bytes: u64,
 }
 
 impl ArenaOptions {
@@ -158,6 +163,7 @@ impl ArenaOptions {
             precreate_bytes: DEFAULT_PRECREATE,
             map_ahead_bytes: DEFAULT_MAP_AHEAD,
             chunk_bytes: 0,
+            paged_warm_bytes: 0,
         }
     }
 

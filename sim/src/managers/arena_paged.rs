@@ -26,7 +26,12 @@
 //!   would unmap free cached chunks to keep its target, and every one of
 //!   them is a block a later request adopts with no call;
 //! - memory not used by live or cached KV stays with the arena (pooled,
-//!   mapped), where `trim` or the retain limit gives it back to the driver.
+//!   mapped), where `trim` or the retain limit gives it back to the driver;
+//! - with `--paged-warm W` the arena maps W bytes before the first request
+//!   and keeps them pooled (start-up work, not charged, as vLLM's pool is
+//!   built before serving): the first blocks adopt them instead of being
+//!   created in a step; by default (0) every chunk is created when first
+//!   needed.
 
 use super::paged::{BlockMemory, PagedMgr};
 use super::*;
@@ -64,6 +69,13 @@ impl ArenaPagedMgr {
     pub fn new(shape: KvShape, o: ArenaOptions, prefix_caching: bool) -> Result<ArenaPagedMgr, String> {
         // One-chunk allocations never move, whatever `no_implicit_moves`.
         let (arena, dev) = o.arena()?;
+        if o.paged_warm_bytes > 0 {
+            // The start-up pool: mapped once, freed, kept pooled (the
+            // arena retains all) where the first blocks adopt it.
+            let warm = o.paged_warm_bytes.min(o.capacity);
+            let (id, _) = arena.alloc(warm).map_err(|e| format!("arena-paged start-up pool of {warm} bytes: {e}"))?;
+            arena.free(id).map_err(|e| format!("arena-paged start-up pool: {e}"))?;
+        }
         let chunk = arena.chunk_bytes();
         let block_tokens = paged_block_tokens(chunk, shape.kv_bytes_per_token)?;
         let num_blocks = o.capacity / chunk;

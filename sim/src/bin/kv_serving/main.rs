@@ -125,6 +125,11 @@ struct Opts {
     /// The `arena` rows' prefetch: created, unmapped chunks kept pooled.
     #[arg(long, default_value = "8MiB", value_parser = parse_size)]
     precreate: u64,
+    /// `arena-paged`'s start-up pool: bytes mapped before the first request
+    /// and kept pooled for blocks to adopt (start-up work, not charged, as
+    /// vLLM's pool is built before serving; the arena's idle footprint).
+    #[arg(long, default_value = "0", value_parser = parse_size)]
+    paged_warm: u64,
     /// The `arena` rows' prefetch: bytes kept mapped past each KV tensor's
     /// size. At 0 (the default) the rows make the next step's decode growth
     /// between steps instead, where that leaves room for the step's
@@ -361,6 +366,7 @@ fn setup(o: &Opts) -> Setup {
         retain: o.retain,
         precreate_bytes: o.precreate,
         map_ahead_bytes: o.map_ahead,
+        paged_warm_bytes: o.paged_warm,
         ..ArenaOptions::new(o.capacity, reserve)
     };
     let max_tokens = o.max_tokens.unwrap_or_else(|| trace.requests.iter().map(|q| q.output).max().unwrap_or(1));
@@ -507,7 +513,8 @@ fn main() {
     }
     println!(
         "  managers  arena: {} chunks, virtual range {}, retain {}, prefix cache {}, prefetch {} created + {} mapped ahead per tensor (arena-sync: none); \
-         arena-paged: vLLM's block pool over the arena's chunks, {}-token blocks (a chunk each, read through a block table); \
+         arena-paged: vLLM's block pool over the arena's chunks, {}-token blocks (a chunk each, read through a block table), \
+         {} mapped at start-up; \
          vllm-paged: prefix caching {}; contiguous-max: room for {} output tokens",
         fmt_bytes(o.workload.chunk_bytes()),
         fmt_bytes(s.build.arena.reserve),
@@ -524,6 +531,7 @@ fn main() {
         fmt_bytes(o.map_ahead),
         managers::paged_block_tokens(o.workload.chunk_bytes(), s.shape.kv_bytes_per_token)
             .map_or_else(|e| format!("no ({e})"), |t| t.to_string()),
+        fmt_bytes(o.paged_warm),
         if s.build.prefix_caching { "on" } else { "off" },
         s.build.max_tokens
     );

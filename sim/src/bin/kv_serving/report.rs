@@ -167,6 +167,7 @@ pub(crate) fn to_json(results: &[RunResult], o: &Opts, s: &Setup) -> Value {
             "arena_reserve_bytes": s.build.arena.reserve,
             "arena_precreate_bytes": o.precreate,
             "arena_map_ahead_bytes": o.map_ahead,
+            "arena_paged_warm_bytes": o.paged_warm,
             "prefix_caching": s.build.prefix_caching,
             "contiguous_max_tokens": s.build.max_tokens,
             "profile": s.cfg.profile,
