@@ -288,6 +288,7 @@ fn arena_prefix_cache_shares_chunks_evicts_lru_and_cuts_chains() {
         precreate_bytes: 0,
         map_ahead_bytes: 0,
         chunk_bytes: 0,
+        paged_warm_bytes: 0,
     };
     let off = run_without_prefix_caching("arena", 128 << 10, arena, &reqs);
     assert_eq!((off.prefix_hit_tokens, off.integrity_errors), (0, 0));
