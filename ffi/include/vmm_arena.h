@@ -1435,9 +1435,24 @@ enum vmm_arena_status vmm_arena_kv_token_offset(const struct vmm_arena_kv_geomet
                                                 uint64_t *out_offset);
 
 /**
+ * The arena's virtual range: *out_base receives its base address (chunk
+ * n of a block table starts at base + n × chunk_bytes) and *out_bytes its
+ * size (either may be NULL). Both are fixed for the arena's life, so an
+ * engine reads them once: the block-table entry of a one-chunk allocation
+ * at ptr is (ptr − base) / chunk_bytes.
+ *
+ * # Safety
+ * `arena` is NULL or a live handle; `out_base` and `out_bytes` are NULL or
+ * writable.
+ */
+enum vmm_arena_status vmm_arena_va_range(struct vmm_arena *arena,
+                                         uint64_t *out_base,
+                                         uint64_t *out_bytes);
+
+/**
  * The block table of allocation `id`: its chunk numbers in order, counted
  * from the arena's base (chunk n starts at base + n × chunk_bytes; the
- * base is vmm_arena_snapshot_json's "base"), each at most INT32_MAX, the
+ * base is vmm_arena_va_range's), each at most INT32_MAX, the
  * int32 entries paged attention kernels take. If cap is at least their
  * count, writes them into blocks; else (blocks may then be NULL) writes
  * nothing. Either way *out_count receives the count, and the status is OK.

@@ -5,7 +5,7 @@
 use arena::layout::{BlockTable, ChunkLayout, KvGeometry};
 use arena::Error;
 
-use crate::boundary::{boundary, handle, id_arg, invalid, put, required, with_raw_id};
+use crate::boundary::{boundary, handle, id_arg, invalid, optional, put, required, with_raw_id};
 use crate::{vmm_arena, vmm_arena_id, vmm_arena_status};
 
 /// A model's KV cache shape: per token, every layer's key row and value
@@ -141,9 +141,42 @@ pub unsafe extern "C" fn vmm_arena_kv_token_offset(
     })
 }
 
+/// The arena's virtual range: *out_base receives its base address (chunk
+/// n of a block table starts at base + n × chunk_bytes) and *out_bytes its
+/// size (either may be NULL). Both are fixed for the arena's life, so an
+/// engine reads them once: the block-table entry of a one-chunk allocation
+/// at ptr is (ptr − base) / chunk_bytes.
+///
+/// # Safety
+/// `arena` is NULL or a live handle; `out_base` and `out_bytes` are NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn vmm_arena_va_range(
+    arena: *mut vmm_arena,
+    out_base: *mut u64,
+    out_bytes: *mut u64,
+) -> vmm_arena_status {
+    boundary("vmm_arena_va_range", arena, || {
+        // SAFETY: per this function's contract.
+        let h = unsafe { handle(arena) }?;
+        let base = optional(out_base, "out_base")?;
+        let bytes = optional(out_bytes, "out_bytes")?;
+        let (b, n) = h.live()?.va_range();
+        if let Some(p) = base {
+            // SAFETY: a checked out-parameter, writable per this function's contract.
+            unsafe { put(p, b) };
+        }
+        if let Some(p) = bytes {
+            // SAFETY: a checked out-parameter, writable per this function's contract.
+            unsafe { put(p, n) };
+        }
+        Ok(())
+    })
+}
+
 /// The block table of allocation `id`: its chunk numbers in order, counted
 /// from the arena's base (chunk n starts at base + n × chunk_bytes; the
-/// base is vmm_arena_snapshot_json's "base"), each at most INT32_MAX, the
+/// base is vmm_arena_va_range's), each at most INT32_MAX, the
 /// int32 entries paged attention kernels take. If cap is at least their
 /// count, writes them into blocks; else (blocks may then be NULL) writes
 /// nothing. Either way *out_count receives the count, and the status is OK.

@@ -53,8 +53,9 @@ fn generated_header_parses_to_the_whole_api() {
     // quiesce_on_stream, unquiesce, 13 of the device groups, 12 of export,
     // import and DMA-BUFs, 5 of two-phase operations, 2 of tagged allocation, 2 stream-ordered
     // allocations, 1 of admission map-ahead, 3 of the KV layout, 2 of the
-    // backup cache, 1 reading a sleeper's backup.
-    assert_eq!(functions, 23 + 3 + 4 + 13 + 12 + 5 + 2 + 2 + 1 + 3 + 2 + 1, "{items:#?}");
+    // backup cache, 1 reading a sleeper's backup, 1 giving the virtual
+    // range (a block table's base).
+    assert_eq!(functions, 23 + 3 + 4 + 13 + 12 + 5 + 2 + 2 + 1 + 3 + 2 + 1 + 1, "{items:#?}");
     // The testing hooks are not part of the header.
     assert!(items.keys().all(|k| !k.contains("testing")), "{:?}", items.keys());
     match &items["vmm_arena_stats"].decl {
@@ -186,6 +187,7 @@ const PROJECT_ONLY: &[&str] = &[
     "vmm_arena_kv_layout_get",
     "vmm_arena_kv_token_offset",
     "vmm_arena_block_table",
+    "vmm_arena_va_range",
     // Sleep backups kept across cycles.
     "vmm_arena_set_backup_cache",
     "vmm_arena_release_backup_cache",

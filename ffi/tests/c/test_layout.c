@@ -22,8 +22,9 @@ static vmm_arena_kv_layout layout_of(uint64_t chunk, uint64_t block_tokens) {
   return l;
 }
 
-static uint64_t base_of(vmm_arena *a) {
-  /* The base is the snapshot's "base" field. */
+/* The base from the snapshot's "base" field, to check vmm_arena_va_range
+ * against. */
+static uint64_t snapshot_base(vmm_arena *a) {
   size_t need = 0;
   OK(vmm_arena_snapshot_json(a, NULL, 0, &need));
   char *buf = malloc(need);
@@ -33,6 +34,13 @@ static uint64_t base_of(vmm_arena *a) {
   CHECK(at != NULL);
   uint64_t base = strtoull(at + 7, NULL, 10);
   free(buf);
+  return base;
+}
+
+static uint64_t base_of(vmm_arena *a) {
+  uint64_t base = 0, bytes = 0;
+  OK(vmm_arena_va_range(a, &base, &bytes));
+  CHECK(base == snapshot_base(a) && base != 0 && bytes > 0);
   return base;
 }
 
@@ -160,8 +168,62 @@ static void tables_follow_growth_and_moves(void) {
   vmm_arena_destroy(a);
 }
 
+/* An engine's paged block pool: a block is a one-chunk allocation, its
+ * block-table entry (ptr - base) / chunk. Freed blocks' chunks stay mapped
+ * where they lie, so a second wave needing no more blocks at once makes no
+ * driver call and takes the same chunks. */
+static void block_pool_of_one_chunk_allocations(void) {
+  vmm_arena_config c;
+  vmm_arena_config_default(&c);
+  c.backend = VMM_ARENA_BACKEND_HOST;
+  c.capacity_bytes = 32 * K;
+  c.reserve_bytes = 64 * K;
+  c.chunk_bytes = K;
+  vmm_arena *a = NULL;
+  OK(vmm_arena_create(&c, &a));
+  uint64_t base = 0, bytes = 0;
+  OK(vmm_arena_va_range(a, &base, NULL));
+  OK(vmm_arena_va_range(a, NULL, &bytes));
+  OK(vmm_arena_va_range(a, NULL, NULL));
+  CHECK(bytes == 64 * K);
+  EXPECT(vmm_arena_va_range(NULL, &base, &bytes), VMM_ARENA_ERR_INVALID_ARGUMENT);
+
+  enum { N = 20 };
+  vmm_arena_id ids[N];
+  uint64_t ptrs[N];
+  int seen[64] = {0};
+  for (int i = 0; i < N; i++) {
+    OK(vmm_arena_alloc(a, K, &ids[i], &ptrs[i]));
+    int32_t entry = -1;
+    size_t n = 0;
+    OK(vmm_arena_block_table(a, ids[i], &entry, 1, &n));
+    CHECK(n == 1 && (uint64_t)entry == (ptrs[i] - base) / K);
+    seen[entry] = 1;
+    *(uint64_t *)(uintptr_t)ptrs[i] = (uint64_t)i;
+  }
+  for (int i = 0; i < N; i += 2) OK(vmm_arena_free(a, ids[i])); /* out of order */
+  for (int i = 1; i < N; i += 2) OK(vmm_arena_free(a, ids[i]));
+  vmm_arena_stats before;
+  memset(&before, 0, sizeof before);
+  before.struct_size = sizeof before;
+  OK(vmm_arena_stats_get(a, &before));
+  for (int i = 0; i < N - 3; i++) {
+    OK(vmm_arena_alloc(a, K, &ids[i], &ptrs[i]));
+    CHECK(seen[(ptrs[i] - base) / K]);
+  }
+  vmm_arena_stats after;
+  memset(&after, 0, sizeof after);
+  after.struct_size = sizeof after;
+  OK(vmm_arena_stats_get(a, &after));
+  CHECK(after.driver_creates == before.driver_creates && after.driver_maps == before.driver_maps);
+  CHECK(after.driver_unmaps == before.driver_unmaps && after.driver_releases == before.driver_releases);
+  for (int i = 0; i < N - 3; i++) OK(vmm_arena_free(a, ids[i]));
+  vmm_arena_destroy(a);
+}
+
 int main(void) {
   layout_arithmetic();
   tables_follow_growth_and_moves();
+  block_pool_of_one_chunk_allocations();
   FINISH("test_layout");
 }
