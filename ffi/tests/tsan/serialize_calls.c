@@ -126,6 +126,7 @@ WRAP(vmm_arena_status, vmm_arena_kv_token_offset,
      (g, chunk, block_tokens, layer, value, token, out))
 WRAP(vmm_arena_status, vmm_arena_block_table,
      (vmm_arena * a, vmm_arena_id id, int32_t *blocks, size_t cap, size_t *count), (a, id, blocks, cap, count))
+WRAP(vmm_arena_status, vmm_arena_va_range, (vmm_arena * a, uint64_t *base, uint64_t *bytes), (a, base, bytes))
 WRAP(vmm_arena_status, vmm_arena_wake, (vmm_arena * a, uint32_t tag), (a, tag))
 WRAP(vmm_arena_status, vmm_arena_compact, (vmm_arena * a, vmm_arena_compact_report *r), (a, r))
 WRAP(vmm_arena_status, vmm_arena_release_retired, (vmm_arena * a), (a))
