@@ -28,6 +28,11 @@
 //!   through the raw pointer) until retired memory is released, which only
 //!   alloc, resize, compact and `release_retired` may do (`free` and `trim`
 //!   with any retain watermark never release a live allocation's old range);
+//! - adoption in place (host and mock): an allocation whose reservation
+//!   lies in a free range of cached chunks, and a growth within a
+//!   reservation whose tail is all cached chunks, make no driver call (but
+//!   the give-back of pooled memory left over the retain watermark by an
+//!   earlier failed one);
 //! - `compact` reports as moved allocations exactly the moves it made;
 //! - the move callback's events chain each moved allocation from its old
 //!   address to its new one, and their count is the `moves` stat's increase;
@@ -242,6 +247,8 @@ fn outcomes_are_reached() {
         "resize by moving",
         "resize small by copying",
         "alloc small ok",
+        "alloc adopted cached chunks in place",
+        "growth adopted its cached tail",
         "resize in place",
         "resize pinned",
         "resize out of address space",

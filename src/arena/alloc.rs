@@ -550,7 +550,10 @@ pub(super) fn best_fit_adopting(st: &State, free: &FreeRanges, reserved: u64, pa
         // aborted two-phase operation leaves different on one rank.
         return candidates.into_iter().min();
     }
-    let cached_at = |t: u64| st.cached.range(t..t + pages).count();
+    // A cached page another stream may still write is adopted only after
+    // a wait: it counts for nothing here.
+    let ready = |p: &&u64| st.busy_event(**p).is_none();
+    let cached_at = |t: u64| st.cached.range(t..t + pages).filter(ready).count();
     let mut best: Option<(usize, u64)> = None;
     for t in candidates {
         let n = cached_at(t);
@@ -565,7 +568,7 @@ pub(super) fn best_fit_adopting(st: &State, free: &FreeRanges, reserved: u64, pa
         if len < reserved {
             continue;
         }
-        let Some(&first) = st.cached.range(start..start + len).next() else { continue };
+        let Some(&first) = st.cached.range(start..start + len).find(ready) else { continue };
         let t = first.min(start + len - reserved);
         let n = cached_at(t);
         if best.map_or(true, |(b, _)| n > b) {

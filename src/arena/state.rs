@@ -325,6 +325,21 @@ impl State {
         self.cached.len() as u64 + self.pool.len() as u64
     }
 
+    /// The event whose stream may still be writing cached page `p`, for a
+    /// new owner: a page in a free range (outside every reservation: a
+    /// tail is its owner's, who orders its own work) that a stream-ordered
+    /// shrink left (or a quiesced allocation gave up) before that event
+    /// was seen complete, unless the event is on the stream of the
+    /// operation under way (whose new work is ordered after it). A new
+    /// owner adopting the page in place waits for the event first, as
+    /// unmapping it elsewhere synchronizes first.
+    pub fn busy_event(&self, p: u64) -> Option<u64> {
+        let &event = self.pending_idle.get(&p)?;
+        self.free.containing(p)?;
+        let stream = self.pending.iter().find(|e| e.event == event)?.stream;
+        (Some(stream) != self.reuse.op_stream).then_some(event)
+    }
+
     /// Whether the page lies in a retired range.
     pub fn is_retired(&self, p: u64) -> bool {
         self.retired.range(..=p).next_back().is_some_and(|(&s, &l)| p < s + l)
@@ -558,6 +573,9 @@ pub(crate) struct Plan {
     maps: Vec<(u64, Source)>,
     /// Cached pages adopted where they are.
     adopt: Vec<u64>,
+    /// Events to wait for before adopting: those of adopted pages whose
+    /// last user's stream may still write them (`State::busy_event`).
+    wait: Vec<u64>,
     /// Chunks taken by same-stream reuse, and deferred pages to unmap.
     reuse: Taken,
     // Filled in by `execute`.
@@ -627,7 +645,12 @@ impl Plan {
                         }
                         plan.maps.push((p, Source::Known(h)));
                     }
-                    None if cached_here => plan.adopt.push(p),
+                    None if cached_here => {
+                        if let Some(e) = st.busy_event(p).filter(|e| !plan.wait.contains(e)) {
+                            plan.wait.push(e);
+                        }
+                        plan.adopt.push(p);
+                    }
                     None => {
                         plan.maps.push((p, Source::Fresh));
                         fresh_needed += 1;
@@ -720,6 +743,9 @@ impl Plan {
     /// Performs the plan's driver calls. On error the caller rolls `tx` back;
     /// the state is untouched either way.
     pub fn execute(&mut self, st: &State, tx: &mut Txn<'_>) -> Result<()> {
+        for &event in &self.wait {
+            tx.wait_event(event)?;
+        }
         stream_reuse::execute_evictions(st, &self.reuse, tx)?;
         for run in runs(&self.unmap) {
             // Idle pages need no synchronize; a run is unmapped in pieces

@@ -100,6 +100,14 @@ impl<'a> Txn<'a> {
         Ok(())
     }
 
+    /// Waits for a stream event (nothing to undo: waiting changes nothing
+    /// of the arena's).
+    pub fn wait_event(&mut self, event: u64) -> Result<()> {
+        self.drv.wait_event(event)?;
+        bump(&self.counts.event_waits);
+        Ok(())
+    }
+
     pub fn create(&mut self) -> Result<ChunkHandle> {
         let h = self.drv.create(self.chunk)?;
         bump(&self.counts.creates);

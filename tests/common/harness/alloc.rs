@@ -6,7 +6,7 @@ use vmm_arena::{Error, Status};
 use super::super::common::Stamps;
 use super::fault::Faulted;
 use super::model::Model;
-use super::{count, Harness};
+use super::{adoption_calls, count, Harness};
 
 impl Harness {
     /// `tag`: made with `alloc_tagged` (fixed-size only here).
@@ -15,6 +15,9 @@ impl Harness {
         // Pages the request needs at most (a small one: a new slab).
         let (np, nr) = if small { (1, 1) } else { (self.pages(size), self.pages(max)) };
         let obtainable = self.obtainable();
+        // Adoption in place is judged only where no failure is planned.
+        let (clean, over) = (self.fault.is_none(), self.over_watermark());
+        let calls0 = adoption_calls(&self.snap, over);
         let (r, f) = self.call("alloc", false, |a| match (growable, tag) {
             (true, _) => a.alloc_growable(size, max),
             (false, Some(t)) => a.alloc_tagged(size, t),
@@ -52,10 +55,19 @@ impl Harness {
                 };
                 assert!(self.live.insert(id, m).is_none(), "id {id} issued twice");
                 assert!(!self.freed.contains(&id), "id {id} reused");
+                // A reservation inside a free range of cached chunks takes
+                // them where they lie: no driver call at all.
+                let reserved = self.arena.query(id).unwrap().reserved_bytes;
+                let adopts = clean && !small && self.cached_free_covers(ptr, reserved);
                 self.restamp(id, 0, size);
                 let moved_others = if self.cfg.no_implicit_moves { vec![] } else { self.movable_ids() };
                 self.ran_ok();
                 self.check("alloc", &moved_others);
+                if adopts {
+                    count("alloc adopted cached chunks in place");
+                    let calls = adoption_calls(&self.snap, over);
+                    assert_eq!(calls, calls0, "alloc of {reserved} bytes at {ptr:#x} over cached chunks called the driver (creates, maps, unmaps, releases, access calls, syncs)");
+                }
             }
             Err(e) => {
                 count(match e.status() {

@@ -54,6 +54,11 @@
 //!   allocation maps stays and is mapped again as it is now; sleepers that
 //!   shared share again, each byte from the one that slept last with a
 //!   backup covering it);
+//! - adoption in place (host and mock): an allocation whose reservation
+//!   lies in a free range of cached chunks, and a growth within a
+//!   reservation whose tail is all cached chunks, take them where they lie
+//!   with no driver call (but the give-back of pooled memory over the
+//!   retain watermark after an earlier failed one);
 //! - two-phase operations (`two_phase.rs`): after a successful prepare and
 //!   no other call on its allocation, commit and abort succeed (whatever
 //!   driver call fails); after one, they return `Stale` and change nothing;
@@ -93,7 +98,7 @@ mod two_phase;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use super::common::Snap;
+use super::common::{Kind, Snap};
 use vmm_arena::driver::fault::{FaultDriver, FaultKind};
 use vmm_arena::driver::host::HostDriver;
 use vmm_arena::driver::mock::MockDriver;
@@ -167,6 +172,25 @@ pub struct Harness {
     quiesces: u64,
     /// Prepared two-phase operations not yet committed or aborted.
     pending: Vec<two_phase::Pending>,
+}
+
+/// The driver calls an adoption in place makes none of, from a
+/// snapshot's stats: creates, maps, unmaps, releases, access calls and
+/// synchronizes. With pooled memory `over` the retain watermark (a
+/// give-back that failed earlier), the operation gives the excess back
+/// (unmaps, releases, a synchronize): then only creates, maps and access
+/// calls are counted (the others read 0).
+fn adoption_calls(snap: &Snap, over: bool) -> [u64; 6] {
+    let s = &snap.stats;
+    let giving_back = |name: &str| if over { 0 } else { s[name] };
+    [
+        s["driver_creates"],
+        s["driver_maps"],
+        giving_back("driver_unmaps"),
+        giving_back("driver_releases"),
+        s["driver_access_calls"],
+        giving_back("driver_syncs"),
+    ]
 }
 
 impl Harness {
@@ -258,6 +282,26 @@ impl Harness {
     /// the slabs of retired small objects only), before the op.
     fn obtainable(&self) -> u64 {
         self.cfg.cap_pages - self.snap.stats["mapped_bytes"] / self.c
+    }
+
+    /// Whether `addr..addr + bytes` lies in one free range of the last
+    /// snapshot whose pages all hold a cached chunk, where an allocation
+    /// must adopt them in place. Only where no stream event can leave a
+    /// cached chunk pending (the host and the mock).
+    fn cached_free_covers(&self, addr: u64, bytes: u64) -> bool {
+        self.backend != Backend::Cuda
+            && self.snap.ranges.iter().any(|r| {
+                r.kind == Kind::Free
+                    && r.pooled_mapped_bytes == r.bytes
+                    && r.addr <= addr
+                    && addr + bytes <= r.addr + r.bytes
+            })
+    }
+
+    /// Whether pooled memory is over the retain watermark now (its last
+    /// give-back failed): the next operation gives the excess back.
+    fn over_watermark(&self) -> bool {
+        self.cfg.retain_pages.is_some_and(|p| self.snap.stats["pooled_bytes"] > p * self.c)
     }
 
     /// An operation that applies the retain watermark succeeded: the

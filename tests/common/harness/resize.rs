@@ -6,7 +6,7 @@ use vmm_arena::{Arena, Error, Id, Status};
 
 use super::super::common::Growth;
 use super::fault::Faulted;
-use super::{count, Backend, Harness};
+use super::{adoption_calls, count, Backend, Harness};
 
 impl Harness {
     /// `resize`, or `resize_on_stream` on `stream`: the same model.
@@ -59,6 +59,20 @@ impl Harness {
             growth = Some(g);
             (g.must_move(), np.saturating_sub(backed), np, false)
         };
+        // Growth within a reservation whose tail holds a cached chunk on
+        // every page adopts them where they lie (judged where no failure
+        // is planned).
+        let tail_cached = !small
+            && new_size > old_size
+            && self.fault.is_none()
+            && self.backend != Backend::Cuda
+            && self.snap.live().any(|r| {
+                r.id == id.get()
+                    && r.mapped_bytes + r.pooled_mapped_bytes == r.bytes
+                    && self.pages(new_size) * self.c <= r.bytes
+            });
+        let over = self.over_watermark();
+        let calls0 = adoption_calls(&self.snap, over);
         self.resized = Some((id, old_size));
         let (r, f) = self.call(what, false, call);
         if let Faulted::RolledBack = f {
@@ -119,6 +133,15 @@ impl Harness {
                 let moved = if others_may_move { moved } else { vec![] };
                 self.ran_ok();
                 self.check(what, &moved);
+                if tail_cached {
+                    count("growth adopted its cached tail");
+                    assert_eq!(ptr, old_ptr, "{what}: growth into a cached tail moved");
+                    assert_eq!(
+                        adoption_calls(&self.snap, over),
+                        calls0,
+                        "{what}: growth of {id} into its cached tail called the driver"
+                    );
+                }
                 if idle_checked {
                     let want = if quiesced { dropped_alone * self.c } else { 0 };
                     let now = self.snap.stats["idle_cached_bytes"];
