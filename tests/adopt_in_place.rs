@@ -18,15 +18,9 @@
 mod common;
 
 use common::fixtures::{stream_arena, STREAM_CHUNK};
-use common::Snap;
-use vmm_arena::Stats;
+use common::{driver_calls, Snap};
 
 const C: u64 = STREAM_CHUNK;
-
-/// Creates, maps, unmaps, releases, access calls and synchronizes.
-fn driver_calls(s: &Stats) -> [u64; 6] {
-    [s.driver_creates, s.driver_maps, s.driver_unmaps, s.driver_releases, s.driver_access_calls, s.driver_syncs]
-}
 
 #[test]
 fn a_range_freed_on_the_stream_is_adopted_whole_once_its_event_completes() {

@@ -23,13 +23,14 @@ mod common;
 
 use std::sync::Arc;
 
-use common::fixtures::{stream_arena, STREAM_CHUNK};
-use common::{Kind, Snap};
+use common::fixtures::{faulty_stream_arena, stream_arena, STREAM_CHUNK};
+use common::{driver_calls, Snap};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
+use vmm_arena::driver::fault::FaultKind;
 use vmm_arena::driver::mock::MockDriver;
-use vmm_arena::driver::Driver;
-use vmm_arena::{Arena, Id, Stats};
+use vmm_arena::driver::{CallKind, Driver};
+use vmm_arena::{Arena, Error, Id};
 
 const C: u64 = STREAM_CHUNK;
 
@@ -291,19 +292,6 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     run_with(ops, false).map(|_| ())
 }
 
-/// Whether `addr..addr + bytes` lies in one free range of `snap` whose
-/// every page holds a cached chunk.
-fn over_cached_free(snap: &Snap, addr: u64, bytes: u64) -> bool {
-    snap.ranges.iter().any(|r| {
-        r.kind == Kind::Free && r.pooled_mapped_bytes == r.bytes && r.addr <= addr && addr + bytes <= r.addr + r.bytes
-    })
-}
-
-/// Creates, maps, unmaps, releases, access calls and synchronizes.
-fn driver_calls(s: &Stats) -> [u64; 6] {
-    [s.driver_creates, s.driver_maps, s.driver_unmaps, s.driver_releases, s.driver_access_calls, s.driver_syncs]
-}
-
 /// [`run`], with the rule broken when `broken`; the number of
 /// allocations that adopted cached chunks where they lay (each checked to
 /// make no driver call).
@@ -329,7 +317,7 @@ fn run_with(ops: Vec<Op>, broken: bool) -> Result<u64, TestCaseError> {
                     // its event pending, is taken after waiting for it: the
                     // byte checks below hold that to account.)
                     let reserved = a.query(id).unwrap().reserved_bytes;
-                    if over_cached_free(&before, ptr, reserved) {
+                    if before.cached_free_covers(ptr, reserved) {
                         adopted += 1;
                         prop_assert_eq!(
                             driver_calls(&a.stats().unwrap()),
@@ -484,4 +472,33 @@ fn a_page_another_streams_shrink_left_is_adopted_after_its_event_and_on_its_stre
         a.free(x).unwrap();
         a.free(y).unwrap();
     }
+}
+
+#[test]
+fn a_failed_wait_before_adopting_a_busy_page_leaves_the_arena_as_it_was() {
+    // As above, from stream 2: the adoption's wait for stream 1's shrink
+    // event fails (each event call in turn: a failed poll reads as "not
+    // complete" and is absorbed; the failed wait fails the allocation).
+    let mut failed = 0;
+    for n in 1..=4 {
+        let (d, a) = faulty_stream_arena(2, 64);
+        let (x, _) = a.alloc_on_stream(C, 1).unwrap();
+        a.resize_on_stream(x, 2 * C, 1).unwrap();
+        a.resize_on_stream(x, C, 1).unwrap();
+        let before = Snap::of(&a).without_driver_counters();
+        d.fail_nth(Some(CallKind::Event), n, FaultKind::Driver);
+        match a.alloc_on_stream(C, 2) {
+            Ok((y, _)) => a.free(y).unwrap(),
+            Err(e) => {
+                failed += 1;
+                assert!(matches!(e, Error::Driver { .. }), "{e}");
+                assert_eq!(Snap::of(&a).without_driver_counters(), before, "nothing changed");
+                d.clear();
+                a.alloc_on_stream(C, 2).unwrap();
+                assert_eq!(a.stats().unwrap().event_waits, 1, "the retry waits and adopts");
+            }
+        }
+        Snap::of(&a).check_structure(a.va_range());
+    }
+    assert!(failed > 0, "no event call of the adoption failed it");
 }

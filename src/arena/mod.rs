@@ -43,6 +43,7 @@ mod group_undo;
 mod holds;
 mod moves;
 mod page_table;
+mod plan;
 mod pool;
 mod prefetch;
 mod quiesce;

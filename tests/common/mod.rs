@@ -324,6 +324,12 @@ impl Stamps {
     }
 }
 
+/// Driver calls from the stats: creates, maps, unmaps, releases, access
+/// calls and synchronizes.
+pub fn driver_calls(s: &Stats) -> [u64; 6] {
+    [s.driver_creates, s.driver_maps, s.driver_unmaps, s.driver_releases, s.driver_access_calls, s.driver_syncs]
+}
+
 /// Every byte of an allocation; nothing for a sleeping one (its bytes
 /// cannot be read until it wakes).
 pub fn read_all(arena: &Arena, id: Id) -> Vec<u8> {

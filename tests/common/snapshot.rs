@@ -190,6 +190,17 @@ impl Snap {
         self.ranges.iter().filter(|r| r.kind == Kind::Slab)
     }
 
+    /// Whether `addr..addr + bytes` lies in one free range whose pages all
+    /// hold a cached chunk: an allocation placed there adopts them in place.
+    pub fn cached_free_covers(&self, addr: u64, bytes: u64) -> bool {
+        self.ranges.iter().any(|r| {
+            r.kind == Kind::Free
+                && r.pooled_mapped_bytes == r.bytes
+                && r.addr <= addr
+                && addr + bytes <= r.addr + r.bytes
+        })
+    }
+
     /// The slab containing `addr`, if any.
     pub fn slab_at(&self, addr: u64) -> Option<&Range> {
         self.slabs().find(|r| r.addr <= addr && addr < r.addr + r.bytes)

@@ -98,7 +98,7 @@ mod two_phase;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use super::common::{Kind, Snap};
+use super::common::Snap;
 use vmm_arena::driver::fault::{FaultDriver, FaultKind};
 use vmm_arena::driver::host::HostDriver;
 use vmm_arena::driver::mock::MockDriver;
@@ -289,13 +289,7 @@ impl Harness {
     /// must adopt them in place. Only where no stream event can leave a
     /// cached chunk pending (the host and the mock).
     fn cached_free_covers(&self, addr: u64, bytes: u64) -> bool {
-        self.backend != Backend::Cuda
-            && self.snap.ranges.iter().any(|r| {
-                r.kind == Kind::Free
-                    && r.pooled_mapped_bytes == r.bytes
-                    && r.addr <= addr
-                    && addr + bytes <= r.addr + r.bytes
-            })
+        self.backend != Backend::Cuda && self.snap.cached_free_covers(addr, bytes)
     }
 
     /// Whether pooled memory is over the retain watermark now (its last
